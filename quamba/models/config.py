@@ -1,0 +1,178 @@
+"""Mamba1 model configuration, and conversion from the two Hub config layouts."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+
+class ConfigError(ValueError):
+    """A model configuration that quamba cannot build."""
+
+
+@dataclass
+class MambaConfig:
+    """Shape and numerics of a Mamba1 language model (names follow mamba_ssm)."""
+
+    d_model: int = 768
+    n_layer: int = 24
+    vocab_size: int = 50277
+    d_state: int = 16
+    d_conv: int = 4
+    expand: int = 2
+    dt_rank: int = 0  # 0 means "auto": ceil(d_model / 16)
+    conv_bias: bool = True
+    bias: bool = False  # bias of in_proj and out_proj
+    norm_epsilon: float = 1e-5
+    residual_in_fp32: bool = True
+    pad_vocab_size_multiple: int = 8
+    tie_embeddings: bool = True
+    bos_token_id: int = 0
+    eos_token_id: int = 0
+    pad_token_id: int = 0
+
+    def __post_init__(self):
+        if self.dt_rank in (0, "auto", None):
+            self.dt_rank = math.ceil(self.d_model / 16)
+        for name in ("d_model", "n_layer", "vocab_size", "d_state", "d_conv", "expand", "dt_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"config field {name} must be a positive integer, got {value!r}")
+
+    @property
+    def d_inner(self) -> int:
+        return self.expand * self.d_model
+
+    @property
+    def padded_vocab_size(self) -> int:
+        multiple = max(1, self.pad_vocab_size_multiple)
+        return -(-self.vocab_size // multiple) * multiple
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "MambaConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in values.items() if k in known})
+
+    # --- Hub layouts -------------------------------------------------------------------------
+
+    @classmethod
+    def from_mamba_ssm(cls, cfg: dict) -> "MambaConfig":
+        """From a mamba_ssm config.json (state-spaces/mamba-130m)."""
+        ssm_cfg = dict(cfg.get("ssm_cfg") or {})
+        layer = ssm_cfg.pop("layer", "Mamba1")
+        if layer != "Mamba1":
+            raise ConfigError(f"ssm_cfg.layer is {layer!r}; only Mamba1 models are supported")
+        if cfg.get("attn_layer_idx"):
+            raise ConfigError("hybrid models with attention layers (attn_layer_idx) are not supported")
+        if cfg.get("d_intermediate", 0):
+            raise ConfigError("models with MLP layers (d_intermediate > 0) are not supported")
+        if not cfg.get("rms_norm", True):
+            raise ConfigError("rms_norm is false (LayerNorm blocks); only RMSNorm models are supported")
+        return cls(
+            d_model=cfg["d_model"],
+            n_layer=cfg["n_layer"],
+            vocab_size=cfg["vocab_size"],
+            d_state=ssm_cfg.get("d_state", 16),
+            d_conv=ssm_cfg.get("d_conv", 4),
+            expand=ssm_cfg.get("expand", 2),
+            dt_rank=ssm_cfg.get("dt_rank", 0),
+            conv_bias=ssm_cfg.get("conv_bias", True),
+            bias=ssm_cfg.get("bias", False),
+            residual_in_fp32=cfg.get("residual_in_fp32", True),
+            pad_vocab_size_multiple=cfg.get("pad_vocab_size_multiple", 8),
+            tie_embeddings=cfg.get("tie_embeddings", True),
+        )
+
+    @classmethod
+    def from_transformers(cls, cfg: dict) -> "MambaConfig":
+        """From a transformers MambaConfig config.json (state-spaces/mamba-130m-hf)."""
+        if cfg.get("model_type", "mamba") != "mamba":
+            raise ConfigError(f"model_type is {cfg.get('model_type')!r}; only 'mamba' is supported")
+        hidden = cfg["hidden_size"]
+        expand = cfg.get("expand", 2)
+        intermediate = cfg.get("intermediate_size", expand * hidden)
+        if intermediate != expand * hidden:
+            raise ConfigError(f"intermediate_size {intermediate} is not expand * hidden_size")
+        return cls(
+            d_model=hidden,
+            n_layer=cfg["num_hidden_layers"],
+            vocab_size=cfg["vocab_size"],
+            d_state=cfg.get("state_size", 16),
+            d_conv=cfg.get("conv_kernel", 4),
+            expand=expand,
+            dt_rank=cfg.get("time_step_rank", 0),
+            conv_bias=cfg.get("use_conv_bias", True),
+            bias=cfg.get("use_bias", False),
+            norm_epsilon=cfg.get("layer_norm_epsilon", 1e-5),
+            residual_in_fp32=cfg.get("residual_in_fp32", True),
+            pad_vocab_size_multiple=1,
+            tie_embeddings=cfg.get("tie_word_embeddings", True),
+            bos_token_id=_first_id(cfg.get("bos_token_id"), 0),
+            eos_token_id=_first_id(cfg.get("eos_token_id"), 0),
+            pad_token_id=_first_id(cfg.get("pad_token_id"), 0),
+        )
+
+    def to_transformers(self) -> dict:
+        """The transformers MambaConfig fields of this model (vocabulary already padded)."""
+        return {
+            "model_type": "mamba",
+            "architectures": ["MambaForCausalLM"],
+            "vocab_size": self.padded_vocab_size,
+            "hidden_size": self.d_model,
+            "intermediate_size": self.d_inner,
+            "state_size": self.d_state,
+            "num_hidden_layers": self.n_layer,
+            "conv_kernel": self.d_conv,
+            "expand": self.expand,
+            "time_step_rank": self.dt_rank,
+            "use_bias": self.bias,
+            "use_conv_bias": self.conv_bias,
+            "layer_norm_epsilon": self.norm_epsilon,
+            "residual_in_fp32": self.residual_in_fp32,
+            "tie_word_embeddings": self.tie_embeddings,
+            "hidden_act": "silu",
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+            "pad_token_id": self.pad_token_id,
+        }
+
+    def to_mamba_ssm(self) -> dict:
+        """The mamba_ssm config.json fields of this model."""
+        return {
+            "d_model": self.d_model,
+            "n_layer": self.n_layer,
+            "vocab_size": self.vocab_size,
+            "ssm_cfg": {"d_state": self.d_state, "d_conv": self.d_conv, "expand": self.expand,
+                        "dt_rank": self.dt_rank},
+            "rms_norm": True,
+            "residual_in_fp32": self.residual_in_fp32,
+            "fused_add_norm": True,
+            "pad_vocab_size_multiple": self.pad_vocab_size_multiple,
+            "tie_embeddings": self.tie_embeddings,
+        }
+
+
+def _first_id(value, default: int) -> int:
+    if isinstance(value, list):
+        value = value[0] if value else None
+    return default if value is None else int(value)
+
+
+# Shapes of the published state-spaces/mamba-* models, for benchmarks and tests with random
+# weights (vocab_size is the unpadded GPT-NeoX size; the embedding has 50280 rows).
+PRESETS = {
+    "130m": dict(d_model=768, n_layer=24),
+    "370m": dict(d_model=1024, n_layer=48),
+    "790m": dict(d_model=1536, n_layer=48),
+    "1.4b": dict(d_model=2048, n_layer=48),
+    "2.8b": dict(d_model=2560, n_layer=64),
+}
+
+
+def preset_config(name: str) -> MambaConfig:
+    if name not in PRESETS:
+        raise ConfigError(f"unknown model size {name!r}; choose one of {', '.join(PRESETS)}")
+    return MambaConfig(vocab_size=50277, **PRESETS[name])

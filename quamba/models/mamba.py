@@ -1,0 +1,252 @@
+"""A Mamba1 language model in plain PyTorch (parameter names as in mamba_ssm).
+
+The model is a stack of ``Block(norm, mixer)``. Quantization replaces a block's norm and mixer with
+quantized modules that honour the same two small interfaces:
+
+* norm: ``norm(hidden, residual) -> (normed, residual)``
+* mixer: ``mixer(h, state=None, step=False) -> out`` and ``mixer.allocate_state(batch, device)``
+
+so the model, the cache and ``generate`` work unchanged on FP and quantized blocks.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from quamba.models.config import MambaConfig
+from quamba.ops.causal_conv1d import causal_conv1d, causal_conv1d_update, conv_state_from_prefill
+from quamba.ops.selective_scan import selective_scan, selective_state_update
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm with the residual add in front, as mamba_ssm's fused add-norm.
+
+    ``forward(hidden, residual)`` returns ``(normed, residual_out)`` where
+    residual_out = hidden + residual (fp32 if ``residual_in_fp32``) and
+    normed = weight * residual_out / rms(residual_out), computed in fp32, in hidden's dtype.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-5, residual_in_fp32: bool = True, device=None,
+                 dtype=None):
+        super().__init__()
+        self.eps = eps
+        self.residual_in_fp32 = residual_in_fp32
+        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
+
+    def forward(self, hidden, residual=None):
+        out_dtype = hidden.dtype
+        residual = hidden.float() if residual is None else hidden.float() + residual.float()
+        normed = residual * torch.rsqrt(residual.pow(2).mean(-1, keepdim=True) + self.eps)
+        normed = (normed * self.weight.float()).to(out_dtype)
+        return normed, (residual if self.residual_in_fp32 else residual.to(out_dtype))
+
+
+@dataclass
+class MixerState:
+    """Decode state of one FP mixer: the last conv inputs and the SSM state."""
+
+    conv: torch.Tensor  # [batch, d_inner, d_conv - 1], model dtype
+    ssm: torch.Tensor  # [batch, d_inner, d_state], fp32
+
+
+class MambaMixer(nn.Module):
+    """The Mamba1 mixer: in_proj → causal conv1d + SiLU → x_proj → dt_proj → selective scan →
+    out_proj. ``online_hadamard`` (set by the rotation pass) rotates y before out_proj."""
+
+    def __init__(self, config: MambaConfig, device=None, dtype=None):
+        super().__init__()
+        kw = dict(device=device, dtype=dtype)
+        d_inner, self.d_state, self.d_conv = config.d_inner, config.d_state, config.d_conv
+        self.d_inner, self.dt_rank = d_inner, config.dt_rank
+        self.in_proj = nn.Linear(config.d_model, 2 * d_inner, bias=config.bias, **kw)
+        self.conv1d = nn.Conv1d(d_inner, d_inner, config.d_conv, groups=d_inner,
+                                padding=config.d_conv - 1, bias=config.conv_bias, **kw)
+        self.x_proj = nn.Linear(d_inner, config.dt_rank + 2 * config.d_state, bias=False, **kw)
+        self.dt_proj = nn.Linear(config.dt_rank, d_inner, bias=True, **kw)
+        # SSM parameters stay fp32 whatever the model dtype, as in mamba_ssm.
+        self.A_log = nn.Parameter(torch.empty(d_inner, config.d_state, device=device))
+        self.D = nn.Parameter(torch.empty(d_inner, device=device))
+        self.out_proj = nn.Linear(d_inner, config.d_model, bias=config.bias, **kw)
+        self.online_hadamard = nn.Identity()
+
+    def allocate_state(self, batch_size: int, device=None) -> MixerState:
+        device = device or self.in_proj.weight.device
+        return MixerState(
+            conv=torch.zeros(batch_size, self.d_inner, self.d_conv - 1, device=device,
+                             dtype=self.conv1d.weight.dtype),
+            ssm=torch.zeros(batch_size, self.d_inner, self.d_state, device=device),
+        )
+
+    def _ssm_params(self, x_dbl):
+        dt_low, B, C = torch.split(x_dbl, [self.dt_rank, self.d_state, self.d_state], dim=-1)
+        dt = F.linear(dt_low, self.dt_proj.weight)  # bias is added inside the scan
+        return dt, B, C
+
+    def forward(self, h, state: MixerState | None = None, step: bool = False):
+        """h: [batch, seqlen, d_model] → [batch, seqlen, d_model]. With ``state`` a prefill fills it;
+        with ``step=True`` (seqlen 1) one decode step updates it in place."""
+        if step:
+            return self._step(h, state)
+        xz = self.in_proj(h).transpose(1, 2)  # [b, 2·d_inner, l]
+        x, z = xz.chunk(2, dim=1)
+        conv_weight = self.conv1d.weight.squeeze(1)
+        if state is not None:
+            state.conv.copy_(conv_state_from_prefill(x, self.d_conv))
+        u = causal_conv1d(x, conv_weight, self.conv1d.bias, activation="silu")
+        dt, B, C = self._ssm_params(self.x_proj(u.transpose(1, 2)))
+        A = -torch.exp(self.A_log.float())
+        y, last_state = selective_scan(u, dt.transpose(1, 2), A, B.transpose(1, 2), C.transpose(1, 2),
+                                       self.D, z=z, delta_bias=self.dt_proj.bias,
+                                       delta_softplus=True)
+        if state is not None:
+            state.ssm.copy_(last_state)
+        return self.out_proj(self.online_hadamard(y.transpose(1, 2)))
+
+    def _step(self, h, state: MixerState):
+        x, z = self.in_proj(h[:, 0]).chunk(2, dim=-1)
+        u = causal_conv1d_update(x, state.conv, self.conv1d.weight.squeeze(1), self.conv1d.bias)
+        dt, B, C = self._ssm_params(self.x_proj(u))
+        A = -torch.exp(self.A_log.float())
+        y = selective_state_update(state.ssm, u, dt, A, B, C, self.D, z=z,
+                                   delta_bias=self.dt_proj.bias, delta_softplus=True)
+        return self.out_proj(self.online_hadamard(y)).unsqueeze(1)
+
+
+class Block(nn.Module):
+    def __init__(self, norm: nn.Module, mixer: nn.Module):
+        super().__init__()
+        self.norm = norm
+        self.mixer = mixer
+
+    def forward(self, hidden, residual=None, state=None, step=False):
+        normed, residual = self.norm(hidden, residual)
+        return self.mixer(normed, state=state, step=step), residual
+
+
+class MambaBackbone(nn.Module):
+    def __init__(self, config: MambaConfig, device=None, dtype=None):
+        super().__init__()
+        self.embedding = nn.Embedding(config.padded_vocab_size, config.d_model, device=device,
+                                      dtype=dtype)
+        self.layers = nn.ModuleList(
+            Block(RMSNorm(config.d_model, config.norm_epsilon, config.residual_in_fp32, device, dtype),
+                  MambaMixer(config, device, dtype))
+            for _ in range(config.n_layer))
+        self.norm_f = RMSNorm(config.d_model, config.norm_epsilon, config.residual_in_fp32, device,
+                              dtype)
+
+
+@dataclass
+class InferenceCache:
+    """Per-layer decode states and the number of tokens already consumed."""
+
+    states: list = field(default_factory=list)
+    seqlen_offset: int = 0
+
+    @property
+    def batch_size(self) -> int:
+        return self.states[0].conv.shape[0] if self.states else 0
+
+
+class MambaLMHeadModel(nn.Module):
+    """Mamba1 LM: embedding → blocks → final RMSNorm → lm_head (tied to the embedding by default)."""
+
+    def __init__(self, config: MambaConfig, device=None, dtype=None):
+        super().__init__()
+        self.config = config
+        self.backbone = MambaBackbone(config, device, dtype)
+        self.lm_head = nn.Linear(config.d_model, config.padded_vocab_size, bias=False, device=device,
+                                 dtype=dtype)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.backbone.embedding.weight
+        with torch.no_grad():
+            for mixer in self.mixers():
+                init_ssm_parameters(mixer)
+
+    def mixers(self):
+        return [block.mixer for block in self.backbone.layers]
+
+    def allocate_cache(self, batch_size: int, device=None) -> InferenceCache:
+        return InferenceCache([m.allocate_state(batch_size, device) for m in self.mixers()])
+
+    def forward(self, input_ids, cache: InferenceCache | None = None, num_last_tokens: int = 0):
+        """Logits [batch, seqlen or num_last_tokens, vocab] in the model dtype.
+
+        Without ``cache``: a plain forward. With a fresh cache (seqlen_offset 0): a prefill that
+        fills it. With a used cache: one decode step per input token, updating it in place.
+        """
+        hidden = self.backbone.embedding(input_ids)
+        if cache is not None and cache.seqlen_offset > 0:
+            logits = [self._step(hidden[:, t:t + 1], cache) for t in range(input_ids.shape[1])]
+            logits = torch.cat(logits, dim=1)
+            return logits[:, -num_last_tokens:] if num_last_tokens > 0 else logits
+        residual = None
+        for i, block in enumerate(self.backbone.layers):
+            state = cache.states[i] if cache is not None else None
+            hidden, residual = block(hidden, residual, state=state)
+        if cache is not None:
+            cache.seqlen_offset += input_ids.shape[1]
+        if num_last_tokens > 0:
+            hidden, residual = hidden[:, -num_last_tokens:], residual[:, -num_last_tokens:]
+        return self._head(hidden, residual)
+
+    def _step(self, hidden, cache: InferenceCache):
+        residual = None
+        for block, state in zip(self.backbone.layers, cache.states):
+            hidden, residual = block(hidden, residual, state=state, step=True)
+        cache.seqlen_offset += 1
+        return self._head(hidden, residual)
+
+    def _head(self, hidden, residual):
+        normed, _ = self.backbone.norm_f(hidden, residual)
+        return self.lm_head(normed)
+
+    def generate(self, input_ids, **kwargs):
+        """See :func:`quamba.models.generation.generate`."""
+        from quamba.models.generation import generate
+        return generate(self, input_ids, **kwargs)
+
+
+def init_ssm_parameters(mixer: MambaMixer, dt_min: float = 1e-3, dt_max: float = 0.1,
+                        generator: torch.Generator | None = None):
+    """mamba_ssm's initialisation of the SSM parameters: A = -(1..d_state), D = 1, and dt_proj's
+    bias = softplus⁻¹(dt) with dt log-uniform in [dt_min, dt_max]."""
+    d_inner, d_state = mixer.A_log.shape
+    mixer.A_log.copy_(torch.log(torch.arange(1, d_state + 1, dtype=torch.float32)).repeat(d_inner, 1))
+    mixer.D.fill_(1.0)
+    rand = torch.rand(d_inner, generator=generator)
+    dt = torch.exp(rand * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min)).clamp(min=1e-4)
+    mixer.dt_proj.bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+
+
+@torch.no_grad()
+def randomize_(model: MambaLMHeadModel, seed: int = 0, std: float = 0.02) -> MambaLMHeadModel:
+    """Fill every parameter with seeded random values of realistic scale (tests, benchmarks).
+
+    Norm weights, A_log, D and dt bias get random but well-conditioned values so no tensor is at
+    its trivial initial value."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():
+        shape, dtype = param.shape, param.dtype
+        if name.endswith("A_log"):
+            value = torch.log(torch.rand(shape, generator=gen) * 15 + 0.5)
+        elif name.endswith(".D"):
+            value = torch.rand(shape, generator=gen) + 0.5
+        elif name.endswith("dt_proj.bias"):
+            dt = torch.exp(torch.rand(shape, generator=gen) * (math.log(0.1) - math.log(1e-3))
+                           + math.log(1e-3))
+            value = dt + torch.log(-torch.expm1(-dt))
+        elif "norm" in name:
+            value = 1.0 + 0.1 * torch.randn(shape, generator=gen)
+        elif name.endswith("conv1d.weight"):
+            value = torch.randn(shape, generator=gen) * 0.3
+        elif name.endswith("dt_proj.weight"):
+            value = torch.randn(shape, generator=gen) * model.config.dt_rank ** -0.5
+        else:
+            value = torch.randn(shape, generator=gen) * std
+        param.copy_(value.to(dtype))
+    return model
