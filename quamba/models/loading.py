@@ -201,10 +201,14 @@ def load_model(name_or_path, dtype="fp32", device="cpu", tokenizer=None):
     """Load a Mamba1 LM and its tokenizer from a Hub id or a local directory (either layout).
 
     Returns ``(model, tokenizer)``; the model is in eval mode, on ``device``, in ``dtype``
-    (A_log and D stay fp32). ``tokenizer`` overrides the tokenizer (hub id, directory, or a
+    (A_log and D stay fp32). A quantized quamba checkpoint loads as a QuantizedMambaLM
+    (quamba.quantization.from_pretrained). ``tokenizer`` overrides the tokenizer (hub id, directory, or a
     tokenizer.json file); ``tokenizer=False`` skips it and returns None in its place.
     """
     model_dir = resolve_model_dir(name_or_path)
+    if _is_quantized(model_dir):
+        from quamba.quantization.checkpoint import from_pretrained
+        return from_pretrained(model_dir, device=device, dtype=dtype, tokenizer=tokenizer)
     _, layout, config = read_config(model_dir)
     state = to_internal_names(read_state_dict(model_dir), layout)
     model = MambaLMHeadModel(config)
@@ -215,6 +219,19 @@ def load_model(name_or_path, dtype="fp32", device="cpu", tokenizer=None):
              config.n_layer, config.d_model, dtype, device)
     tok = None if tokenizer is False else load_tokenizer(model_dir, tokenizer)
     return model, tok
+
+
+def is_quamba_checkpoint(config: dict) -> bool:
+    """True for the config.json of a quantized quamba checkpoint."""
+    quant = config.get("quantization_config") if isinstance(config, dict) else None
+    return isinstance(quant, dict) and quant.get("format") == "quamba"
+
+
+def _is_quantized(model_dir: Path) -> bool:
+    try:
+        return is_quamba_checkpoint(json.loads((model_dir / "config.json").read_text()))
+    except (OSError, ValueError):
+        return False
 
 
 def cast_model(model, dtype: torch.dtype):

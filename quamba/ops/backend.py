@@ -1,0 +1,90 @@
+"""Backend selection for quantized ops: ``torch`` (reference, always present) or ``cuda`` (our
+kernels in ``quamba._C``, when built).
+
+Resolution order: the environment variable ``QUAMBA_BACKEND`` (torch | cuda | auto), then the
+argument, then ``auto``. ``auto`` takes the CUDA kernel for CUDA tensors when one is registered
+for the op, else the torch reference. Asking for ``cuda`` where it cannot run is an error, never
+a silent fallback. The first use of each (op, backend) pair is logged once.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from typing import Callable
+
+import torch
+
+from quamba.errors import QuambaError
+
+log = logging.getLogger("quamba")
+
+BACKENDS = ("torch", "cuda", "auto")
+_IMPLS: dict[str, dict[str, Callable]] = {}
+_LOGGED: set[tuple[str, str]] = set()
+
+
+class BackendError(QuambaError):
+    """A requested backend cannot run the op here."""
+
+
+def register(op: str, backend: str):
+    """Decorator registering ``fn`` as ``backend``'s implementation of ``op``."""
+    def wrap(fn):
+        _IMPLS.setdefault(op, {})[backend] = fn
+        return fn
+    return wrap
+
+
+@functools.lru_cache(maxsize=1)
+def cuda_extension_error() -> str | None:
+    """None when quamba._C imports, else why not (one line)."""
+    try:
+        import quamba._C  # noqa: F401
+    except ImportError as exc:
+        return f"the quamba CUDA extension is not built ({exc})"
+    import quamba.ops.cuda_backend  # noqa: F401  registers the kernels
+    return None
+
+
+def requested_backend(argument: str | None = None) -> str:
+    choice = os.environ.get("QUAMBA_BACKEND") or argument or "auto"
+    if choice not in BACKENDS:
+        source = "QUAMBA_BACKEND" if os.environ.get("QUAMBA_BACKEND") else "backend"
+        raise BackendError(f"{source} must be one of {', '.join(BACKENDS)}, got {choice!r}")
+    return choice
+
+
+def select(op: str, device: torch.device, argument: str | None = None) -> Callable:
+    """The implementation of ``op`` to run on tensors on ``device``."""
+    choice = requested_backend(argument)
+    impls = _IMPLS[op]
+    if choice == "torch":
+        return _use(op, "torch", impls)
+    cuda_ready = device.type == "cuda" and cuda_extension_error() is None and "cuda" in impls
+    if choice == "auto":
+        return _use(op, "cuda" if cuda_ready else "torch", impls)
+    if not cuda_ready:
+        raise BackendError(f"backend 'cuda' requested for {op} but {_why_not_cuda(op, device)}")
+    return _use(op, "cuda", impls)
+
+
+def _why_not_cuda(op: str, device: torch.device) -> str:
+    if device.type != "cuda":
+        return f"its inputs are on {device}, not a CUDA device"
+    return cuda_extension_error() or f"no CUDA kernel implements {op}"
+
+
+def _use(op: str, backend: str, impls: dict) -> Callable:
+    if (op, backend) not in _LOGGED:
+        _LOGGED.add((op, backend))
+        log.info("op %s uses the %s backend", op, backend)
+    return impls[backend]
+
+
+def used_backends() -> dict[str, list[str]]:
+    """Which backends each op kind has used in this process (for run logs)."""
+    used: dict[str, list[str]] = {}
+    for op, backend in sorted(_LOGGED):
+        used.setdefault(op, []).append(backend)
+    return used

@@ -1,0 +1,98 @@
+"""QSScan: the selective scan on int8 inputs, fp32 inside, fp16/bf16 output.
+
+Each activation input (u, dt, B, C, z) is either int8 codes with its scale or a float tensor
+(its scale is then ignored): the int8 mode passes codes, the fp32-conv mode passes a float u, the
+fp32-ssm-input mode dequantized floats. The SSM parameters A_log, D and dt_bias are always int8
+codes with per-tensor scales.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from quamba.ops import backend
+from quamba.ops.quant import dequantize, quantize
+from quamba.ops.selective_scan import selective_scan, selective_state_update
+
+
+@dataclass
+class SSMParams:
+    """The int8 SSM parameters of one layer and their fp32 scales."""
+
+    A_log: torch.Tensor  # int8 [d_inner, d_state]
+    A_log_scale: float
+    D: torch.Tensor  # int8 [d_inner]
+    D_scale: float
+    dt_bias: torch.Tensor  # int8 [d_inner]
+    dt_bias_scale: float
+
+    def dequantized(self):
+        """(A = -exp(A_log), D, dt_bias) in fp32."""
+        A = -torch.exp(dequantize(self.A_log, self.A_log_scale))
+        return A, dequantize(self.D, self.D_scale), dequantize(self.dt_bias, self.dt_bias_scale)
+
+
+def as_float(t: torch.Tensor, scale) -> torch.Tensor:
+    """fp32 values of an op input that is either int8 codes (with scale) or already float."""
+    return dequantize(t, scale) if t.dtype == torch.int8 else t.float()
+
+
+def qsscan(u, u_scale, dt, dt_scale, B, B_scale, C, C_scale, z, z_scale, params: SSMParams,
+           state_scale=None, out_dtype=torch.float16, backend_name=None):
+    """Selective scan of a prefill.
+
+    u, dt, z: [batch, d_inner, seqlen]; B, C: [batch, d_state, seqlen] (any strides); int8 codes
+    with their float scales, or float tensors (scale ignored). z may be None (no gate).
+
+        Δ = softplus(dt + dt_bias)  (PyTorch's softplus: x if x > 20 else log1p(exp(x)))
+        A = -exp(A_log);  h_t = exp(Δ_t A) ⊙ h_{t-1} + Δ_t u_t B_t
+        y_t = (C_t · h_t + D u_t) ⊙ silu(z_t)
+
+    all in fp32. Returns ``(y, last_state)``: y [batch, d_inner, seqlen] in out_dtype (fp16/bf16/
+    fp32); last_state [batch, d_inner, d_state], int8 ``quantize(h_L, state_scale)`` when
+    state_scale is given, else fp32.
+    """
+    impl = backend.select("qsscan", u.device, backend_name)
+    return impl(u, u_scale, dt, dt_scale, B, B_scale, C, C_scale, z, z_scale, params,
+                state_scale, out_dtype)
+
+
+def qsscan_update(state, state_scale, u, u_scale, dt, dt_scale, B, B_scale, C, C_scale, z,
+                  z_scale, params: SSMParams, out_dtype=torch.float16, backend_name=None):
+    """One decode step; updates ``state`` in place and returns y [batch, d_inner] in out_dtype.
+
+    state: int8 [batch, d_inner, d_state] with ``state_scale`` (dequantized, stepped, requantized
+    in place) or fp32 (stepped in place; state_scale ignored). u, dt, z: [batch, d_inner];
+    B, C: [batch, d_state]; int8 codes with scales, or floats. Same arithmetic as :func:`qsscan`.
+    """
+    impl = backend.select("qsscan_update", u.device, backend_name)
+    return impl(state, state_scale, u, u_scale, dt, dt_scale, B, B_scale, C, C_scale, z, z_scale,
+                params, out_dtype)
+
+
+@backend.register("qsscan", "torch")
+def _qsscan_torch(u, u_scale, dt, dt_scale, B, B_scale, C, C_scale, z, z_scale, params,
+                  state_scale, out_dtype):
+    A, D, dt_bias = params.dequantized()
+    y, last_state = selective_scan(
+        as_float(u, u_scale), as_float(dt, dt_scale), A, as_float(B, B_scale),
+        as_float(C, C_scale), D, z=None if z is None else as_float(z, z_scale),
+        delta_bias=dt_bias, delta_softplus=True)
+    if state_scale is not None:
+        last_state = quantize(last_state, state_scale)
+    return y.to(out_dtype), last_state
+
+
+@backend.register("qsscan_update", "torch")
+def _qsscan_update_torch(state, state_scale, u, u_scale, dt, dt_scale, B, B_scale, C, C_scale, z,
+                         z_scale, params, out_dtype):
+    A, D, dt_bias = params.dequantized()
+    h = dequantize(state, state_scale) if state.dtype == torch.int8 else state
+    y = selective_state_update(h, as_float(u, u_scale), as_float(dt, dt_scale), A,
+                               as_float(B, B_scale), as_float(C, C_scale), D,
+                               z=None if z is None else as_float(z, z_scale),
+                               delta_bias=dt_bias, delta_softplus=True)
+    if state.dtype == torch.int8:
+        state.copy_(quantize(h, state_scale))
+    return y.to(out_dtype)

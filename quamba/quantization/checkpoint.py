@@ -1,0 +1,134 @@
+"""Quantized checkpoints: safetensors of int8 codes and fp32 scales + config.json + tokenizer.
+
+config.json holds the model config (``"model"``), the format version and the quantization
+recipe with its calibration record (``"quantization_config"``). Tensors are stored in a
+layout-independent form (weights [out, in] row-major, conv weight [d_inner, width]); kernels may
+repack them at load.
+"""
+from __future__ import annotations
+
+import json
+import logging
+
+import torch
+
+from quamba.errors import CheckpointError
+from quamba.models.config import MambaConfig
+from quamba.models.loading import (is_quamba_checkpoint, load_tokenizer, parse_dtype,
+                                   resolve_model_dir)
+from quamba.models.quantized import QuantizedMambaLM
+from quamba.quantization.config import QuantConfig
+from quamba.utils.io import atomic_directory
+from quamba.version import __version__
+
+FORMAT_NAME = "quamba"
+FORMAT_VERSION = 1
+WEIGHTS_FILE = "model.safetensors"
+
+
+def save_quantized(model: QuantizedMambaLM, out_dir, tokenizer=None):
+    """Write ``model`` to ``out_dir`` atomically (temporary directory, then rename)."""
+    from safetensors.torch import save_file
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    if model.config.tie_embeddings:
+        state.pop("lm_head.weight", None)
+    quant = {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "quamba_version": __version__,
+        **model.quant_config.to_dict(),
+        "ssm_mode": model.ssm_mode if model.ssm_mode != "fp16" else model.quant_config.ssm_mode,
+        "observer_specs": {k: vars(v) for k, v in model.quant_config.observer_specs().items()},
+        "float_dtype": str(model.dtype).replace("torch.", ""),
+        "calibration": model.calibration,
+        "base_model": model.base_model,
+    }
+    config = {"model": model.config.to_dict(), "quantization_config": quant}
+    with atomic_directory(out_dir) as tmp:
+        save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+    return out_dir
+
+
+def from_pretrained(name_or_path, device="cpu", dtype=None, backend: str | None = None,
+                    ssm_mode: str | None = None, tokenizer=None):
+    """Load a quantized checkpoint (local directory or Hub id). Returns ``(model, tokenizer)``.
+
+    Every tensor's name, shape and dtype is checked; problems raise a one-line CheckpointError.
+    ``dtype`` casts the float parts (embedding, norm, lm_head, out_proj output); ``ssm_mode`` and
+    ``backend`` override the recorded ones. ``tokenizer=False`` skips the tokenizer.
+    """
+    model_dir = resolve_model_dir(name_or_path)
+    raw = _read_json(model_dir / "config.json")
+    if not is_quamba_checkpoint(raw):
+        raise CheckpointError(f"{model_dir} is not a quantized quamba checkpoint "
+                              "(config.json has no quantization_config)")
+    quant = raw["quantization_config"]
+    version = quant.get("format_version")
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise CheckpointError(f"{model_dir}: checkpoint format version {version!r} is newer than "
+                              f"this quamba supports ({FORMAT_VERSION}); upgrade quamba")
+    try:
+        config = MambaConfig.from_dict(raw["model"])
+        quant_config = QuantConfig.from_dict(quant)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"{model_dir}/config.json is malformed: {exc}") from None
+    float_dtype = parse_dtype(quant.get("float_dtype", "float16"))
+    model = QuantizedMambaLM(config, quant_config, dtype=float_dtype)
+    load_checked(model, model_dir / WEIGHTS_FILE)
+    model.calibration = quant.get("calibration", {})
+    model.base_model = quant.get("base_model")
+    if dtype is not None:
+        _cast_float_parts(model, parse_dtype(dtype))
+    model.to(device).eval()
+    model.set_ssm_mode(ssm_mode or quant_config.ssm_mode, backend)
+    model.tokenizer = None if tokenizer is False else load_tokenizer(model_dir, tokenizer)
+    return model, model.tokenizer
+
+
+def _read_json(path):
+    if not path.is_file():
+        raise CheckpointError(f"{path.parent} has no config.json; not a model directory")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path} is not valid JSON: {exc}") from None
+
+
+def load_checked(model: QuantizedMambaLM, weights_path) -> None:
+    """Load safetensors into ``model`` after checking names, shapes and dtypes of every tensor."""
+    from safetensors.torch import load_file
+    if not weights_path.is_file():
+        raise CheckpointError(f"{weights_path.parent} has no {WEIGHTS_FILE}")
+    try:
+        state = load_file(str(weights_path))
+    except Exception as exc:  # safetensors raises several types for truncated or corrupt files
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise CheckpointError(f"cannot read {weights_path} (truncated or corrupt?): {reason}") from None
+    expected = model.state_dict()
+    if model.config.tie_embeddings:
+        expected.pop("lm_head.weight", None)
+    for name, tensor in expected.items():
+        if name not in state:
+            raise CheckpointError(f"{weights_path}: missing tensor {name}")
+        found = state[name]
+        if tuple(found.shape) != tuple(tensor.shape):
+            raise CheckpointError(f"{weights_path}: tensor {name} has shape {tuple(found.shape)}, "
+                                  f"expected {tuple(tensor.shape)}")
+        if found.dtype != tensor.dtype:
+            raise CheckpointError(f"{weights_path}: tensor {name} has dtype {found.dtype}, "
+                                  f"expected {tensor.dtype}")
+    unexpected = sorted(set(state) - set(expected))
+    if unexpected:
+        raise CheckpointError(f"{weights_path}: unexpected tensor {unexpected[0]}")
+    model.load_state_dict(state, strict=False)
+
+
+def _cast_float_parts(model: QuantizedMambaLM, dtype: torch.dtype) -> None:
+    for module in (model.backbone.embedding, model.backbone.norm_f, model.lm_head):
+        module.to(dtype)
+    for block in model.backbone.layers:
+        block.mixer.out_dtype = dtype
+        block.mixer.out_proj.out_dtype = dtype

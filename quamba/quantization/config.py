@@ -1,0 +1,79 @@
+"""QuantConfig: the plain, serialisable description of a quantization recipe."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from quamba.errors import QuambaError
+from quamba.layers.modes import check_mode
+
+# Tensor kinds observed per layer during calibration (see quamba.calibrate.calibrate).
+PERCENTILE_KINDS = ("x_proj.input", "ssm_state")
+SUPPORTED_BITS = {(8, 8)}
+
+# Fields that change how a run executes but not what the quantized model holds.
+_RUNTIME_FIELDS = ("ssm_mode", "backend", "calib_batch_size")
+
+
+@dataclass
+class QuantConfig:
+    """Quamba W8A8 recipe (defaults as the paper).
+
+    percentile_alpha: α of the percentile observer used for the SSM input u and the SSM state
+      (None = absmax for them too: the naive recipe). ``observers`` overrides any tensor kind:
+      {"kind": "absmax"} or {"kind": α as float}.
+    """
+
+    w_bits: int = 8
+    a_bits: int = 8
+    hadamard: bool = True
+    ssm_mode: str = "int8"
+    percentile_alpha: float | None = 0.9995
+    observers: dict = field(default_factory=dict)
+    calib_source: str = "monology/pile-uncopyrighted"
+    calib_num_samples: int = 512
+    calib_seqlen: int = 512
+    calib_batch_size: int = 8
+    seed: int = 0
+    backend: str | None = None
+
+    def __post_init__(self):
+        check_mode(self.ssm_mode)
+        if (self.w_bits, self.a_bits) not in SUPPORTED_BITS:
+            raise QuambaError(f"w_bits={self.w_bits} a_bits={self.a_bits} is not supported; "
+                              f"supported: {', '.join(f'W{w}A{a}' for w, a in sorted(SUPPORTED_BITS))}")
+        alpha = self.percentile_alpha
+        if alpha is not None and not 0.5 < alpha <= 1.0:
+            raise QuambaError(f"percentile_alpha must be in (0.5, 1], got {alpha}")
+        for kind in ("calib_num_samples", "calib_seqlen", "calib_batch_size"):
+            if getattr(self, kind) <= 0:
+                raise QuambaError(f"{kind} must be positive, got {getattr(self, kind)}")
+
+    def observer_specs(self) -> dict:
+        """ObserverSpec per tensor kind for quamba.calibrate.calibrate."""
+        from quamba.calibrate import DEFAULT_OBSERVERS, ObserverSpec
+        specs = {}
+        for kind in DEFAULT_OBSERVERS:
+            choice = self.observers.get(kind)
+            if choice is None and kind in PERCENTILE_KINDS:
+                choice = self.percentile_alpha
+            if choice is None or choice == "absmax" or choice == 1.0:
+                specs[kind] = ObserverSpec(kind="absmax")
+            else:
+                specs[kind] = ObserverSpec(kind="percentile", alpha=float(choice))
+        return specs
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "QuantConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in values.items() if k in known})
+
+    def recipe(self) -> dict:
+        """The fields that determine the quantized weights and scales (not how they are run)."""
+        return {k: v for k, v in self.to_dict().items() if k not in _RUNTIME_FIELDS}
+
+    def same_recipe(self, other: "QuantConfig") -> bool:
+        return self.recipe() == other.recipe()

@@ -1,0 +1,106 @@
+"""quantize(): FP Mamba1 LM → W8A8 QuantizedMambaLM (rotate, calibrate, quantize every block)."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+
+import torch
+
+from quamba.errors import QuambaError
+from quamba.layers.qmixer import QMambaMixer
+from quamba.layers.qnorm import QRMSNorm
+from quamba.models.mamba import MambaLMHeadModel
+from quamba.models.quantized import QuantizedMambaLM
+from quamba.ops.quant import scale_from_range
+from quamba.quantization.config import QuantConfig
+
+log = logging.getLogger("quamba")
+
+# Calibrated tensor kind → the mixer scale it sets.
+_SCALE_OF_KIND = {
+    "in_proj.output": "xz_scale",
+    "x_proj.input": "u_scale",
+    "x_proj.output": "xdbl_scale",
+    "dt_proj.output": "dt_scale",
+    "ssm_state": "state_scale",
+    "out_proj.input": "y_scale",
+}
+
+
+def quantize(model: MambaLMHeadModel, tokenizer=None, config: QuantConfig | None = None,
+             calib_data=None, progress: bool = True) -> QuantizedMambaLM:
+    """Quantize an FP Mamba1 LM with the Quamba W8A8 recipe; ``model`` itself is not modified.
+
+    calib_data: a CalibrationSet, a LongTensor of token ids [samples, seqlen], or any source
+    ``quamba.calibrate.load_calibration_set`` accepts (hub id, datasets.Dataset, list of
+    strings, .txt/.jsonl path); None → ``config.calib_source``. The FP model is kept for the fp16
+    mode. Same model, data and seed → bit-identical scales.
+    """
+    from quamba.calibrate import CalibrationSet, calibrate, load_calibration_set
+    from quamba.quantization.rotation import rotate_model_
+
+    config = config or QuantConfig()
+    if isinstance(model, QuantizedMambaLM) or type(model) is not MambaLMHeadModel:
+        raise QuambaError(f"quantize needs an FP MambaLMHeadModel, got {type(model).__name__}")
+    if not model.config.conv_bias:
+        raise QuambaError("models without a conv1d bias are not supported by the W8A8 recipe")
+    work = copy.deepcopy(model)
+    if config.hadamard:
+        rotate_model_(work)
+    calib = calib_data
+    if not isinstance(calib, (CalibrationSet, torch.Tensor)):
+        if calib is None and tokenizer is None:
+            raise QuambaError("quantize needs a tokenizer to build the calibration set")
+        calib = load_calibration_set(config.calib_source if calib is None else calib, tokenizer,
+                                     config.calib_num_samples, config.calib_seqlen, config.seed)
+    ranges = calibrate(work, calib, observers=config.observer_specs(),
+                       batch_size=config.calib_batch_size, progress=progress)
+    qmodel = build_quantized_model(work, ranges, config)
+    qmodel.calibration = _calibration_record(calib, config)
+    qmodel.base_model = getattr(model, "source", {}).get("name_or_path")
+    qmodel.tokenizer = tokenizer
+    qmodel.__dict__["fp_model"] = model
+    qmodel.set_ssm_mode(config.ssm_mode, config.backend)
+    log.info("quantized %d layers (W%dA%d, hadamard %s, ssm mode %s)", model.config.n_layer,
+             config.w_bits, config.a_bits, config.hadamard, config.ssm_mode)
+    return qmodel
+
+
+@torch.no_grad()
+def build_quantized_model(fp_model: MambaLMHeadModel, ranges: dict, config: QuantConfig):
+    """QuantizedMambaLM from an FP model (rotated when ``config.hadamard``) and its calibrated
+    clipping ranges ``ranges[layer][kind]``."""
+    weight = fp_model.backbone.embedding.weight
+    qmodel = QuantizedMambaLM(copy.deepcopy(fp_model.config), config, dtype=weight.dtype,
+                              device=weight.device)
+    qmodel.backbone.embedding.load_state_dict(fp_model.backbone.embedding.state_dict())
+    qmodel.backbone.norm_f.load_state_dict(fp_model.backbone.norm_f.state_dict())
+    if not qmodel.config.tie_embeddings:
+        qmodel.lm_head.load_state_dict(fp_model.lm_head.state_dict())
+    for i, (block, fp_block) in enumerate(zip(qmodel.backbone.layers, fp_model.backbone.layers)):
+        layer_ranges = ranges[i]
+        h_scale = scale_from_range(layer_ranges["in_proj.input"])
+        scales = {name: scale_from_range(layer_ranges[kind]) for kind, name in _SCALE_OF_KIND.items()}
+        block.norm = _quantized_norm(fp_block.norm, h_scale, keep_weight=not config.hadamard)
+        block.mixer = QMambaMixer.from_float(fp_block.mixer, h_scale, scales, config.hadamard)
+    return qmodel
+
+
+def _quantized_norm(fp_norm, out_scale: float, keep_weight: bool) -> QRMSNorm:
+    weight = fp_norm.weight
+    norm = QRMSNorm(weight.shape[0], fp_norm.eps, fp_norm.residual_in_fp32, out_scale,
+                    has_weight=keep_weight, device=weight.device)
+    if keep_weight:
+        norm.weight.copy_(weight.float())
+    return norm
+
+
+def _calibration_record(calib, config: QuantConfig) -> dict:
+    if isinstance(calib, torch.Tensor):
+        import hashlib
+        digest = hashlib.sha256(calib.cpu().numpy().tobytes()).hexdigest()
+        return {"source": "token tensor", "num_samples": calib.shape[0], "seqlen": calib.shape[1],
+                "seed": config.seed, "content_hash": digest}
+    record = {f.name: getattr(calib, f.name) for f in dataclasses.fields(calib) if f.name != "tokens"}
+    return record
