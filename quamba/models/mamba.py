@@ -72,6 +72,7 @@ class MambaMixer(nn.Module):
         self.D = nn.Parameter(torch.empty(d_inner, device=device))
         self.out_proj = nn.Linear(d_inner, config.d_model, bias=config.bias, **kw)
         self.online_hadamard = nn.Identity()
+        self.taps: dict | None = None  # set to {} to record intermediates (mode comparisons)
 
     def allocate_state(self, batch_size: int, device=None) -> MixerState:
         device = device or self.in_proj.weight.device
@@ -104,7 +105,13 @@ class MambaMixer(nn.Module):
                                        delta_softplus=True)
         if state is not None:
             state.ssm.copy_(last_state)
-        return self.out_proj(self.online_hadamard(y.transpose(1, 2)))
+        y = y.transpose(1, 2)
+        y_rotated = self.online_hadamard(y)
+        out = self.out_proj(y_rotated)
+        if self.taps is not None:
+            self.taps.update({"x": x, "z": z, "u": u, "dt": dt, "y": y,
+                              "out_proj.input": y_rotated, "out": out})
+        return out
 
     def _step(self, h, state: MixerState):
         x, z = self.in_proj(h[:, 0]).chunk(2, dim=-1)

@@ -1,0 +1,256 @@
+"""W8A8 pipeline on the trained test model: modes, determinism, checkpoints, backends."""
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import quamba
+from quamba.calibrate import load_calibration_set
+from quamba.errors import CheckpointError, QuambaError
+from quamba.ops.backend import BackendError
+from quamba.ops.qlinear import w8a8_linear
+
+REPO = Path(__file__).resolve().parents[2]
+SHARED_DATA = REPO.parent / "shared" / "data"
+TINY_MODEL = REPO / "tests" / "fixtures" / "tiny-mamba"
+CALIB_SAMPLES, CALIB_SEQLEN = 32, 256
+
+
+@pytest.fixture(scope="module")
+def fp_model():
+    return quamba.load_model(TINY_MODEL)
+
+
+@pytest.fixture(scope="module")
+def calib_set(fp_model):
+    _, tokenizer = fp_model
+    return load_calibration_set(str(SHARED_DATA / "text" / "c4_sample.jsonl"), tokenizer,
+                                CALIB_SAMPLES, CALIB_SEQLEN, seed=0)
+
+
+def quant_config(**overrides):
+    values = dict(calib_source=str(SHARED_DATA / "text" / "c4_sample.jsonl"),
+                  calib_num_samples=CALIB_SAMPLES, calib_seqlen=CALIB_SEQLEN)
+    values.update(overrides)
+    return quamba.QuantConfig(**values)
+
+
+@pytest.fixture(scope="module")
+def qmodel(fp_model, calib_set):
+    model, tokenizer = fp_model
+    return quamba.quantize(model, tokenizer, quant_config(), calib_data=calib_set, progress=False)
+
+
+@pytest.fixture(scope="module")
+def held_out_ids(fp_model):
+    """4 × 256 tokens of held-out text (wikitext2 test; the model never trained on it)."""
+    _, tokenizer = fp_model
+    with open(SHARED_DATA / "eval" / "wikitext2_test_docs.jsonl") as f:
+        text = "\n\n".join(json.loads(line)["page"] for _, line in zip(range(3), f))
+    ids = torch.tensor(tokenizer(text)["input_ids"][: 4 * 256])
+    return ids.view(4, 256)
+
+
+def logits_in_mode(model, mode, ids):
+    model.set_ssm_mode(mode)
+    with torch.no_grad():
+        return model(ids)
+
+
+def top1_agreement(a, b):
+    return (a.argmax(-1) == b.argmax(-1)).float().mean().item()
+
+
+@pytest.mark.parametrize("mode", ["float-sim-asic-int8", "fp32-ssm-input"])
+def test_mode_tracks_int8(qmodel, held_out_ids, mode):
+    int8 = logits_in_mode(qmodel, "int8", held_out_ids)
+    other = logits_in_mode(qmodel, mode, held_out_ids)
+    qmodel.set_ssm_mode("int8")
+    assert top1_agreement(int8, other) >= 0.99
+
+
+def test_every_mode_runs_and_is_close_to_fp(qmodel, fp_model, held_out_ids):
+    with torch.no_grad():
+        fp = fp_model[0](held_out_ids)
+    for mode in quamba.SSM_MODES:
+        logits = logits_in_mode(qmodel, mode, held_out_ids)
+        assert torch.isfinite(logits).all()
+        assert top1_agreement(logits, fp) > 0.8, mode
+    fp16_mode = logits_in_mode(qmodel, "fp16", held_out_ids)
+    assert torch.equal(fp16_mode, fp)
+    qmodel.set_ssm_mode("int8")
+
+
+def test_switching_modes_keeps_the_calibration(qmodel, held_out_ids):
+    before = {k: v.clone() for k, v in qmodel.state_dict().items()}
+    first = logits_in_mode(qmodel, "int8", held_out_ids)
+    logits_in_mode(qmodel, "fp32-conv", held_out_ids)
+    again = logits_in_mode(qmodel, "int8", held_out_ids)
+    assert torch.equal(first, again)
+    assert all(torch.equal(before[k], v) for k, v in qmodel.state_dict().items())
+
+
+@pytest.mark.parametrize("mode", ["int8", "float-sim-asic-int8", "fp32-conv"])
+def test_decode_steps_follow_prefill(qmodel, held_out_ids, mode):
+    ids = held_out_ids[:2, :40]
+    full = logits_in_mode(qmodel, mode, ids)
+    cache = qmodel.allocate_cache(2)
+    with torch.no_grad():
+        steps = [qmodel(ids[:, :24], cache=cache)]
+        steps += [qmodel(ids[:, t:t + 1], cache=cache) for t in range(24, 40)]
+    qmodel.set_ssm_mode("int8")
+    assert top1_agreement(torch.cat(steps, 1), full) >= 0.95
+
+
+def test_generate_on_quantized_model(qmodel, fp_model):
+    tokenizer = fp_model[1]
+    ids = torch.tensor([tokenizer("The king said")["input_ids"]])
+    out = qmodel.generate(ids, max_new_tokens=12)
+    assert out.shape[1] > ids.shape[1]
+    assert isinstance(tokenizer.decode(out[0]), str)
+
+
+def test_calibration_is_deterministic(fp_model, calib_set, qmodel):
+    model, tokenizer = fp_model
+    again = quamba.quantize(model, tokenizer, quant_config(), calib_data=calib_set, progress=False)
+    assert all(torch.equal(a, b) for a, b in zip(qmodel.state_dict().values(),
+                                                 again.state_dict().values()))
+    fresh_set = load_calibration_set(str(SHARED_DATA / "text" / "c4_sample.jsonl"), tokenizer,
+                                     CALIB_SAMPLES, CALIB_SEQLEN, seed=0)
+    assert torch.equal(fresh_set.tokens, calib_set.tokens)
+
+
+def test_save_load_gives_identical_logits(qmodel, held_out_ids, tmp_path):
+    qmodel.save_pretrained(tmp_path / "q")
+    for mode in ("int8", "float-sim-asic-int8", "fp32-ssm-input", "fp32-conv"):
+        reloaded, tokenizer = quamba.from_pretrained(tmp_path / "q", ssm_mode=mode)
+        assert torch.equal(logits_in_mode(qmodel, mode, held_out_ids),
+                           logits_in_mode(reloaded, mode, held_out_ids))
+    qmodel.set_ssm_mode("int8")
+    assert tokenizer is not None
+    config = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
+    assert config["format_version"] == 1 and config["calibration"]["content_hash"]
+    # a reloaded model finds its base model for the fp16 mode; load_model also accepts the dir
+    reloaded, _ = quamba.load_model(tmp_path / "q")
+    assert isinstance(reloaded, quamba.QuantizedMambaLM)
+    reloaded.set_ssm_mode("fp16")
+
+
+def corrupt(tmp_path, qmodel, edit):
+    """Save qmodel, apply ``edit(directory)``, return the directory."""
+    target = tmp_path / "bad"
+    qmodel.save_pretrained(target)
+    edit(target)
+    return target
+
+
+def _edit_tensors(change):
+    def edit(directory):
+        from safetensors.torch import load_file, save_file
+        state = load_file(str(directory / "model.safetensors"))
+        change(state)
+        save_file(state, str(directory / "model.safetensors"))
+    return edit
+
+
+def _edit_config(change):
+    def edit(directory):
+        config = json.loads((directory / "config.json").read_text())
+        change(config)
+        (directory / "config.json").write_text(json.dumps(config))
+    return edit
+
+
+def _truncate(directory):
+    path = directory / "model.safetensors"
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+BAD_CHECKPOINTS = {
+    "missing tensor": (_edit_tensors(lambda s: s.pop("backbone.layers.1.mixer.A_log")),
+                       "missing tensor backbone.layers.1.mixer.A_log"),
+    "wrong shape": (_edit_tensors(lambda s: s.update({"backbone.layers.0.mixer.D": torch.zeros(3, dtype=torch.int8)})),
+                    "tensor backbone.layers.0.mixer.D has shape (3,)"),
+    "wrong dtype": (_edit_tensors(lambda s: s.update({"backbone.layers.0.mixer.in_proj.weight": s["backbone.layers.0.mixer.in_proj.weight"].float()})),
+                    "has dtype torch.float32, expected torch.int8"),
+    "unexpected tensor": (_edit_tensors(lambda s: s.update({"extra": torch.zeros(1)})),
+                          "unexpected tensor extra"),
+    "newer format": (_edit_config(lambda c: c["quantization_config"].update(format_version=99)),
+                     "newer than this quamba supports"),
+    "truncated": (_truncate, "truncated or corrupt"),
+    "no weights": (lambda d: (d / "model.safetensors").unlink(), "has no model.safetensors"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CHECKPOINTS))
+def test_bad_checkpoints_fail_with_one_line(qmodel, tmp_path, case):
+    edit, message = BAD_CHECKPOINTS[case]
+    directory = corrupt(tmp_path, qmodel, edit)
+    with pytest.raises(CheckpointError) as info:
+        quamba.from_pretrained(directory, tokenizer=False)
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_failed_save_keeps_the_previous_checkpoint(qmodel, tmp_path, monkeypatch):
+    qmodel.save_pretrained(tmp_path / "q")
+    before = (tmp_path / "q" / "model.safetensors").read_bytes()
+
+    class Broken:
+        def save_pretrained(self, _):
+            raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError):
+        qmodel.save_pretrained(tmp_path / "q", tokenizer=Broken())
+    assert (tmp_path / "q" / "model.safetensors").read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["q"]
+
+
+def test_unsupported_recipes_are_rejected():
+    with pytest.raises(QuambaError, match="w_bits=4 a_bits=16"):
+        quamba.QuantConfig(w_bits=4, a_bits=16)
+    with pytest.raises(QuambaError, match="unknown SSM mode"):
+        quamba.QuantConfig(ssm_mode="int4")
+
+
+def test_recipe_equality_ignores_runtime_fields():
+    assert quant_config().same_recipe(quant_config(ssm_mode="fp32-conv", backend="torch"))
+    assert not quant_config().same_recipe(quant_config(percentile_alpha=0.999))
+
+
+def test_naive_recipe_uses_absmax_everywhere():
+    specs = quant_config(percentile_alpha=None, hadamard=False).observer_specs()
+    assert {spec.kind for spec in specs.values()} == {"absmax"}
+    specs = quant_config().observer_specs()
+    assert specs["x_proj.input"].kind == "percentile" and specs["in_proj.input"].kind == "absmax"
+
+
+def test_backend_environment_takes_precedence(monkeypatch):
+    x = torch.ones(2, 16, dtype=torch.int8)
+    w = torch.ones(4, 16, dtype=torch.int8)
+    monkeypatch.setenv("QUAMBA_BACKEND", "cuda")
+    with pytest.raises(BackendError, match="backend 'cuda' requested for w8a8_linear"):
+        w8a8_linear(x, 1.0, w, 1.0, backend_name="torch")
+    monkeypatch.setenv("QUAMBA_BACKEND", "torch")
+    assert w8a8_linear(x, 1.0, w, 1.0, out_dtype=torch.float32, backend_name="cuda")[0, 0] == 16
+    monkeypatch.setenv("QUAMBA_BACKEND", "tpu")
+    with pytest.raises(BackendError, match="QUAMBA_BACKEND must be one of"):
+        w8a8_linear(x, 1.0, w, 1.0)
+    monkeypatch.delenv("QUAMBA_BACKEND")
+    with pytest.raises(BackendError):
+        w8a8_linear(x, 1.0, w, 1.0, backend_name="cuda")
+
+
+def test_quantize_refuses_a_quantized_model(qmodel, fp_model):
+    with pytest.raises(QuambaError, match="needs an FP MambaLMHeadModel"):
+        quamba.quantize(qmodel, fp_model[1], quant_config())
+
+
+def test_without_rotation(fp_model, calib_set, held_out_ids):
+    model, tokenizer = fp_model
+    naive = quamba.quantize(model, tokenizer, quant_config(hadamard=False), calib_data=calib_set,
+                            progress=False)
+    assert naive.backbone.layers[0].norm.weight is not None
+    with torch.no_grad():
+        assert top1_agreement(naive(held_out_ids), model(held_out_ids)) > 0.8
