@@ -1,0 +1,140 @@
+"""Calibration: batched forwards over the calibration tokens with hooks that feed one observer per
+layer and tensor kind, giving the clipping ranges the int8 quantizer maps to 127."""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from types import MappingProxyType
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from quamba.calibrate.data import CalibrationSet
+from quamba.calibrate.errors import CalibrationError
+from quamba.calibrate.observers import ObserverSpec, make_observer
+
+_ABSMAX = ObserverSpec("absmax")
+_PERCENTILE = ObserverSpec("percentile", 0.9995)
+
+# Tensor kinds per layer (names fixed: the quantizer reads them) and the Quamba recipe's observers.
+DEFAULT_OBSERVERS = MappingProxyType({
+    "in_proj.input": _ABSMAX,  # the block's normed hidden state
+    "in_proj.output": _ABSMAX,  # x and z together
+    "x_proj.input": _PERCENTILE,  # u = SiLU(conv1d(x)), the SSM input
+    "x_proj.output": _ABSMAX,  # dt_low, B and C together
+    "dt_proj.output": _ABSMAX,  # dt before the bias (the bias is added in the scan)
+    "ssm_state": _PERCENTILE,  # the last SSM state of each sample
+    "out_proj.input": _ABSMAX,  # after the online Hadamard, if the model was rotated
+})
+TENSOR_KINDS = tuple(DEFAULT_OBSERVERS)
+
+
+@torch.no_grad()
+def calibrate(model, calib: CalibrationSet | torch.Tensor,
+              observers: dict[str, ObserverSpec] | None = None, batch_size: int = 8,
+              progress: bool = True) -> dict[int, dict[str, float]]:
+    """Clipping ranges ``{layer index: {tensor kind: range}}`` of ``model`` over ``calib``.
+
+    ``observers`` overrides the observer of some kinds (e.g. all absmax for a naive recipe);
+    the others keep ``DEFAULT_OBSERVERS``. Each batch is one prefill into a fresh cache, so the
+    SSM state observed is each sample's state after its last token. Results are bit-identical
+    for the same model and tokens, whatever the batch size, as far as the model's own forward
+    does not depend on the batch size.
+    """
+    tokens = _calibration_tokens(calib)
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
+        raise CalibrationError(f"batch_size must be a positive integer, got {batch_size!r}")
+    recorder = _Recorder(_observer_specs(observers), num_samples=tokens.shape[0])
+    device = next(model.parameters()).device
+    batches = range(0, tokens.shape[0], batch_size)
+    with _observing(model, recorder):
+        for start in tqdm(batches, desc="calibrating", unit="batch", disable=not progress):
+            ids = tokens[start:start + batch_size].to(device)
+            cache = model.allocate_cache(ids.shape[0], device)
+            model(ids, cache=cache, num_last_tokens=1)
+            for layer, state in enumerate(cache.states):
+                recorder.observe(layer, "ssm_state", state.ssm)
+    return recorder.results()
+
+
+def _calibration_tokens(calib) -> torch.Tensor:
+    tokens = calib.tokens if isinstance(calib, CalibrationSet) else calib
+    if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.is_floating_point():
+        raise CalibrationError("calibration tokens must be an integer tensor [num_samples, seqlen]")
+    if tokens.numel() == 0:
+        raise CalibrationError(f"calibration tokens are empty (shape {tuple(tokens.shape)})")
+    return tokens
+
+
+def _observer_specs(overrides) -> dict[str, ObserverSpec]:
+    unknown = set(overrides or {}) - set(TENSOR_KINDS)
+    if unknown:
+        raise CalibrationError(f"unknown tensor kind(s) {sorted(unknown)}; known: {list(TENSOR_KINDS)}")
+    return {**DEFAULT_OBSERVERS, **(overrides or {})}
+
+
+class _Recorder:
+    """One observer per (layer, kind), made at the kind's first batch, when the total element
+    count it will see is known (per-sample count × number of samples): percentile observers
+    need it to be exact."""
+
+    def __init__(self, specs: dict[str, ObserverSpec], num_samples: int):
+        self.specs = specs
+        self.num_samples = num_samples
+        self.observers = {}
+
+    def observe(self, layer: int, kind: str, tensor: torch.Tensor) -> None:
+        key = (layer, kind)
+        if key not in self.observers:
+            per_sample = tensor.numel() // tensor.shape[0]
+            self.observers[key] = make_observer(self.specs[kind], f"layer {layer} {kind}",
+                                                expected_numel=per_sample * self.num_samples)
+        self.observers[key].update(tensor)
+
+    def results(self) -> dict[int, dict[str, float]]:
+        layers = sorted({layer for layer, _ in self.observers})
+        return {layer: {kind: self.observers[layer, kind].result() for kind in TENSOR_KINDS}
+                for layer in layers}
+
+
+@contextmanager
+def _observing(model, recorder: _Recorder):
+    """Forward hooks on every mixer's in_proj, x_proj and out_proj, removed on exit (also on
+    error)."""
+    handles = []
+    try:
+        for layer, mixer in enumerate(model.mixers()):
+            handles += [
+                mixer.in_proj.register_forward_hook(_in_proj_hook(recorder, layer)),
+                mixer.x_proj.register_forward_hook(_x_proj_hook(recorder, layer, mixer)),
+                mixer.out_proj.register_forward_hook(_out_proj_hook(recorder, layer)),
+            ]
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _in_proj_hook(recorder: _Recorder, layer: int):
+    def hook(module, inputs, output):
+        recorder.observe(layer, "in_proj.input", inputs[0])
+        recorder.observe(layer, "in_proj.output", output)
+    return hook
+
+
+def _x_proj_hook(recorder: _Recorder, layer: int, mixer):
+    """Observes x_proj's input and output, and dt: the mixer computes dt = dt_low @ dt_proj.weight.T
+    with F.linear (no module call, the bias is added in the scan), so it is recomputed here the
+    same way."""
+    def hook(module, inputs, output):
+        recorder.observe(layer, "x_proj.input", inputs[0])
+        recorder.observe(layer, "x_proj.output", output)
+        dt_low = output[..., :mixer.dt_rank]
+        recorder.observe(layer, "dt_proj.output", F.linear(dt_low, mixer.dt_proj.weight))
+    return hook
+
+
+def _out_proj_hook(recorder: _Recorder, layer: int):
+    def hook(module, inputs, output):
+        recorder.observe(layer, "out_proj.input", inputs[0])
+    return hook
