@@ -214,7 +214,10 @@ def load_model(name_or_path, dtype="fp32", device="cpu", tokenizer=None):
     model = MambaLMHeadModel(config)
     load_state_into(model, state, str(model_dir))
     model = cast_model(model, parse_dtype(dtype)).to(device).eval()
-    model.source = {"name_or_path": str(name_or_path), "layout": layout}
+    is_local = Path(os.path.expanduser(str(name_or_path))).is_dir()
+    # a local model is recorded by absolute path so a saved quantized model finds it again
+    model.source = {"name_or_path": str(model_dir.resolve()) if is_local else str(name_or_path),
+                    "layout": layout}
     log.info("loaded %s (%s layout, %d layers, d_model %d) as %s on %s", name_or_path, layout,
              config.n_layer, config.d_model, dtype, device)
     tok = None if tokenizer is False else load_tokenizer(model_dir, tokenizer)
@@ -248,6 +251,9 @@ def cast_model(model, dtype: torch.dtype):
 def save_model(model: MambaLMHeadModel, out_dir, layout: str = "transformers", tokenizer=None):
     """Write ``model`` in a Hub layout (atomically: into a temporary directory, then renamed)."""
     from quamba.utils.io import atomic_directory
+    if getattr(model, "rotated", False):
+        raise CheckpointError("a Hadamard-rotated FP model cannot be saved in a Hub layout (the "
+                              "online Hadamard would be lost); save the quantized model instead")
     config = model.config
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     if config.tie_embeddings:

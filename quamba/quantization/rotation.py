@@ -1,0 +1,85 @@
+"""Hadamard rotation of the residual stream of an FP Mamba1 model (function-preserving).
+
+Row-vector convention, as ``nn.Linear`` computes it: ``linear(x) = x @ W.T + b``. Let
+H = hadamard_matrix(d_model) and G = hadamard_matrix(d_inner), both orthonormal (H Hᵀ = I), and
+let the rotated residual be r̃ = r H.
+
+Key identity: an orthonormal rotation keeps the norm, so rms(r H) = rms(r) and the unit-weight
+RMSNorm commutes with it, N₁(r H) = N₁(r) H. An RMSNorm with weight w is N₁(r) diag(w), so once w
+is folded into the next linear layer the norm can run on the rotated residual:
+
+    in_proj:   N_w(r) W_inᵀ = N₁(r̃) Hᵀ diag(w) W_inᵀ     ⇒  W̃_in  = W_in diag(w) H   (norm w → 1)
+    lm_head:   N_wf(r) W_lmᵀ = N₁(r̃) Hᵀ diag(w_f) W_lmᵀ  ⇒  W̃_lm  = W_lm diag(w_f) H
+    embedding: r₀ = E[token]                            ⇒  Ẽ     = E H
+    out_proj:  (y W_outᵀ + b) H = (y G) Gᵀ W_outᵀ H + b H ⇒  W̃_out = Hᵀ W_out G,  b̃_out = b H
+
+The mixer output lands in the rotated basis, so every residual add stays rotated; y G is computed
+online (``mixer.online_hadamard``), which is what lets out_proj's input be quantized per tensor.
+in_proj's bias is unchanged (its output basis is not rotated).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from quamba.models.mamba import MambaLMHeadModel, MambaMixer, RMSNorm
+from quamba.ops.hadamard import HadamardTransform, hadamard_matrix
+
+
+def rotate_model_(model: MambaLMHeadModel) -> MambaLMHeadModel:
+    """Rotate ``model``'s residual stream by the Hadamard matrix in place (see the module
+    docstring); the FP function is unchanged. Unties lm_head from the embedding and sets
+    ``config.tie_embeddings = False`` and ``model.rotated = True``. Folding runs in float64 on the
+    model's device; each parameter keeps its dtype. Returns the model."""
+    _check_rotatable(model)
+    backbone = model.backbone
+    device = backbone.embedding.weight.device
+    rotation = hadamard_matrix(model.config.d_model, device=device)
+    inner_rotation = hadamard_matrix(model.config.d_inner, device=device)
+    with torch.no_grad():
+        _untie_and_rotate_lm_head(model, rotation)
+        _assign(backbone.embedding.weight, backbone.embedding.weight.double() @ rotation)
+        for block in backbone.layers:
+            _assign(block.mixer.in_proj.weight, _fold_norm(block.mixer.in_proj.weight, block.norm,
+                                                           rotation))
+            _rotate_out_proj(block.mixer, rotation, inner_rotation)
+            block.mixer.online_hadamard = HadamardTransform(model.config.d_inner)
+    model.config.tie_embeddings = False
+    model.rotated = True
+    return model
+
+
+def _check_rotatable(model: MambaLMHeadModel) -> None:
+    if getattr(model, "rotated", False):
+        raise ValueError("model is already Hadamard-rotated: rotate_model_ runs once per model")
+    for i, block in enumerate(model.backbone.layers):
+        if not (isinstance(block.norm, RMSNorm) and isinstance(block.mixer, MambaMixer)
+                and isinstance(block.mixer.online_hadamard, nn.Identity)):
+            raise ValueError(f"rotate_model_ needs an FP Mamba model; block {i} is "
+                             f"{type(block.norm).__name__}/{type(block.mixer).__name__}")
+
+
+def _fold_norm(weight: torch.Tensor, norm: RMSNorm, rotation: torch.Tensor) -> torch.Tensor:
+    """W diag(w) H in float64, and the norm's weight w set to ones."""
+    folded = (weight.double() * norm.weight.double()) @ rotation
+    norm.weight.fill_(1.0)
+    return folded
+
+
+def _untie_and_rotate_lm_head(model: MambaLMHeadModel, rotation: torch.Tensor) -> None:
+    """Give lm_head its own weight W_lm diag(w_f) H, computed before the embedding (which it may
+    share) is rotated."""
+    old = model.lm_head.weight
+    folded = _fold_norm(old, model.backbone.norm_f, rotation)
+    model.lm_head.weight = nn.Parameter(folded.to(old.dtype), requires_grad=old.requires_grad)
+
+
+def _rotate_out_proj(mixer: MambaMixer, rotation: torch.Tensor, inner_rotation: torch.Tensor):
+    out_proj = mixer.out_proj
+    _assign(out_proj.weight, rotation.T @ out_proj.weight.double() @ inner_rotation)
+    if out_proj.bias is not None:
+        _assign(out_proj.bias, out_proj.bias.double() @ rotation)
+
+
+def _assign(param: torch.Tensor, value: torch.Tensor) -> None:
+    param.copy_(value.to(param.dtype))
