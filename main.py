@@ -1,0 +1,181 @@
+"""quamba command line: load or quantize a Mamba LM, evaluate it, record the run as JSON.
+
+    python main.py state-spaces/mamba-130m --quantize --eval_zero_shot --pretrained_dir pretrained
+    python main.py quamba-mamba-130m-w8a8 --pretrained_dir pretrained --ssm_mode fp32-ssm-input \
+        --eval_zero_shot
+
+Everything happens in the library (quamba.cli_support, quamba.eval.run); this file only maps
+flags onto it. Errors in the input print ``error: <message>`` and exit with status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from quamba import SSM_MODES, QuambaError
+from quamba.cli_support import ModelRequest
+from quamba.eval.run import DEFAULT_TASKS, TESTING_LIMIT, EvalPlan, execute_run, summary_lines
+
+DEFAULT_FEWSHOT = 5
+
+
+class _Flags:
+    """Adds options to a parser and remembers their spellings: in every flag name dashes and
+    underscores are interchangeable (``--batch-size`` = ``--batch_size``)."""
+
+    def __init__(self):
+        self.canonical: dict[str, str] = {}
+
+    def add(self, container, *names, **kwargs):
+        for name in names:
+            self.canonical[_spelling_key(name)] = name
+        return container.add_argument(*names, **kwargs)
+
+    def normalize(self, argv: list[str]) -> list[str]:
+        normalized = []
+        for index, arg in enumerate(argv):
+            if arg == "--":
+                return normalized + argv[index:]
+            name, equals, value = arg.partition("=")
+            if name.startswith("--"):
+                name = self.canonical.get(_spelling_key(name), name)
+            normalized.append(name + equals + value)
+        return normalized
+
+
+def _spelling_key(flag: str) -> str:
+    return flag.replace("-", "_")
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, _Flags]:
+    parser = argparse.ArgumentParser(
+        prog="main.py", allow_abbrev=False,
+        description="Quantize Mamba language models (Quamba W8A8) and evaluate them with lm-eval "
+                    "tasks and perplexity. Dashes and underscores are interchangeable in flag names.")
+    flags = _Flags()
+    parser.add_argument("model", metavar="MODEL",
+                        help="model directory, Hub id, or the name of a saved quantized model under "
+                             "--pretrained_dir (e.g. quamba-mamba-130m-w8a8)")
+
+    group = parser.add_argument_group("model")
+    flags.add(group, "--device", help="torch device (default: cuda when present, else cpu)")
+    flags.add(group, "--dtype", choices=("fp16", "bf16", "fp32"),
+              help="float dtype (default: fp16 on cuda, fp32 on cpu)")
+    flags.add(group, "--tokenizer", help="tokenizer: Hub id, directory or tokenizer.json "
+                                         "(default: the model's own, else GPT-NeoX-20B)")
+    flags.add(group, "--backend", choices=("torch", "cuda", "auto"),
+              help="kernels for quantized ops (default auto; the environment variable "
+                   "QUAMBA_BACKEND takes precedence)")
+    flags.add(group, "--pretrained_dir", metavar="DIR",
+              help="where quantized models are saved (as quamba-<model>-w<W>a<A>) and looked up")
+    flags.add(group, "--seed", type=int, default=0, help="seed of calibration and lm-eval (default 0)")
+
+    group = parser.add_argument_group("quantization")
+    flags.add(group, "--quantize", action="store_true",
+              help="quantize MODEL; with --pretrained_dir the result is saved, and a saved model is "
+                   "reused when its recorded recipe equals the requested one")
+    flags.add(group, "--w_bits", type=int, default=8, help="weight bits (default 8)")
+    flags.add(group, "--a_bits", type=int, default=8, help="activation bits (default 8)")
+    flags.add(group, "--no_hadamard", action="store_true", help="do not rotate with Hadamard transforms")
+    flags.add(group, "--percentile_alpha", type=float, default=0.9995, metavar="A",
+              help="percentile of the SSM input and state scales (default 0.9995)")
+    flags.add(group, "--calib_data", metavar="SOURCE",
+              help="calibration text: Hub dataset id or .txt/.jsonl file "
+                   "(default: QuantConfig's, the Pile validation split)")
+    flags.add(group, "--calib_data_num", type=int, default=512, help="calibration samples (default 512)")
+    flags.add(group, "--calib_seqlen", type=int, default=512,
+              help="tokens per calibration sample (default 512)")
+    modes = group.add_mutually_exclusive_group()
+    flags.add(modes, "--ssm_mode", choices=SSM_MODES, metavar="MODE",
+              help=f"SSM dequantization mode, one of {', '.join(SSM_MODES)} (default: int8 for a "
+                   "fresh quantization, the recorded mode of a saved model; fp16 runs the FP model)")
+    flags.add(modes, "--fp32-ssm-input", dest="ssm_mode", action="store_const", const="fp32-ssm-input",
+              help="same as --ssm_mode fp32-ssm-input")
+    flags.add(modes, "--float-sim-asic-int8", dest="ssm_mode", action="store_const",
+              const="float-sim-asic-int8", help="same as --ssm_mode float-sim-asic-int8")
+
+    group = parser.add_argument_group("evaluation")
+    flags.add(group, "--eval_zero_shot", action="store_true", help="run the lm-eval tasks zero-shot")
+    flags.add(group, "--eval_few_shot", action="store_true", help="run the lm-eval tasks few-shot")
+    flags.add(group, "--fewshot", type=int, metavar="N",
+              help=f"examples per few-shot prompt (default {DEFAULT_FEWSHOT})")
+    flags.add(group, "--task_list", default=",".join(DEFAULT_TASKS),
+              help=f"comma-separated lm-eval tasks (default {','.join(DEFAULT_TASKS)})")
+    flags.add(group, "--task_data", metavar="DIR", default=os.environ.get("QUAMBA_TASK_DATA"),
+              help="read the tasks offline from this directory of JSONL files (laid out as "
+                   "../shared/data/eval); default: the environment variable QUAMBA_TASK_DATA, "
+                   "else the tasks come from the Hub")
+    flags.add(group, "--testing", action="store_true",
+              help=f"limit each task to {TESTING_LIMIT} documents (quick checks only: standard "
+                   "errors are about 5 points)")
+    flags.add(group, "--eval_ppl", action="store_true", help="measure perplexity")
+    flags.add(group, "--ppl_dataset", default="wikitext2", metavar="wikitext2|FILE",
+              help="perplexity text: wikitext2 (from --task_data when it holds "
+                   "wikitext2_test_docs.jsonl, else the Hub) or a .txt/.jsonl file (default wikitext2)")
+    flags.add(group, "--ppl_window", type=int, default=2048,
+              help="tokens per perplexity window (default 2048)")
+    flags.add(group, "--batch_size", type=int, default=16,
+              help="sequences per forward pass (default 16)")
+    flags.add(group, "--log_dir", default="logs", metavar="DIR",
+              help="directory of the run's JSON record, one new file per run (default logs)")
+    return parser, flags
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser, flags = build_parser()
+    args = parser.parse_args(flags.normalize(sys.argv[1:] if argv is None else list(argv)))
+    if args.fewshot is not None and not args.eval_few_shot:
+        parser.error("--fewshot needs --eval_few_shot")
+    evaluates = args.eval_zero_shot or args.eval_few_shot or args.eval_ppl
+    if not evaluates and not (args.quantize and args.pretrained_dir):
+        parser.error("nothing to do: give --eval_zero_shot, --eval_few_shot or --eval_ppl, "
+                     "or --quantize with --pretrained_dir to quantize and save")
+    return args
+
+
+def model_request(args: argparse.Namespace) -> ModelRequest:
+    return ModelRequest(
+        model=args.model, quantize=args.quantize, w_bits=args.w_bits, a_bits=args.a_bits,
+        hadamard=not args.no_hadamard, ssm_mode=args.ssm_mode, percentile_alpha=args.percentile_alpha,
+        calib_source=args.calib_data, calib_num_samples=args.calib_data_num,
+        calib_seqlen=args.calib_seqlen, seed=args.seed, pretrained_dir=args.pretrained_dir,
+        device=args.device, dtype=args.dtype, tokenizer=args.tokenizer, backend=args.backend)
+
+
+def eval_plan(args: argparse.Namespace) -> EvalPlan:
+    few_shot = None
+    if args.eval_few_shot:
+        few_shot = DEFAULT_FEWSHOT if args.fewshot is None else args.fewshot
+    return EvalPlan(
+        zero_shot=args.eval_zero_shot, few_shot=few_shot,
+        tasks=tuple(name.strip() for name in args.task_list.split(",") if name.strip()),
+        limit=TESTING_LIMIT if args.testing else None, perplexity=args.eval_ppl,
+        ppl_dataset=args.ppl_dataset, ppl_window=args.ppl_window, batch_size=args.batch_size,
+        task_data=args.task_data, log_dir=args.log_dir, seed=args.seed)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        record, path = execute_run(model_request(args), eval_plan(args),
+                                   {"argv": sys.argv if argv is None else argv})
+    except QuambaError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for key in ("zero_shot", "few_shot"):
+        if key in record:
+            print("\n".join(summary_lines(record[key]["results"])))
+    if "perplexity" in record:
+        ppl = record["perplexity"]
+        print(f"perplexity {ppl['dataset']}: {ppl['perplexity']:.4f} ({ppl['bits_per_byte']:.4f} bits "
+              f"per byte, {ppl['tokens']} tokens, {ppl['windows']} windows of {ppl['window']})")
+    if path is not None:
+        print(f"run record: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,205 @@
+"""Which model a run evaluates: an FP model, a freshly quantized one, or a saved quantized one.
+
+Shared by main.py and the lm-eval adapter, so both resolve names the same way. ``model`` is
+first looked up as a directory under ``pretrained_dir`` (e.g. quamba-mamba-130m-w8a8), else
+taken as a local directory or Hub id. Without ``quantize`` it is loaded as it is: FP, or
+quantized when it is a quantized checkpoint. With ``quantize`` an FP model is quantized and, when
+``pretrained_dir`` is given, saved there as :func:`saved_model_name`; a model saved there earlier
+is reused only when its recorded recipe equals the requested one, otherwise it is re-quantized
+(with a warning saying why).
+"""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from quamba.errors import ModelNotFoundError, QuambaError
+
+log = logging.getLogger("quamba")
+
+FP_MODE = "fp16"  # the SSM mode name of the unquantized model
+
+
+@dataclass
+class ModelRequest:
+    """What a run asks for. ``None`` leaves a choice to the defaults: device cuda when present,
+    fp16 on cuda and fp32 on cpu, SSM mode int8 for a fresh quantization or the recorded mode
+    of a saved one, QuantConfig's calibration source."""
+
+    model: str
+    quantize: bool = False
+    w_bits: int = 8
+    a_bits: int = 8
+    hadamard: bool = True
+    ssm_mode: str | None = None
+    percentile_alpha: float | None = 0.9995
+    calib_source: str | None = None
+    calib_num_samples: int = 512
+    calib_seqlen: int = 512
+    seed: int = 0
+    pretrained_dir: str | None = None
+    device: str | None = None
+    dtype: str | None = None
+    tokenizer: str | None = None
+    backend: str | None = None
+
+    def quant_config(self):
+        from quamba import QuantConfig
+        optional = {"calib_source": self.calib_source} if self.calib_source else {}
+        return QuantConfig(w_bits=self.w_bits, a_bits=self.a_bits, hadamard=self.hadamard,
+                           ssm_mode=self.ssm_mode or "int8", percentile_alpha=self.percentile_alpha,
+                           calib_num_samples=self.calib_num_samples, calib_seqlen=self.calib_seqlen,
+                           seed=self.seed, backend=self.backend, **optional)
+
+
+@dataclass
+class PreparedModel:
+    model: torch.nn.Module
+    tokenizer: object
+    name: str
+    layout: str
+    device: str
+    backend: str
+    how: str  # "loaded", "quantized" or "reused saved quantized model"
+    saved_to: str | None = None
+    details: dict = field(default_factory=dict)
+
+    @property
+    def quant_config(self):
+        return getattr(self.model, "quant_config", None)
+
+    @property
+    def ssm_mode(self) -> str:
+        return getattr(self.model, "ssm_mode", FP_MODE)
+
+    @property
+    def dtype(self) -> str:
+        return str(self.model.backbone.embedding.weight.dtype).replace("torch.", "")
+
+    def summary(self) -> str:
+        """The one line a run logs at its start."""
+        qcfg = self.quant_config
+        if qcfg is None:
+            bits = "unquantized"
+        else:
+            bits = f"W{qcfg.w_bits}A{qcfg.a_bits} ({'hadamard' if qcfg.hadamard else 'no hadamard'})"
+        return (f"model {self.name} ({self.layout} layout, {self.how}): {bits}, "
+                f"SSM mode {self.ssm_mode}, backend {self.backend}, {self.dtype} on {self.device}")
+
+    def to_dict(self) -> dict:
+        qcfg = self.quant_config
+        return {"name": self.name, "layout": self.layout, "how": self.how, "device": self.device,
+                "dtype": self.dtype, "backend": self.backend, "ssm_mode": self.ssm_mode,
+                "saved_to": self.saved_to, "quant_config": qcfg.to_dict() if qcfg else None,
+                "calibration": getattr(self.model, "calibration", None) or None}
+
+
+def saved_model_name(model: str, w_bits: int, a_bits: int) -> str:
+    """``quamba-<model basename>-w<W>a<A>``: the name a quantized model is saved under."""
+    basename = Path(str(model).rstrip("/")).name
+    return f"quamba-{basename}-w{w_bits}a{a_bits}"
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def prepare_model(request: ModelRequest) -> PreparedModel:
+    from quamba.ops.backend import requested_backend
+    backend = requested_backend(request.backend)
+    device = request.device or default_device()
+    source = _under_pretrained_dir(request.model, request.pretrained_dir) or request.model
+    if request.quantize and _recorded_quant_config(Path(source)) is None:
+        return _quantize_or_reuse(source, request, device, backend)
+    prepared = _load(source, request, device, backend)
+    _check_mode_fits(prepared, request)
+    return prepared
+
+
+def _under_pretrained_dir(model: str, pretrained_dir: str | None) -> str | None:
+    """``pretrained_dir/model`` when that directory exists."""
+    if not pretrained_dir or Path(model).is_absolute():
+        return None
+    candidate = Path(pretrained_dir) / model
+    return str(candidate) if candidate.is_dir() else None
+
+
+def _load(name: str, request: ModelRequest, device: str, backend: str) -> PreparedModel:
+    """An FP model or a quantized checkpoint, whichever ``name`` holds."""
+    from quamba import load_model
+    try:
+        model, tokenizer = load_model(name, dtype=request.dtype or _default_dtype(device),
+                                      device=device, tokenizer=request.tokenizer)
+    except ModelNotFoundError as exc:
+        if request.pretrained_dir:
+            raise ModelNotFoundError(
+                f"{exc} (nor is it a saved model under {request.pretrained_dir})") from None
+        raise
+    if hasattr(model, "quant_config"):
+        model.set_ssm_mode(request.ssm_mode or model.ssm_mode, backend)
+    layout = getattr(model, "source", {}).get("layout", "quamba")
+    return PreparedModel(model, tokenizer, name, layout, device, backend, "loaded")
+
+
+def _check_mode_fits(prepared: PreparedModel, request: ModelRequest) -> None:
+    qcfg = prepared.quant_config
+    if qcfg is None and request.ssm_mode not in (None, FP_MODE):
+        raise QuambaError(f"SSM mode {request.ssm_mode!r} needs a quantized model; {prepared.name} "
+                          "is an FP model (quantize it, or name a saved quantized model)")
+    if qcfg is not None and request.quantize and not qcfg.same_recipe(request.quant_config()):
+        raise QuambaError(f"{prepared.name} is already quantized with a different recipe "
+                          f"({_recipe_difference(qcfg, request.quant_config())}); "
+                          "quantize its FP model instead")
+
+
+def _quantize_or_reuse(source: str, request: ModelRequest, device: str, backend: str) -> PreparedModel:
+    """Quantize the FP model ``source``, or reuse the copy saved earlier with the same recipe."""
+    from quamba import load_model, quantize
+    wanted = request.quant_config()
+    target = (Path(request.pretrained_dir) / saved_model_name(source, request.w_bits, request.a_bits)
+              if request.pretrained_dir else None)
+    if target is not None:
+        recorded = _recorded_quant_config(target)
+        if recorded is not None and recorded.same_recipe(wanted):
+            log.info("reusing %s: it was quantized with the requested recipe", target)
+            prepared = _load(str(target), request, device, backend)
+            prepared.how = "reused saved quantized model"
+            return prepared
+        if recorded is not None:
+            log.warning("re-quantizing: %s was quantized with a different recipe (%s)", target,
+                        _recipe_difference(recorded, wanted))
+    fp_model, tokenizer = load_model(source, dtype=request.dtype or _default_dtype(device),
+                                     device=device, tokenizer=request.tokenizer)
+    if hasattr(fp_model, "quant_config"):
+        raise QuambaError(f"{source} is already a quantized model; quantize its FP model instead")
+    qmodel = quantize(fp_model, tokenizer, wanted)
+    if target is not None:
+        qmodel.save_pretrained(target)
+        log.info("saved the quantized model to %s", target)
+    return PreparedModel(qmodel, tokenizer, source, fp_model.source["layout"], device, backend,
+                         "quantized", saved_to=str(target) if target else None)
+
+
+def _recorded_quant_config(model_dir: Path):
+    """The QuantConfig recorded in a saved quantized model's config.json, or None if absent."""
+    from quamba import QuantConfig
+    try:
+        raw = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    recorded = raw.get("quantization_config") if isinstance(raw, dict) else None
+    return QuantConfig.from_dict(recorded) if isinstance(recorded, dict) else None
+
+
+def _recipe_difference(saved, wanted) -> str:
+    saved_recipe, wanted_recipe = saved.recipe(), wanted.recipe()
+    return ", ".join(f"{key} {saved_recipe.get(key)!r} vs requested {value!r}"
+                     for key, value in wanted_recipe.items() if saved_recipe.get(key) != value)
+
+
+def _default_dtype(device: str) -> str:
+    return "fp32" if str(device).startswith("cpu") else "fp16"

@@ -1,0 +1,184 @@
+"""main.py: help, flag spellings, argument errors (one line, status 2), and offline runs."""
+import importlib.util
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+TASK_DATA = SHARED_DATA / "eval"
+TOKENIZER = str(SHARED_DATA / "tokenizers" / "gpt-neox-20b" / "tokenizer.json")
+
+
+def _load_main():
+    spec = importlib.util.spec_from_file_location("quamba_main", REPO / "main.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+main = _load_main()
+
+
+@pytest.fixture(scope="module")
+def offline_env(tmp_path_factory):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+               HF_DATASETS_CACHE=str(tmp_path_factory.mktemp("hf-datasets")))
+    env.pop("QUAMBA_TASK_DATA", None)
+    return env
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from quamba.models import MambaConfig, MambaLMHeadModel, randomize_, save_model
+    model = randomize_(MambaLMHeadModel(MambaConfig(d_model=32, n_layer=2, vocab_size=50277)), seed=0)
+    return save_model(model, tmp_path_factory.mktemp("models") / "tiny-random")
+
+
+@pytest.fixture(scope="module")
+def small_task_data(tmp_path_factory):
+    """piqa, and only the first wikitext-2 test document (the whole file takes minutes on a CPU)."""
+    data_dir = tmp_path_factory.mktemp("task-data")
+    (data_dir / "piqa_validation.jsonl").write_text((TASK_DATA / "piqa_validation.jsonl").read_text())
+    first_document = (TASK_DATA / "wikitext2_test_docs.jsonl").read_text().splitlines()[0]
+    (data_dir / "wikitext2_test_docs.jsonl").write_text(first_document + "\n")
+    return data_dir
+
+
+def run_cli(args, env, cwd=None):
+    return subprocess.run([sys.executable, str(REPO / "main.py"), *map(str, args)], env=env, cwd=cwd,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_help_documents_every_flag(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main.parse_args(["--help"])
+    assert exited.value.code == 0
+    text = capsys.readouterr().out
+    parser, _ = main.build_parser()
+    for action in parser._actions:
+        assert action.help, action.dest
+        for option in action.option_strings:
+            assert option in text
+
+
+def test_dashes_and_underscores_are_interchangeable():
+    dashed = main.parse_args(["m", "--batch-size", "3", "--eval-ppl", "--ppl-window=64", "--no-hadamard",
+                              "--log-dir", "x", "--task-list", "piqa", "--eval-zero-shot",
+                              "--fp32_ssm_input"])
+    underscored = main.parse_args(["m", "--batch_size", "3", "--eval_ppl", "--ppl_window=64",
+                                   "--no_hadamard", "--log_dir", "x", "--task_list", "piqa",
+                                   "--eval_zero_shot", "--fp32-ssm-input"])
+    assert vars(dashed) == vars(underscored)
+    assert dashed.batch_size == 3 and dashed.ppl_window == 64 and dashed.ssm_mode == "fp32-ssm-input"
+
+
+def test_flags_map_onto_the_library():
+    args = main.parse_args(["m", "--quantize", "--pretrained_dir", "p", "--calib_data", "c.txt",
+                            "--calib_data_num", "16", "--eval_few_shot", "--testing",
+                            "--float-sim-asic-int8"])
+    request, plan = main.model_request(args), main.eval_plan(args)
+    assert request.quantize and request.calib_source == "c.txt" and request.calib_num_samples == 16
+    assert request.ssm_mode == "float-sim-asic-int8" and request.hadamard
+    assert plan.few_shot == main.DEFAULT_FEWSHOT and not plan.zero_shot
+    assert plan.limit == 100  # --testing
+    assert plan.tasks == main.DEFAULT_TASKS
+
+
+@pytest.mark.parametrize("argv", [
+    ["m", "--eval_ppl", "--ssm_mode", "int8", "--fp32-ssm-input"],
+    ["m", "--eval_ppl", "--fp32-ssm-input", "--float-sim-asic-int8"],
+    ["m", "--eval_ppl", "--ssm_mode", "int4"],
+    ["m", "--eval_ppl", "--batch_size", "many"],
+    ["m", "--eval-ppl", "--no-such-flag"],
+    ["m", "--fewshot", "3", "--eval_zero_shot"],
+    ["m"],  # nothing to do
+])
+def test_bad_arguments_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main.parse_args(argv)
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("main.py: error:")
+
+
+def test_missing_model_is_one_line_and_status_2(offline_env, tmp_path):
+    done = run_cli([tmp_path / "no-model", "--eval_ppl", "--log_dir", tmp_path], offline_env)
+    assert done.returncode == 2
+    missing = tmp_path / "no-model"
+    assert done.stderr.strip().splitlines() == [f"error: model directory '{missing}' does not exist"]
+
+
+def test_unknown_task_lists_the_known_ones(offline_env, model_dir, tmp_path):
+    done = run_cli([model_dir, "--eval_zero_shot", "--task_list", "piqa,nope", "--task_data", TASK_DATA,
+                    "--log_dir", tmp_path], offline_env)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: unknown task 'nope'; available: ")
+    assert "lambada_openai" in lines[0] and "winogrande" in lines[0]
+    assert not any(tmp_path.iterdir())
+
+
+def test_eval_ppl_on_the_local_wikitext_file(offline_env, model_dir, small_task_data, tmp_path):
+    done = run_cli([model_dir, "--tokenizer", TOKENIZER, "--eval-ppl", "--ppl-window", "256",
+                    "--batch-size", "4", "--log-dir", tmp_path / "logs"],
+                   dict(offline_env, QUAMBA_TASK_DATA=str(small_task_data)))
+    assert done.returncode == 0, done.stderr
+    assert "SSM mode fp16, backend" in done.stderr  # the start line
+    assert "perplexity wikitext2:" in done.stdout
+    runs = list((tmp_path / "logs").iterdir())
+    assert len(runs) == 1
+    record = json.loads(runs[0].read_text())
+    ppl = record["perplexity"]
+    assert "wikitext2_test_docs.jsonl" in ppl["source"] and ppl["window"] == 256
+    assert ppl["perplexity"] > 1 and ppl["windows"] == -(-ppl["tokens"] // 256)
+    assert record["config"]["plan"]["task_data"] == str(small_task_data)
+    assert record["quamba_version"] and "total_s" in record["timings"]
+
+
+def test_zero_shot_run_records_per_sample_correctness(model_dir, small_task_data, tmp_path, capsys,
+                                                      monkeypatch, caplog):
+    monkeypatch.setattr(main, "TESTING_LIMIT", 3)  # --testing, shortened for the test
+    import datasets
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", Path(tempfile.mkdtemp(dir=tmp_path)))
+    status = main.main([str(model_dir), "--tokenizer", TOKENIZER, "--eval_zero_shot", "--testing",
+                        "--task_list", "piqa", "--task_data", str(small_task_data), "--batch_size", "2",
+                        "--log_dir", str(tmp_path / "logs")])
+    assert status == 0
+    out = capsys.readouterr().out
+    assert "piqa: acc " in out and "±" in out
+    record = json.loads(next((tmp_path / "logs").iterdir()).read_text())
+    per_sample = record["zero_shot"]["per_sample"]["piqa"]
+    assert per_sample["doc_id"] == [0, 1, 2] and set(per_sample["acc,none"]) <= {0, 1}
+    assert record["config"]["plan"]["limit"] == 3
+    assert "each task is limited to 3 documents" in caplog.text
+
+
+def test_quantize_saves_and_a_later_run_reuses_it_by_name(model_dir, tmp_path, capsys, caplog):
+    pretrained = tmp_path / "pretrained"
+    calibration = ["--calib_data", SHARED_DATA / "text" / "tinyshakespeare.txt", "--calib_data_num", "4",
+                   "--calib_seqlen", "32"]
+    assert main.main([str(a) for a in [model_dir, "--tokenizer", TOKENIZER, "--quantize",
+                                       "--pretrained_dir", pretrained, *calibration]]) == 0
+    saved = pretrained / "quamba-tiny-random-w8a8"
+    assert (saved / "config.json").is_file()
+    text = tmp_path / "text.txt"
+    text.write_text("To be, or not to be, that is the question. " * 5)
+    caplog.clear()
+    caplog.set_level(logging.INFO, logger="quamba")
+    assert main.main([str(a) for a in ["quamba-tiny-random-w8a8", "--pretrained_dir", pretrained,
+                                       "--fp32-ssm-input", "--eval_ppl", "--ppl_dataset", text,
+                                       "--ppl_window", "32", "--log_dir", tmp_path / "logs"]]) == 0
+    assert "W8A8 (hadamard), SSM mode fp32-ssm-input" in caplog.text
+    record = json.loads(next((tmp_path / "logs").iterdir()).read_text())
+    assert record["model"]["ssm_mode"] == "fp32-ssm-input"
+    assert record["model"]["quant_config"]["calib_num_samples"] == 4
+    assert record["perplexity"]["dataset"] == str(text)
