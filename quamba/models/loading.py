@@ -44,14 +44,16 @@ def parse_dtype(dtype) -> torch.dtype:
 
 def resolve_model_dir(name_or_path: str | os.PathLike) -> Path:
     """A local directory as is, or a Hub repository id downloaded (or found in the cache)."""
-    path = Path(os.path.expanduser(str(name_or_path)))
+    name = str(name_or_path)
+    if not name.strip():  # Path("") is the current directory
+        raise ModelNotFoundError("model name or path is empty")
+    path = Path(os.path.expanduser(name))
     if path.is_dir():
         return path
     if path.exists():
-        raise ModelNotFoundError(f"model path {str(name_or_path)!r} is a file, not a model directory")
-    name = str(name_or_path)
+        raise ModelNotFoundError(f"model path {name!r} is a file, not a model directory")
     looks_like_path = name.startswith((".", "/", "~")) or name.count("/") > 1 or os.sep + os.sep in name
-    if looks_like_path or not name.strip():
+    if looks_like_path:
         raise ModelNotFoundError(f"model directory {name!r} does not exist")
     return _download(name)
 
@@ -122,9 +124,9 @@ def read_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
 def _index_files(index_path: Path) -> list[Path]:
     try:
         weight_map = json.loads(index_path.read_text())["weight_map"]
-    except (json.JSONDecodeError, KeyError, TypeError):
+        files = [index_path.parent / f for f in sorted(set(weight_map.values()))]
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
         raise CheckpointError(f"{index_path} is not a valid shard index") from None
-    files = [index_path.parent / f for f in sorted(set(weight_map.values()))]
     missing = [f.name for f in files if not f.is_file()]
     if missing:
         raise CheckpointError(f"{index_path} names missing shard file {missing[0]}")

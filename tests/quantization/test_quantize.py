@@ -101,7 +101,10 @@ def test_decode_steps_follow_prefill(qmodel, held_out_ids, mode):
         steps = [qmodel(ids[:, :24], cache=cache)]
         steps += [qmodel(ids[:, t:t + 1], cache=cache) for t in range(24, 40)]
     qmodel.set_ssm_mode("int8")
-    assert top1_agreement(torch.cat(steps, 1), full) >= 0.95
+    steps = torch.cat(steps, 1)
+    assert torch.equal(steps[:, :24], full[:, :24])
+    # decode requantizes the int8 SSM state every step; the prefill scan keeps it in fp32
+    assert top1_agreement(steps[:, 24:], full[:, 24:]) >= 0.85
 
 
 def test_generate_on_quantized_model(qmodel, fp_model):

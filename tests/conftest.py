@@ -1,0 +1,43 @@
+"""Settings and paths shared by every quamba test.
+
+Tests never reach the Hugging Face Hub. The offline switches are set when this file is imported,
+before any test module imports huggingface_hub, transformers or datasets (they read them at
+import time), and the datasets cache goes to a temporary directory removed at the end.
+"""
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SHARED_DATA_DIR = REPO_ROOT.parent / "shared" / "data"  # the repo is cloned next to shared/
+TINY_MODEL_DIR = REPO_ROOT / "tests" / "fixtures" / "tiny-mamba"
+
+_DATASETS_CACHE = tempfile.mkdtemp(prefix="quamba-tests-datasets-")
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+os.environ["HF_DATASETS_CACHE"] = _DATASETS_CACHE
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(_DATASETS_CACHE, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    return REPO_ROOT
+
+
+@pytest.fixture(scope="session")
+def shared_data_dir() -> Path:
+    if not SHARED_DATA_DIR.is_dir():
+        pytest.fail(f"offline data not found at {SHARED_DATA_DIR}: clone shared/ next to the repository")
+    return SHARED_DATA_DIR
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir() -> Path:
+    """The trained test model (scripts/train_tiny_mamba.py writes it)."""
+    return TINY_MODEL_DIR

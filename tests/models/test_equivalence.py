@@ -1,0 +1,126 @@
+"""quamba's Mamba1 LM against transformers' MambaForCausalLM on the same random weights, and
+decoding (cache, generate, sampling) against the full forward pass."""
+import pytest
+import torch
+from transformers import MambaForCausalLM
+
+from quamba.models import MambaConfig, MambaLMHeadModel, load_model, randomize_, save_model
+from quamba.models.generation import sample_next
+
+CONFIGS = {
+    "d64": dict(d_model=64, n_layer=2, vocab_size=100, d_state=8),
+    "d64-residual-in-model-dtype": dict(d_model=64, n_layer=2, vocab_size=100, d_state=8,
+                                        residual_in_fp32=False),
+    "d192": dict(d_model=192, n_layer=2, vocab_size=300, d_state=16),
+}
+LAYOUTS = ("transformers", "mamba_ssm")
+
+
+def max_relative_error(actual, expected) -> float:
+    """Largest absolute difference relative to the largest magnitude of ``expected``."""
+    return ((actual.float() - expected.float()).abs().max() / expected.float().abs().max()).item()
+
+
+def random_ids(config: MambaConfig, batch: int, seqlen: int, seed: int = 0):
+    return torch.randint(0, config.vocab_size, (batch, seqlen), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def saved(request, tmp_path_factory):
+    """A randomized model and a directory holding it in both Hub layouts (one subdirectory each)."""
+    config = MambaConfig(**CONFIGS[request.param])
+    model = randomize_(MambaLMHeadModel(config), seed=0).eval()
+    root = tmp_path_factory.mktemp(request.param)
+    for layout in LAYOUTS:
+        save_model(model, root / layout, layout=layout)
+    return model, root
+
+
+@pytest.fixture(scope="module")
+def hf_model(saved):
+    _, root = saved
+    return MambaForCausalLM.from_pretrained(root / "transformers", dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("batch, seqlen", [(1, 1), (3, 13)])
+def test_logits_match_transformers(saved, hf_model, layout, batch, seqlen):
+    model, root = saved
+    ours, _ = load_model(root / layout, tokenizer=False)
+    assert ours.source["layout"] == layout
+    ids = random_ids(model.config, batch, seqlen)
+    with torch.no_grad():
+        expected = hf_model(ids).logits
+        got = ours(ids)
+    assert got.shape == expected.shape
+    assert max_relative_error(got, expected) <= 1e-4
+
+
+@pytest.mark.parametrize("prefill_len", [1, 2, 6])
+def test_decode_steps_reproduce_full_forward(saved, prefill_len):
+    """A prefill then one token at a time gives, position by position, the full forward's logits
+    (prefills shorter than the conv width exercise the zero-padded conv state)."""
+    model, _ = saved
+    ids = random_ids(model.config, 2, 11, seed=1)
+    with torch.no_grad():
+        full = model(ids)
+        cache = model.allocate_cache(2)
+        prefill = model(ids[:, :prefill_len], cache=cache)
+        assert max_relative_error(prefill, full[:, :prefill_len]) <= 1e-5
+        for t in range(prefill_len, ids.shape[1]):
+            step = model(ids[:, t:t + 1], cache=cache)
+            assert max_relative_error(step[:, 0], full[:, t]) <= 1e-4, f"position {t}"
+    assert cache.seqlen_offset == ids.shape[1]
+
+
+def test_greedy_generate_matches_transformers(saved, hf_model):
+    model, _ = saved
+    prompt = random_ids(model.config, 2, 5, seed=2)
+    ours = model.generate(prompt, max_new_tokens=10)
+    expected = hf_model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=10,
+                                 do_sample=False)
+    assert torch.equal(ours, expected)
+
+
+@pytest.mark.parametrize("sampling", [dict(top_k=5, temperature=0.8), dict(top_k=0, top_p=0.9)])
+def test_sampling_is_reproducible_with_a_seeded_generator(saved, sampling):
+    model, _ = saved
+    prompt = random_ids(model.config, 2, 4, seed=3)
+    runs = [model.generate(prompt, max_new_tokens=8, eos_token_id=-1,
+                           generator=torch.Generator().manual_seed(7), **sampling) for _ in range(2)]
+    assert torch.equal(runs[0], runs[1])
+    assert runs[0].shape == (2, 12)
+
+
+def test_top_k_samples_only_the_k_most_likely_tokens():
+    logits = torch.tensor([[0.1, 2.0, -1.0, 1.5, 0.0, 1.8]]).repeat(3000, 1)
+    picked = sample_next(logits, temperature=1.0, top_k=3, generator=torch.Generator().manual_seed(0))
+    assert set(picked.tolist()) == {1, 3, 5}
+
+
+def test_top_p_samples_only_the_nucleus():
+    # probabilities 0.5, 0.3, 0.1, 0.05, 0.05: with top_p 0.75 the nucleus is {0, 1}
+    logits = torch.tensor([[0.5, 0.3, 0.1, 0.05, 0.05]]).log().repeat(3000, 1)
+    picked = sample_next(logits, temperature=1.0, top_k=0, top_p=0.75,
+                         generator=torch.Generator().manual_seed(0))
+    assert set(picked.tolist()) == {0, 1}
+
+
+def test_greedy_when_top_k_is_one_or_temperature_zero():
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(sample_next(logits, top_k=1), logits.argmax(-1))
+    assert torch.equal(sample_next(logits, temperature=0, top_k=10), logits.argmax(-1))
+
+
+@pytest.mark.parametrize("dtype, torch_dtype, tolerance", [("fp16", torch.float16, 1e-2),
+                                                          ("bf16", torch.bfloat16, 5e-2)])
+def test_half_precision_forward_is_close_to_fp32(saved, dtype, torch_dtype, tolerance):
+    model, root = saved
+    half, _ = load_model(root / "transformers", dtype=dtype, tokenizer=False)
+    assert all(m.A_log.dtype == torch.float32 and m.D.dtype == torch.float32 for m in half.mixers())
+    ids = random_ids(model.config, 2, 9, seed=4)
+    with torch.no_grad():
+        got = half(ids)
+        expected = model(ids)
+    assert got.dtype == torch_dtype
+    assert max_relative_error(got, expected) <= tolerance

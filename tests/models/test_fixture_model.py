@@ -1,0 +1,73 @@
+"""The trained test model in tests/fixtures/tiny-mamba (written by scripts/train_tiny_mamba.py)."""
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import quamba
+
+MAX_FIXTURE_BYTES = 8_000_000
+EVAL_WINDOW = 1024  # as in the training report
+EVAL_WINDOWS = 2
+
+
+@pytest.fixture(scope="module")
+def report(tiny_model_dir) -> dict:
+    return json.loads((tiny_model_dir / "training_report.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_model_dir):
+    return quamba.load_model(tiny_model_dir)
+
+
+def heldout_windows(tokenizer, wikitext_path, count: int) -> torch.Tensor:
+    """The first ``count`` 1024-token windows of wikitext-2 test, tokenized as the training script
+    does (every document preceded by <|endoftext|>)."""
+    ids = []
+    with open(wikitext_path, encoding="utf-8") as f:
+        for line in f:
+            ids += [tokenizer.eos_token_id] + tokenizer(json.loads(line)["page"])["input_ids"]
+            if len(ids) >= count * EVAL_WINDOW:
+                break
+    return torch.tensor(ids[:count * EVAL_WINDOW]).view(count, EVAL_WINDOW)
+
+
+def test_loads_by_path_relative_to_the_repo_root(repo_root, monkeypatch, report):
+    monkeypatch.chdir(repo_root)
+    model, tokenizer = quamba.load_model("tests/fixtures/tiny-mamba")
+    assert model.source["layout"] == "transformers"
+    assert (model.config.d_model, model.config.n_layer, model.config.d_inner) == (192, 4, 384)
+    assert model.config.padded_vocab_size == len(tokenizer) == report["config"]["vocab_size"] == 4096
+    assert tokenizer.eos_token_id == tokenizer.bos_token_id == 0
+    assert tokenizer.convert_tokens_to_ids("<|padding|>") == 1
+
+
+def test_fixture_is_small(tiny_model_dir):
+    size = sum(f.stat().st_size for f in tiny_model_dir.rglob("*") if f.is_file())
+    assert size <= MAX_FIXTURE_BYTES
+
+
+def test_generate_produces_text(loaded):
+    model, tokenizer = loaded
+    prompt = tokenizer("The history of the city", return_tensors="pt")["input_ids"]
+    output = model.generate(prompt, max_new_tokens=20)
+    text = tokenizer.decode(output[0, prompt.shape[1]:], skip_special_tokens=True)
+    assert text.strip()
+
+
+def test_report_shows_the_model_beats_the_unigram_baseline(report):
+    heldout = report["heldout"]
+    assert heldout["perplexity"] < heldout["unigram_add_one_perplexity"] / 2
+
+
+def test_heldout_perplexity_is_below_the_unigram_baseline(loaded, report, shared_data_dir):
+    model, tokenizer = loaded
+    windows = heldout_windows(tokenizer, shared_data_dir / "eval" / "wikitext2_test_docs.jsonl",
+                              EVAL_WINDOWS)
+    with torch.inference_mode():
+        logits = model(windows[:, :-1])
+    nll = F.cross_entropy(logits.flatten(0, 1).float(), windows[:, 1:].flatten())
+    assert math.exp(nll.item()) < report["heldout"]["unigram_add_one_perplexity"]
