@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from quamba.errors import CheckpointError, ModelNotFoundError
+from quamba.errors import CheckpointError, ModelNotFoundError, QuambaError
 from quamba.models.config import ConfigError, MambaConfig
 from quamba.models.mamba import MambaLMHeadModel
 
@@ -38,7 +38,7 @@ def parse_dtype(dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype not in _DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; use fp32, fp16 or bf16")
+        raise QuambaError(f"unknown dtype {dtype!r}; use fp32, fp16 or bf16")
     return _DTYPES[dtype]
 
 
@@ -196,7 +196,9 @@ def load_tokenizer(model_dir: Path | None, tokenizer=None):
     try:
         return AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError) as exc:
-        raise ModelNotFoundError(f"cannot load tokenizer {source!r}: {str(exc).splitlines()[0]}") from None
+        hint = " (pass tokenizer= a directory, Hub id or tokenizer.json)" if tokenizer is None else ""
+        raise ModelNotFoundError(f"cannot load tokenizer {source!r}{hint}: "
+                                 f"{str(exc).splitlines()[0]}") from None
 
 
 def load_model(name_or_path, dtype="fp32", device="cpu", tokenizer=None):

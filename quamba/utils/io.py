@@ -17,6 +17,7 @@ def atomic_directory(target):
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it owner-only; a saved model is not secret
     try:
         yield tmp
         if target.exists():
@@ -31,12 +32,19 @@ def atomic_directory(target):
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write_text(path, text: str) -> Path:
     """Write ``text`` to ``path`` through a temporary file in the same directory and a rename."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes it owner-only
         with os.fdopen(fd, "w") as f:
             f.write(text)
             f.flush()

@@ -1,21 +1,12 @@
-"""Offline Hugging Face settings (set before `datasets` is imported, which reads them once), the
-offline task data, the GPT-NeoX tokenizer and a small random model saved in the Hub layout."""
-import atexit
-import os
+"""The offline task data, the GPT-NeoX tokenizer and a small random model saved in the Hub layout
+(the offline Hugging Face settings are in tests/conftest.py)."""
 import shutil
-import tempfile
 from pathlib import Path
 
 import pytest
 
-os.environ["HF_HUB_OFFLINE"] = "1"
-os.environ["HF_DATASETS_OFFLINE"] = "1"
-_DATASETS_CACHE = tempfile.mkdtemp(prefix="quamba-test-hf-datasets-")
-os.environ["HF_DATASETS_CACHE"] = _DATASETS_CACHE
-atexit.register(shutil.rmtree, _DATASETS_CACHE, True)  # also after a collection-only run
-
-from quamba.models import MambaConfig, MambaLMHeadModel, randomize_, save_model  # noqa: E402
-from quamba.models.loading import load_tokenizer  # noqa: E402
+from quamba.models import MambaConfig, MambaLMHeadModel, randomize_, save_model
+from quamba.models.loading import load_tokenizer
 
 SHARED_DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
 TASK_DATA = SHARED_DATA / "eval"
