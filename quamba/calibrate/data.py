@@ -81,10 +81,18 @@ def _check_positive(**values):
 
 def _shuffled_documents(source, tokenizer, needed: int, seed: int):
     """(label, iterator over the token ids of each document in shuffled order)."""
-    import datasets
     generator = torch.Generator().manual_seed(seed)
     if source is None:
         source = DEFAULT_SOURCE
+    if isinstance(source, (list, tuple)) and all(isinstance(text, str) for text in source):
+        texts = source
+        return f"list of {len(texts)} texts", _permuted(len(texts), lambda rows: [texts[i] for i in rows],
+                                                         tokenizer, generator)
+    if isinstance(source, os.PathLike) or (isinstance(source, str) and _looks_local(source)):
+        texts = _read_local(str(source))
+        return str(source), _permuted(len(texts), lambda rows: [texts[i] for i in rows], tokenizer,
+                                      generator)
+    import datasets  # only for Hub ids and dataset objects: local sources work without it
     if isinstance(source, datasets.IterableDataset):
         label = "datasets.IterableDataset"
         return label, _pooled(_row_texts(source), tokenizer, needed, generator, label)
@@ -94,18 +102,12 @@ def _shuffled_documents(source, tokenizer, needed: int, seed: int):
         text_only = source.select_columns([column])
         return label, _permuted(len(source), lambda rows: text_only[rows][column], tokenizer,
                                 generator)
-    if isinstance(source, str) and not _looks_local(source):
+    if isinstance(source, str):
         label, stream = _open_hub_stream(source)
         return label, _pooled(_row_texts(stream), tokenizer, needed, generator, label)
-    if isinstance(source, (str, os.PathLike)):
-        label, texts = str(source), _read_local(str(source))
-    elif isinstance(source, (list, tuple)) and all(isinstance(text, str) for text in source):
-        label, texts = f"list of {len(source)} texts", source
-    else:
-        raise CalibrationError(
-            f"unknown calibration source of type {type(source).__name__}: give a dataset id, a "
-            ".txt/.jsonl path, a list of strings or a datasets.Dataset")
-    return label, _permuted(len(texts), lambda rows: [texts[i] for i in rows], tokenizer, generator)
+    raise CalibrationError(
+        f"unknown calibration source of type {type(source).__name__}: give a dataset id, a "
+        ".txt/.jsonl path, a list of strings or a datasets.Dataset")
 
 
 def _permuted(count: int, fetch: Callable[[list[int]], list], tokenizer, generator):
