@@ -1,0 +1,150 @@
+"""Helpers shared by the benchmarks/bench_*.py scripts: GPU timing, the device's copy bandwidth,
+run metadata, a plain-text table and the JSON result file.
+
+Timing is the median of ``triton.testing.do_bench`` (CUDA events, L2 flushed before every
+repetition, so weights are read from device memory as in a real model step), or of CUDA events
+around each call with the same flush where Triton is missing.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+from typing import Callable, Iterable, Sequence
+
+import torch
+
+L2_FLUSH_BYTES = 256 << 20
+
+
+def parse_args(description: str, extra: Callable[[argparse.ArgumentParser], None] | None = None):
+    """Command line of a benchmark: --out (JSON path), --quick (fewer repetitions), and extras."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--out", help="write the results as JSON to this path")
+    parser.add_argument("--quick", action="store_true", help="shorter timing runs (a smoke test)")
+    if extra:
+        extra(parser)
+    return parser.parse_args()
+
+
+def time_ms(fn: Callable[[], object], warmup_ms: float = 25, rep_ms: float = 100) -> float:
+    """Median GPU time of one call of ``fn`` in milliseconds (L2 flushed before each call)."""
+    try:
+        from triton.testing import do_bench
+    except ImportError:
+        return _time_with_events(fn, warmup_ms, rep_ms)
+    return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def _time_with_events(fn, warmup_ms, rep_ms) -> float:
+    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device="cuda")
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    estimate = max(start.elapsed_time(end), 1e-3)
+    times = []
+    for i in range(max(int((warmup_ms + rep_ms) / estimate), 10)):
+        flush.zero_()
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        if i * estimate >= warmup_ms:
+            times.append(start.elapsed_time(end))
+    return statistics.median(times or [start.elapsed_time(end)])
+
+
+def time_graph_ms(make_call: Callable[[int], Callable[[], object]], bytes_per_call: int,
+                  replays: int = 30, l2_multiple: int = 3, max_copies: int = 256) -> float:
+    """Median GPU time in ms of one call. ``make_call(i)`` returns a call on the i-th copy of the
+    operands (allocated by it); enough copies are made that together they exceed L2 ``l2_multiple``
+    times."""
+    l2_bytes = torch.cuda.get_device_properties(0).L2_cache_size
+    copies = min(max(2, -(-l2_multiple * l2_bytes // max(bytes_per_call, 1))), max_copies)
+    calls = [make_call(i) for i in range(copies)]
+    for call in calls:  # warm-up outside the capture: handles, workspaces, kernel attributes
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / copies)
+    return statistics.median(times)
+
+
+def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy bandwidth in GB/s, counting the bytes read plus the bytes written."""
+    src = torch.empty(nbytes, dtype=torch.int8, device="cuda").random_(-128, 127)
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), warmup_ms=50, rep_ms=200)
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def git_commit() -> str:
+    """Short commit of the checkout; $QUAMBA_COMMIT where the copy has no .git (the GPU machine)."""
+    if os.environ.get("QUAMBA_COMMIT"):
+        return os.environ["QUAMBA_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True, cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def run_metadata() -> dict:
+    """Device, software and commit of this run."""
+    props = torch.cuda.get_device_properties(0)
+    return {
+        "device": props.name,
+        "capability": f"{props.major}.{props.minor}",
+        "multiprocessors": props.multi_processor_count,
+        "memory_gib": round(props.total_memory / 2**30, 1),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "commit": git_commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+
+
+def format_table(rows: Sequence[dict], columns: Iterable[str], title: str | None = None) -> str:
+    """Rows of dicts as an aligned text table (floats to 3 significant digits, '-' where missing)."""
+    columns = list(columns)
+    cells = [[_format_cell(row.get(col)) for col in columns] for row in rows]
+    widths = [max([len(col)] + [len(r[i]) for r in cells]) for i, col in enumerate(columns)]
+    lines = [title] if title else []
+    lines.append("  ".join(col.rjust(w) for col, w in zip(columns, widths)))
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(cell.rjust(w) for cell, w in zip(r, widths)) for r in cells]
+    return "\n".join(lines)
+
+
+def _format_cell(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
+    return str(value)
+
+
+def write_json(path: str | None, payload: dict) -> None:
+    if not path:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2)

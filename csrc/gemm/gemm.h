@@ -1,0 +1,48 @@
+// W8A8 GEMM / GEMV launchers: out[m, n] = epilogue(sum_k x[m, k] * w[n, k]).
+//
+// x is int8 [M, K] and w int8 [N, K], both K-contiguous (w is the column-major B operand); the
+// int32 accumulator is exact. The epilogue follows quamba/ops/quant.py: fp32(acc) * multiplier
+// (one number, or one per output channel n), then either round-half-even and saturate to
+// [-127, 127] for an int8 output, or + bias (fp32, optional) and a round-to-nearest cast for a
+// float output. Inputs are checked by the op (w8a8_linear.cpp) before any launcher runs.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+namespace quamba::gemm {
+
+enum class OutType { kInt8, kFloat16, kBFloat16, kFloat32 };
+
+struct GemmArgs {
+  const int8_t* x;
+  const int8_t* w;
+  void* out;  // [M, N] row-major, of out_type
+  int M, N, K;
+  OutType out_type;
+  float multiplier;                     // used when multiplier_per_channel is null
+  const float* multiplier_per_channel;  // [N] or null
+  const float* bias;                    // [N] or null; float outputs only
+  cudaStream_t stream;
+};
+
+// Decode GEMV: M <= kGemvMaxM. rows (1, 2 or 4 weight rows per warp with dp4a, 8 with tensor
+// cores) and splits (1, 2 or 4 warps sharing one row group's K range); 0 picks them from the shape.
+constexpr int kGemvMaxM = 8;
+void launch_gemv(const GemmArgs& args, int rows = 0, int splits = 0);
+
+// Tensor-core GEMM with mma.sync (sm_80 and newer): any M, N; K % 16 == 0.
+void launch_gemm_mma(const GemmArgs& args);
+
+// CUTLASS 3.x wgmma GEMM for sm_90a: int8/fp16/bf16 out; needs 16-byte aligned rows of out.
+// config is in 0..kSm90Configs-1 (listed in gemm_sm90.cuh); -1 picks one from the shape.
+constexpr int kSm90Configs = 5;
+bool gemm_sm90_compiled();
+int gemm_sm90_num_configs();
+void launch_gemm_sm90(const GemmArgs& args, int config = -1);
+
+// Fails with a clear message when this binary holds no machine code (nor PTX) for the device.
+void check_kernel_image(const void* kernel, const char* name);
+
+}  // namespace quamba::gemm

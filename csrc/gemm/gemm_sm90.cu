@@ -1,0 +1,59 @@
+// Entry to the CUTLASS sm_90a W8A8 GEMM: checks the device and picks a tile configuration.
+#include <ATen/cuda/CUDAContextLight.h>
+#include <c10/util/Exception.h>
+
+#include "gemm/gemm.h"
+
+namespace quamba::gemm {
+
+#ifdef QUAMBA_HAS_SM90A
+namespace sm90 {
+void run_int8(const GemmArgs& args, int config);
+void run_fp16(const GemmArgs& args, int config);
+void run_bf16(const GemmArgs& args, int config);
+}  // namespace sm90
+
+namespace {
+
+// Chosen by measurement on the H200 (benchmarks/RESULTS.md): 128x64 tiles for narrow N, where
+// stream-K was no faster; for a long K with too few 128x128 tiles for two full waves, larger
+// tiles in one wave; else 128x128 pingpong.
+int choose_config(int M, int N, int K) {
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int64_t tiles = static_cast<int64_t>((M + 127) / 128) * ((N + 127) / 128);
+  if (N <= 256) return 1;
+  if (K >= 1024 && tiles < 2 * sms) return 4;
+  return 0;
+}
+
+}  // namespace
+
+bool gemm_sm90_compiled() { return true; }
+int gemm_sm90_num_configs() { return kSm90Configs; }
+
+void launch_gemm_sm90(const GemmArgs& a, int config) {
+  const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
+  TORCH_CHECK(prop->major == 9 && prop->minor == 0, "w8a8 GEMM (CUTLASS sm90) runs on compute capability 9.0 only, "
+              "this GPU is ", prop->major, ".", prop->minor);
+  if (config < 0) config = choose_config(a.M, a.N, a.K);
+  switch (a.out_type) {
+    case OutType::kInt8: sm90::run_int8(a, config); break;
+    case OutType::kFloat16: sm90::run_fp16(a, config); break;
+    case OutType::kBFloat16: sm90::run_bf16(a, config); break;
+    case OutType::kFloat32: TORCH_CHECK(false, "w8a8 GEMM (CUTLASS sm90): out must be int8, float16 or bfloat16");
+  }
+}
+
+#else
+
+bool gemm_sm90_compiled() { return false; }
+int gemm_sm90_num_configs() { return 0; }
+
+void launch_gemm_sm90(const GemmArgs&, int) {
+  TORCH_CHECK(false, "w8a8 GEMM (CUTLASS sm90): quamba._C was built without sm_90a; rebuild with "
+              "TORCH_CUDA_ARCH_LIST including 9.0a");
+}
+
+#endif
+
+}  // namespace quamba::gemm

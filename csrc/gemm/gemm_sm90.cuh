@@ -1,0 +1,166 @@
+// CUTLASS 3.x W8A8 GEMM for sm_90a (wgmma, TMA, warp-specialized), templated on the output type
+// and the tile configuration. The epilogue is an EVT: fp32(acc) * per-column multiplier
+// (+ per-column bias) for a float output, or round-half-even and saturation to [-127, 127] for
+// int8. A null multiplier/bias pointer broadcasts the scalar null_default instead of a vector.
+// Included only by the gemm_sm90_*.cu files, whose code is compiled only when sm_90a is targeted.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContextLight.h>
+#include <c10/util/Exception.h>
+
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/epilogue/fusion/sm90_callbacks_tma_warpspecialized.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "cutlass/util/packed_stride.hpp"
+
+#include "gemm/gemm.h"
+
+namespace quamba::gemm::sm90 {
+
+using namespace cute;
+using cutlass::epilogue::fusion::Sm90AccFetch;
+using cutlass::epilogue::fusion::Sm90Compute;
+using cutlass::epilogue::fusion::Sm90EVT;
+using cutlass::epilogue::fusion::Sm90RowBroadcast;
+
+// Element-wise compute functions for Sm90Compute (called on Array<float, N> fragments). The _rn
+// intrinsics keep the multiply and add unfused, as in the torch reference.
+template <class T>
+struct ScaleBias {
+  CUTLASS_HOST_DEVICE T operator()(T const& acc, T const& mul, T const& bias) const {
+    T out;
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < int(out.size()); ++i) out[i] = __fadd_rn(__fmul_rn(acc[i], mul[i]), bias[i]);
+    return out;
+  }
+};
+
+template <class T>
+struct ScaleRequant {
+  CUTLASS_HOST_DEVICE T operator()(T const& acc, T const& mul) const {
+    T out;
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < int(out.size()); ++i)
+      out[i] = fminf(fmaxf(rintf(__fmul_rn(acc[i], mul[i])), -127.f), 127.f);
+    return out;
+  }
+};
+
+template <class TileShape>
+using ColumnVector = Sm90RowBroadcast<0, TileShape, float>;  // one value per output column n
+
+template <class ElementOut, class TileShape>
+using Fusion = cute::conditional_t<
+    cute::is_same_v<ElementOut, int8_t>,
+    Sm90EVT<Sm90Compute<ScaleRequant, int8_t, float, cutlass::FloatRoundStyle::round_to_nearest>,
+            Sm90AccFetch, ColumnVector<TileShape>>,
+    Sm90EVT<Sm90Compute<ScaleBias, ElementOut, float, cutlass::FloatRoundStyle::round_to_nearest>,
+            Sm90AccFetch, ColumnVector<TileShape>, ColumnVector<TileShape>>>;
+
+template <class ElementOut, class TileShape, class ClusterShape, class KernelSchedule, class EpilogueSchedule,
+          class TileScheduler = void>
+struct Config {
+  static constexpr int kAlignOut = 16 / sizeof(ElementOut);
+
+  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, int32_t, float,
+      void, cutlass::layout::RowMajor, kAlignOut,  // no C operand
+      ElementOut, cutlass::layout::RowMajor, kAlignOut,
+      EpilogueSchedule, Fusion<ElementOut, TileShape>>::CollectiveOp;
+
+  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
+      int8_t, cutlass::layout::RowMajor, 16,     // x [M, K]
+      int8_t, cutlass::layout::ColumnMajor, 16,  // w [N, K] is B [K, N] column-major
+      int32_t, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<
+          static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
+      KernelSchedule>::CollectiveOp;
+
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, CollectiveMainloop,
+                                                      CollectiveEpilogue, TileScheduler>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+};
+
+// Children first, then the node: {acc, multiplier[, bias], compute}.
+template <class C, class ElementOut>
+typename C::CollectiveEpilogue::FusionCallbacks::Arguments fusion_arguments(const GemmArgs& a) {
+  if constexpr (cute::is_same_v<ElementOut, int8_t>) {
+    return {{}, {a.multiplier_per_channel, a.multiplier}, {}};
+  } else {
+    return {{}, {a.multiplier_per_channel, a.multiplier}, {a.bias, 0.f}, {}};
+  }
+}
+
+inline void check_status(cutlass::Status status, const char* what) {
+  TORCH_CHECK(status == cutlass::Status::kSuccess, "w8a8 GEMM (CUTLASS sm90): ", what, " failed: ",
+              cutlassGetStatusString(status));
+}
+
+template <class C, class ElementOut>
+void run(const GemmArgs& a) {
+  using Gemm = typename C::Gemm;
+  using Kernel = typename C::Kernel;
+  const auto stride_x = cutlass::make_cute_packed_stride(typename Kernel::StrideA{}, make_shape(a.M, a.K, 1));
+  const auto stride_w = cutlass::make_cute_packed_stride(typename Kernel::StrideB{}, make_shape(a.N, a.K, 1));
+  const auto stride_c = cutlass::make_cute_packed_stride(typename Kernel::StrideC{}, make_shape(a.M, a.N, 1));
+  const auto stride_d = cutlass::make_cute_packed_stride(typename Kernel::StrideD{}, make_shape(a.M, a.N, 1));
+
+  cutlass::KernelHardwareInfo hw_info;
+  hw_info.device_id = c10::cuda::current_device();
+  hw_info.sm_count = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+
+  typename Gemm::Arguments args{
+      cutlass::gemm::GemmUniversalMode::kGemm,
+      {a.M, a.N, a.K, 1},
+      {a.x, stride_x, a.w, stride_w},
+      {fusion_arguments<C, ElementOut>(a), nullptr, stride_c, static_cast<ElementOut*>(a.out), stride_d},
+      hw_info};
+
+  Gemm gemm;
+  check_status(gemm.can_implement(args), "can_implement");
+  // Stream-K keeps partial accumulators of the tiles it splits along K in a workspace.
+  const size_t workspace_bytes = Gemm::get_workspace_size(args);
+  at::Tensor workspace;
+  if (workspace_bytes > 0)
+    workspace = at::empty({static_cast<int64_t>(workspace_bytes)},
+                          at::TensorOptions().dtype(at::kByte).device(at::kCUDA, hw_info.device_id));
+  check_status(gemm.initialize(args, workspace_bytes ? workspace.data_ptr() : nullptr, a.stream), "initialize");
+  check_status(gemm.run(a.stream), "run");
+}
+
+}  // namespace quamba::gemm::sm90
+
+namespace quamba::gemm::sm90 {
+
+using Pingpong = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
+using PingpongEpilogue = cutlass::epilogue::TmaWarpSpecialized;
+using Cooperative = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
+using CooperativeEpilogue = cutlass::epilogue::TmaWarpSpecializedCooperative;
+using StreamK = cutlass::gemm::StreamKScheduler;
+
+// The configurations the dispatcher (gemm_sm90.cu) chooses from (kSm90Configs of them).
+// 0: many tiles (method.md: 2x fp16 on the H200 at 2048x10240x2560).
+// 1: narrow N (x_proj, N = 80..192): twice the CTAs of 0 along N.
+// 2, 3: as 0 and 1 with stream-K, which splits K across SMs when there are too few tiles to fill
+//    every SM (x_proj, or out_proj at M = 1024: 160 tiles on 132 SMs).
+// 4: 128x192 tiles, fewer and larger: out_proj at M = 1024 fits one wave (112 tiles).
+template <class ElementOut>
+void run_config(const GemmArgs& a, int config) {
+  switch (config) {
+    case 0: run<Config<ElementOut, Shape<_128, _128, _128>, Shape<_2, _1, _1>, Pingpong, PingpongEpilogue>, ElementOut>(a); break;
+    case 1: run<Config<ElementOut, Shape<_128, _64, _128>, Shape<_2, _1, _1>, Pingpong, PingpongEpilogue>, ElementOut>(a); break;
+    case 2: run<Config<ElementOut, Shape<_128, _128, _128>, Shape<_1, _1, _1>, Cooperative, CooperativeEpilogue, StreamK>, ElementOut>(a); break;
+    case 3: run<Config<ElementOut, Shape<_128, _64, _128>, Shape<_1, _1, _1>, Cooperative, CooperativeEpilogue, StreamK>, ElementOut>(a); break;
+    case 4: run<Config<ElementOut, Shape<_128, _192, _128>, Shape<_2, _1, _1>, Cooperative, CooperativeEpilogue>, ElementOut>(a); break;
+    default: TORCH_CHECK(false, "w8a8 GEMM (CUTLASS sm90): config must be in 0..", kSm90Configs - 1, ", got ", config);
+  }
+}
+
+}  // namespace quamba::gemm::sm90

@@ -1,0 +1,244 @@
+// Decode GEMV (M = 1..8): streams the int8 weight rows once with 16-byte loads and keeps the few
+// activation rows in L1. Work comes in row groups of R weight rows; `splits` warps of one block
+// share a group's K range and meet in shared memory. R = 1, 2, 4 multiply with dp4a; R = 8 with
+// tensor cores (mma.sync), far fewer instructions per weight byte as M grows.
+// Blocks are small (4 warps, one tile each) so that the block scheduler spreads the weight bytes
+// evenly over the SMs (8-warp blocks gave e.g. 320 blocks for 132 SMs: 3 on some, 2 on others;
+// out_proj at M = 8 went from 8.9 to 7.4 us with 4). R and splits are chosen from the shape
+// (choose_rows, choose_splits), or given for tuning.
+#include <ATen/cuda/CUDAContextLight.h>
+#include <c10/cuda/CUDAException.h>
+
+#include "gemm/epilogue.cuh"
+#include "gemm/gemm.h"
+#include "gemm/mma.cuh"
+
+namespace quamba::gemm {
+namespace {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+constexpr int kLoadsPerLane = 8;  // 16-byte weight chunks in flight per lane: R rows x (8 / R) steps
+
+// Weights are read once: streaming loads (ld.global.cs, evict-first) leave the caches to the
+// activations.
+__device__ __forceinline__ int4 load_streaming(const int4* p) { return __ldcs(p); }
+
+__device__ __forceinline__ int dot16(int4 a, int4 b, int acc) {
+  acc = __dp4a(a.x, b.x, acc);
+  acc = __dp4a(a.y, b.y, acc);
+  acc = __dp4a(a.z, b.z, acc);
+  return __dp4a(a.w, b.w, acc);
+}
+
+__device__ __forceinline__ int warp_sum(int v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+// Sums over chunks [begin, end) of rows row0..row0+R-1 (rows past N re-read row N - 1; the
+// caller drops them). Returns, in lane r * M + m, the warp's sum for (row0 + r, m).
+template <int M, int R>
+__device__ __forceinline__ int row_group_sums(const int4* __restrict__ x, const int8_t* __restrict__ w, int N,
+                                              int chunks, int row0, int begin, int end, int lane) {
+  constexpr int kSteps = kLoadsPerLane / R;
+  const int4* w_rows[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+    w_rows[r] = reinterpret_cast<const int4*>(w + static_cast<int64_t>(min(row0 + r, N - 1)) * chunks * 16);
+
+  int acc[R][M] = {};
+  for (int c = begin + lane; c < end; c += 32 * kSteps) {
+    int4 wv[kSteps][R];
+#pragma unroll
+    for (int s = 0; s < kSteps; ++s)
+      if (c + 32 * s < end)
+#pragma unroll
+        for (int r = 0; r < R; ++r) wv[s][r] = load_streaming(w_rows[r] + c + 32 * s);
+#pragma unroll
+    for (int s = 0; s < kSteps; ++s) {
+      if (c + 32 * s >= end) continue;
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        const int4 xv = __ldg(x + m * chunks + c + 32 * s);
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[r][m] = dot16(wv[s][r], xv, acc[r][m]);
+      }
+    }
+  }
+  int mine = 0;
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      const int total = warp_sum(acc[r][m]);
+      if (lane == r * M + m) mine = total;
+    }
+  return mine;
+}
+
+template <int M, int R, typename OutT>
+__global__ void __launch_bounds__(kThreads)
+gemv_kernel(const int8_t* __restrict__ x, const int8_t* __restrict__ w, OutT* __restrict__ out, int N, int K,
+            Epilogue epilogue, int splits) {
+  static_assert(R * M <= 32, "one output per lane");
+  __shared__ int partial[kWarps][32];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int split = warp % splits;
+  const int row0 = (blockIdx.x * (kWarps / splits) + warp / splits) * R;
+  const int chunks = K / 16;
+  const int per_split = (chunks + splits - 1) / splits;
+  const int begin = split * per_split;
+  const int end = row0 < N ? min(chunks, begin + per_split) : begin;
+
+  int sum = row_group_sums<M, R>(reinterpret_cast<const int4*>(x), w, N, chunks, row0, begin, end, lane);
+  if (splits > 1) {
+    partial[warp][lane] = sum;
+    __syncthreads();
+    if (split != 0) return;
+    for (int s = 1; s < splits; ++s) sum += partial[warp + s][lane];
+  }
+  const int n = row0 + lane / M;
+  if (lane < R * M && n < N) out[static_cast<int64_t>(lane % M) * N + n] = epilogue.apply<OutT>(sum, n);
+}
+
+// Tensor-core row group (R = 8). Per 64-byte step of K, lane (g, t) = (lane / 4, lane % 4) loads
+// 16 bytes, chunk 4 * step + t, of weight row row0 + g and of activation row g (zero for g >= M).
+// A dot product does not depend on the order of k, only on both operands using the same order,
+// so the 16 bytes feed two m16n8k32 mmas as they are: A = the activations (rows 8..15 zero),
+// B = the 8 weight rows. Lane (g, t) ends with the sums for (row0 + 2t, g) and (row0 + 2t + 1, g).
+// Known limit (SASS, H200): ptxas interleaves the loads with the mmas, about two steps in flight
+// per warp, so this variant is latency-bound on long rows; it wins only where dp4a's instruction
+// count dominates (M >= 5). Issuing all weight loads first in source did not change that (slower).
+constexpr int kMmaRows = 8;
+constexpr int kMmaSteps = 8;
+
+template <int M>
+__device__ __forceinline__ void row_group_sums_mma(int (&d)[4], const int4* __restrict__ x,
+                                                   const int8_t* __restrict__ w, int N, int chunks, int row0,
+                                                   int begin, int end, int lane) {
+  const int g = lane / 4, t = lane % 4;
+  const int4* w_row = reinterpret_cast<const int4*>(w + static_cast<int64_t>(min(row0 + g, N - 1)) * chunks * 16);
+  const int4* x_row = x + min(g, M - 1) * chunks;
+  const int4 zero = make_int4(0, 0, 0, 0);
+  for (int c0 = begin; c0 < end; c0 += 4 * kMmaSteps) {
+    int4 wv[kMmaSteps], xv[kMmaSteps];
+#pragma unroll
+    for (int s = 0; s < kMmaSteps; ++s) {  // unconditional (clamped) loads; out-of-range ones zeroed below
+      const int c = min(c0 + 4 * s + t, end - 1);
+      wv[s] = load_streaming(w_row + c);
+      xv[s] = __ldg(x_row + c);
+    }
+#pragma unroll
+    for (int s = 0; s < kMmaSteps; ++s) {
+      if (c0 + 4 * s + t >= end) wv[s] = zero;
+      if (g >= M) xv[s] = zero;
+    }
+#pragma unroll
+    for (int s = 0; s < kMmaSteps; ++s) {
+      const uint32_t a_lo[4] = {uint32_t(xv[s].x), 0u, uint32_t(xv[s].y), 0u};
+      const uint32_t a_hi[4] = {uint32_t(xv[s].z), 0u, uint32_t(xv[s].w), 0u};
+      mma_s8(d, a_lo, wv[s].x, wv[s].y);
+      mma_s8(d, a_hi, wv[s].z, wv[s].w);
+    }
+  }
+}
+
+template <int M, typename OutT>
+__global__ void __launch_bounds__(kThreads)
+gemv_mma_kernel(const int8_t* __restrict__ x, const int8_t* __restrict__ w, OutT* __restrict__ out, int N, int K,
+                Epilogue epilogue, int splits) {
+  __shared__ int partial[kWarps][2][32];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int split = warp % splits;
+  const int row0 = (blockIdx.x * (kWarps / splits) + warp / splits) * kMmaRows;
+  const int chunks = K / 16;
+  const int per_split = (chunks + splits - 1) / splits;
+  const int begin = split * per_split;
+  const int end = row0 < N ? min(chunks, begin + per_split) : begin;
+
+  int d[4] = {};
+  row_group_sums_mma<M>(d, reinterpret_cast<const int4*>(x), w, N, chunks, row0, begin, end, lane);
+  if (splits > 1) {
+    partial[warp][0][lane] = d[0];
+    partial[warp][1][lane] = d[1];
+    __syncthreads();
+    if (split != 0) return;
+    for (int s = 1; s < splits; ++s) d[0] += partial[warp + s][0][lane], d[1] += partial[warp + s][1][lane];
+  }
+  const int m = lane / 4, n = row0 + 2 * (lane % 4);
+  if (m >= M) return;
+  if (n < N) out[static_cast<int64_t>(m) * N + n] = epilogue.apply<OutT>(d[0], n);
+  if (n + 1 < N) out[static_cast<int64_t>(m) * N + n + 1] = epilogue.apply<OutT>(d[1], n + 1);
+}
+
+// Chosen by measurement on the H200 (benchmarks/RESULTS.md). dp4a with 4 rows per warp, or 2
+// when N is too small to give every SM warps (x_proj); tensor cores from M = 5 on wide layers
+// (in_proj, dt_proj), where dp4a's instruction count grows with M. K is split until there are
+// about 8 warps per SM, keeping at least two lane sweeps of K per warp.
+int choose_rows(int M, int N, int sms) {
+  if (M >= 5 && N >= 4096) return kMmaRows;
+  return (N + 3) / 4 * kWarps < 8 * sms ? 2 : 4;
+}
+
+int choose_splits(int N, int K, int rows, int sms) {
+  const int chunks = K / 16;
+  if (rows == kMmaRows) return chunks >= 128 ? 2 : 1;
+  const int groups = (N + rows - 1) / rows;
+  int splits = 1;
+  while (splits < kWarps && groups * splits < 8 * sms && chunks >= 64 * (2 * splits)) splits *= 2;
+  return splits;
+}
+
+template <int M, int R, typename OutT>
+void launch_kernel(const GemmArgs& a, int splits) {
+  const auto kernel = [] {
+    if constexpr (R == kMmaRows) return gemv_mma_kernel<M, OutT>;
+    else return gemv_kernel<M, R, OutT>;
+  }();
+  check_kernel_image(reinterpret_cast<const void*>(kernel), "w8a8 GEMV");
+  const int groups_per_block = kWarps / splits;
+  const int blocks = ((a.N + R - 1) / R + groups_per_block - 1) / groups_per_block;
+  kernel<<<blocks, kThreads, 0, a.stream>>>(a.x, a.w, static_cast<OutT*>(a.out), a.N, a.K, Epilogue::from(a),
+                                            splits);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <int M>
+void launch_for_m(const GemmArgs& a, int rows, int splits) {
+  dispatch_out_type(a.out_type, [&](auto tag) {
+    using OutT = decltype(tag);
+    switch (rows) {
+      case 1: launch_kernel<M, 1, OutT>(a, splits); break;
+      case 2: launch_kernel<M, 2, OutT>(a, splits); break;
+      case 4: launch_kernel<M, 4, OutT>(a, splits); break;
+      case kMmaRows: launch_kernel<M, kMmaRows, OutT>(a, splits); break;
+    }
+  });
+}
+
+}  // namespace
+
+void launch_gemv(const GemmArgs& a, int rows, int splits) {
+  TORCH_CHECK(a.M >= 1 && a.M <= kGemvMaxM, "w8a8 GEMV: M must be in 1..", kGemvMaxM, ", got ", a.M);
+  TORCH_CHECK(rows == 0 || rows == 1 || rows == 2 || rows == 4 || rows == kMmaRows,
+              "w8a8 GEMV: rows must be 0 (auto), 1, 2, 4 or 8 (tensor cores), got ", rows);
+  TORCH_CHECK(splits == 0 || splits == 1 || splits == 2 || splits == 4,
+              "w8a8 GEMV: splits must be 0 (auto), 1, 2 or 4, got ", splits);
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  if (rows == 0) rows = choose_rows(a.M, a.N, sms);
+  if (splits == 0) splits = choose_splits(a.N, a.K, rows, sms);
+  switch (a.M) {
+    case 1: launch_for_m<1>(a, rows, splits); break;
+    case 2: launch_for_m<2>(a, rows, splits); break;
+    case 3: launch_for_m<3>(a, rows, splits); break;
+    case 4: launch_for_m<4>(a, rows, splits); break;
+    case 5: launch_for_m<5>(a, rows, splits); break;
+    case 6: launch_for_m<6>(a, rows, splits); break;
+    case 7: launch_for_m<7>(a, rows, splits); break;
+    case 8: launch_for_m<8>(a, rows, splits); break;
+  }
+}
+
+}  // namespace quamba::gemm

@@ -1,0 +1,201 @@
+// torch.ops.quamba W8A8 linear ops: input checks and the choice of kernel.
+//
+//   w8a8_linear(x, weight, multiplier, multiplier_per_channel, bias, out_dtype) -> out
+//   w8a8_linear_out(..., out)                  the same into a preallocated out
+//   w8a8_gemv_out / w8a8_gemm_mma_out / w8a8_gemm_sm90_out(..., out, [rows, splits | config])
+//                                              one kernel, for tests and benchmarks
+//   w8a8_gemm_sm90_configs() -> int            CUTLASS sm90 configurations built (0: none)
+//
+// x int8 [M, K] and weight int8 [N, K], contiguous, K % 16 == 0, 16-byte aligned; multiplier is
+// the fp32 epilogue scale (quamba.ops.quant.requant_multiplier), replaced by
+// multiplier_per_channel (fp32 [N]) when given; bias fp32 [N] for float outputs; out [M, N] of
+// int8, float16, bfloat16 or float32.
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContextLight.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include "gemm/gemm.h"
+
+namespace quamba::gemm {
+
+void check_kernel_image(const void* kernel, const char* name) {
+  cudaFuncAttributes attributes;
+  const cudaError_t error = cudaFuncGetAttributes(&attributes, kernel);
+  if (error == cudaSuccess) return;
+  (void)cudaGetLastError();  // clear it, so that later launch checks don't report it again
+  const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
+  TORCH_CHECK(false, name, ": quamba._C holds no kernel for this GPU (compute capability ", prop->major, ".",
+              prop->minor, ": ", cudaGetErrorString(error), "); rebuild with TORCH_CUDA_ARCH_LIST including it");
+}
+
+namespace {
+
+bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
+
+void check_on_device(const char* op, const char* name, const at::Tensor& t, const at::Device& device) {
+  TORCH_CHECK(t.is_cuda(), op, ": ", name, " must be a CUDA tensor, got one on ", t.device());
+  TORCH_CHECK(t.device() == device, op, ": ", name, " is on ", t.device(), " but x is on ", device);
+  TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
+}
+
+void check_matrix(const char* op, const char* name, const at::Tensor& t, const at::Device& device) {
+  check_on_device(op, name, t, device);
+  TORCH_CHECK(t.scalar_type() == at::kChar, op, ": ", name, " must be int8, got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == 2, op, ": ", name, " must be 2-D, got shape ", t.sizes());
+  TORCH_CHECK(t.size(1) > 0 && t.size(1) % 16 == 0, op, ": ", name,
+              " must have a last dimension that is a positive multiple of 16, got ", t.size(1));
+  TORCH_CHECK(aligned16(t), op, ": ", name, " must start at a 16-byte aligned address");
+}
+
+void check_vector(const char* op, const char* name, const at::Tensor& t, int64_t N, const at::Device& device) {
+  check_on_device(op, name, t, device);
+  TORCH_CHECK(t.scalar_type() == at::kFloat, op, ": ", name, " must be float32, got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == 1 && t.size(0) == N, op, ": ", name, " must have shape [", N, "] (one per output "
+              "channel), got ", t.sizes());
+}
+
+OutType out_type_of(const char* op, at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kChar: return OutType::kInt8;
+    case at::kHalf: return OutType::kFloat16;
+    case at::kBFloat16: return OutType::kBFloat16;
+    case at::kFloat: return OutType::kFloat32;
+    default: TORCH_CHECK(false, op, ": out must be int8, float16, bfloat16 or float32, got ", dtype);
+  }
+}
+
+void check_architecture(const char* op) {
+  const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
+  TORCH_CHECK(prop->major >= 8, op, ": needs a GPU of compute capability 8.0 or newer, this one (", prop->name,
+              ") is ", prop->major, ".", prop->minor);
+}
+
+// The device guard of every entry point: x's device, after checking that it is a CUDA one.
+c10::cuda::CUDAGuard guard_for(const char* op, const at::Tensor& x) {
+  TORCH_CHECK(x.is_cuda(), op, ": x must be a CUDA tensor, got one on ", x.device());
+  return c10::cuda::CUDAGuard(x.device());
+}
+
+// Checks every argument and packs them for a launcher (the caller holds a device guard).
+GemmArgs make_args(const char* op, const at::Tensor& x, const at::Tensor& weight, double multiplier,
+                   const std::optional<at::Tensor>& multiplier_per_channel, const std::optional<at::Tensor>& bias,
+                   const at::Tensor& out) {
+  const at::Device device = x.device();
+  check_matrix(op, "x", x, device);
+  check_matrix(op, "weight", weight, device);
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  TORCH_CHECK(weight.size(1) == K, op, ": weight must have shape [N, ", K, "] to match x [", M, ", ", K,
+              "], got ", weight.sizes());
+  TORCH_CHECK(N > 0, op, ": weight must have at least one row");
+  TORCH_CHECK(M < INT32_MAX && N < INT32_MAX && K < INT32_MAX, op, ": sizes must be below 2^31");
+  if (multiplier_per_channel) check_vector(op, "multiplier_per_channel", *multiplier_per_channel, N, device);
+  if (bias) check_vector(op, "bias", *bias, N, device);
+  check_on_device(op, "out", out, device);
+  const OutType out_type = out_type_of(op, out.scalar_type());
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == M && out.size(1) == N, op, ": out must have shape [", M, ", ",
+              N, "], got ", out.sizes());
+  TORCH_CHECK(!(bias && out_type == OutType::kInt8), op, ": bias is only supported with a float out");
+  check_architecture(op);
+  return GemmArgs{x.data_ptr<int8_t>(), weight.data_ptr<int8_t>(), out.data_ptr(),
+                  static_cast<int>(M), static_cast<int>(N), static_cast<int>(K), out_type,
+                  static_cast<float>(multiplier),
+                  multiplier_per_channel ? multiplier_per_channel->data_ptr<float>() : nullptr,
+                  bias ? bias->data_ptr<float>() : nullptr,
+                  c10::cuda::getCurrentCUDAStream()};
+}
+
+// The wgmma kernel stores output rows and loads the epilogue vectors with TMA / 16-byte accesses.
+bool sm90_can_run(const GemmArgs& a, const at::Tensor& out, const std::optional<at::Tensor>& multiplier_per_channel,
+                  const std::optional<at::Tensor>& bias) {
+  const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
+  if (!gemm_sm90_compiled() || prop->major != 9 || prop->minor != 0) return false;
+  if (a.out_type == OutType::kFloat32 || (static_cast<int64_t>(a.N) * out.element_size()) % 16 != 0) return false;
+  return aligned16(out) && (!multiplier_per_channel || aligned16(*multiplier_per_channel)) &&
+         (!bias || aligned16(*bias));
+}
+
+void w8a8_linear_out(const at::Tensor& x, const at::Tensor& weight, double multiplier,
+                     const std::optional<at::Tensor>& multiplier_per_channel, const std::optional<at::Tensor>& bias,
+                     at::Tensor& out) {
+  const auto guard = guard_for("w8a8_linear", x);
+  const GemmArgs args = make_args("w8a8_linear", x, weight, multiplier, multiplier_per_channel, bias, out);
+  if (args.M == 0) return;
+  if (args.M <= kGemvMaxM) {
+    launch_gemv(args);
+  } else if (sm90_can_run(args, out, multiplier_per_channel, bias)) {
+    launch_gemm_sm90(args);
+  } else {
+    launch_gemm_mma(args);
+  }
+}
+
+at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& weight, double multiplier,
+                       const std::optional<at::Tensor>& multiplier_per_channel, const std::optional<at::Tensor>& bias,
+                       at::ScalarType out_dtype) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, "w8a8_linear: x and weight must be 2-D, got shapes ", x.sizes(),
+              " and ", weight.sizes());
+  at::Tensor out = at::empty({x.size(0), weight.size(0)}, x.options().dtype(out_dtype));
+  w8a8_linear_out(x, weight, multiplier, multiplier_per_channel, bias, out);
+  return out;
+}
+
+void w8a8_gemv_out(const at::Tensor& x, const at::Tensor& weight, double multiplier,
+                   const std::optional<at::Tensor>& multiplier_per_channel, const std::optional<at::Tensor>& bias,
+                   at::Tensor& out, int64_t rows, int64_t splits) {
+  const auto guard = guard_for("w8a8_gemv", x);
+  const GemmArgs args = make_args("w8a8_gemv", x, weight, multiplier, multiplier_per_channel, bias, out);
+  TORCH_CHECK(args.M >= 1 && args.M <= kGemvMaxM, "w8a8_gemv: x must have 1 to ", kGemvMaxM, " rows, got ", args.M);
+  launch_gemv(args, static_cast<int>(rows), static_cast<int>(splits));
+}
+
+void w8a8_gemm_mma_out(const at::Tensor& x, const at::Tensor& weight, double multiplier,
+                       const std::optional<at::Tensor>& multiplier_per_channel,
+                       const std::optional<at::Tensor>& bias, at::Tensor& out) {
+  const auto guard = guard_for("w8a8_gemm_mma", x);
+  const GemmArgs args = make_args("w8a8_gemm_mma", x, weight, multiplier, multiplier_per_channel, bias, out);
+  if (args.M > 0) launch_gemm_mma(args);
+}
+
+void w8a8_gemm_sm90_out(const at::Tensor& x, const at::Tensor& weight, double multiplier,
+                        const std::optional<at::Tensor>& multiplier_per_channel,
+                        const std::optional<at::Tensor>& bias, at::Tensor& out, int64_t config) {
+  const auto guard = guard_for("w8a8_gemm_sm90", x);
+  const GemmArgs args = make_args("w8a8_gemm_sm90", x, weight, multiplier, multiplier_per_channel, bias, out);
+  TORCH_CHECK(sm90_can_run(args, out, multiplier_per_channel, bias) || !gemm_sm90_compiled(),
+              "w8a8_gemm_sm90: needs a compute capability 9.0 GPU, an int8/float16/bfloat16 out whose rows are "
+              "multiples of 16 bytes, and 16-byte aligned out, multiplier_per_channel and bias");
+  if (args.M > 0) launch_gemm_sm90(args, static_cast<int>(config));
+}
+
+int64_t w8a8_gemm_sm90_configs() { return gemm_sm90_compiled() ? gemm_sm90_num_configs() : 0; }
+
+void register_impls(torch::Library& m) {
+  m.impl("w8a8_linear", &w8a8_linear);
+  m.impl("w8a8_linear_out", &w8a8_linear_out);
+  m.impl("w8a8_gemv_out", &w8a8_gemv_out);
+  m.impl("w8a8_gemm_mma_out", &w8a8_gemm_mma_out);
+  m.impl("w8a8_gemm_sm90_out", &w8a8_gemm_sm90_out);
+}
+
+}  // namespace
+}  // namespace quamba::gemm
+
+TORCH_LIBRARY_FRAGMENT(quamba, m) {
+  m.def("w8a8_linear(Tensor x, Tensor weight, float multiplier, Tensor? multiplier_per_channel, Tensor? bias, "
+        "ScalarType out_dtype) -> Tensor");
+  m.def("w8a8_linear_out(Tensor x, Tensor weight, float multiplier, Tensor? multiplier_per_channel, "
+        "Tensor? bias, Tensor(a!) out) -> ()");
+  m.def("w8a8_gemv_out(Tensor x, Tensor weight, float multiplier, Tensor? multiplier_per_channel, "
+        "Tensor? bias, Tensor(a!) out, int rows=0, int splits=0) -> ()");
+  m.def("w8a8_gemm_mma_out(Tensor x, Tensor weight, float multiplier, Tensor? multiplier_per_channel, "
+        "Tensor? bias, Tensor(a!) out) -> ()");
+  m.def("w8a8_gemm_sm90_out(Tensor x, Tensor weight, float multiplier, Tensor? multiplier_per_channel, "
+        "Tensor? bias, Tensor(a!) out, int config=-1) -> ()");
+  m.def("w8a8_gemm_sm90_configs() -> int", &quamba::gemm::w8a8_gemm_sm90_configs);
+}
+
+TORCH_LIBRARY_IMPL(quamba, CUDA, m) { quamba::gemm::register_impls(m); }
+// On CPU tensors the same entry points fail with a message naming the argument that is not on a GPU.
+TORCH_LIBRARY_IMPL(quamba, CPU, m) { quamba::gemm::register_impls(m); }

@@ -1,0 +1,48 @@
+"""``w8a8_linear`` on the W8A8 GEMM/GEMV kernels of ``quamba._C`` (csrc/gemm).
+
+The fp32 epilogue multiplier is computed here by the same function as the torch reference
+(:func:`quamba.ops.quant.requant_multiplier`), so both backends round identically; the kernel
+picks the GEMV for up to 8 rows, else the GEMM for the device.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+import quamba._C  # noqa: F401  loads torch.ops.quamba.*
+from quamba.ops import backend
+from quamba.ops.quant import requant_multiplier
+
+
+@backend.register("w8a8_linear", "cuda")
+def _w8a8_linear_cuda(x, x_scale, weight, weight_scale, out_scale, bias, out_dtype):
+    if out_scale is not None and bias is not None:
+        raise ValueError("w8a8_linear: bias is only supported with a float output")
+    multiplier, per_channel = _epilogue_multiplier(x_scale, weight_scale, out_scale, weight)
+    if bias is not None:
+        bias = bias.to(torch.float32).contiguous()
+    # Only x is made contiguous (a copy where it is a view, e.g. dt_low sliced from x_proj's output).
+    x2d = x.reshape(-1, x.shape[-1]).contiguous()
+    dtype = torch.int8 if out_scale is not None else out_dtype
+    out = torch.ops.quamba.w8a8_linear(x2d, weight, multiplier, per_channel, bias, dtype)
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _epilogue_multiplier(x_scale, weight_scale, out_scale, weight):
+    """(scalar, None) for one multiplier, (0.0, fp32 [N] on the weight's device) per channel."""
+    if all(s is None or isinstance(s, (int, float)) for s in (x_scale, weight_scale, out_scale)):
+        return _scalar_multiplier(x_scale, weight_scale, out_scale), None
+    multiplier = requant_multiplier(x_scale, weight_scale, out_scale)
+    if not isinstance(multiplier, torch.Tensor):
+        return float(multiplier), None
+    per_channel = multiplier.to(device=weight.device, dtype=torch.float32).reshape(-1)
+    if per_channel.numel() == 1:  # a 0-d scale tensor: broadcast on the device, no host sync
+        per_channel = per_channel.expand(weight.shape[0])
+    return 0.0, per_channel.contiguous()
+
+
+@functools.lru_cache(maxsize=4096)
+def _scalar_multiplier(x_scale, weight_scale, out_scale) -> float:
+    # Cached: requant_multiplier rounds through small CPU tensors, too slow for every decode step.
+    return float(requant_multiplier(x_scale, weight_scale, out_scale))

@@ -1,0 +1,139 @@
+#!/usr/bin/env bash
+# The one command for a GPU machine: install the carried packages, build quamba._C in place, run the
+# GPU tests and every benchmarks/bench_*.py, and print a summary table. Logs and the benchmarks'
+# JSON go to $OUT when set (the lent GPU machine), else to logs/gpu_check/.
+#
+#   scripts/gpu_check.sh [--baseline] [--sanitizer] [--no-bench] [--no-tests] [--quick]
+#
+#   --baseline    also build mamba-ssm 2.3.2.post1 and causal-conv1d 1.7.0 (the FP16 baseline) from
+#                 the sdists in .whl/, for sm_90 only (413 s on the 16-core H200 machine: with
+#                 everything else it nearly fills one 10-minute device command)
+#   --sanitizer   also run the tests named *small* under compute-sanitizer --tool memcheck
+#                 (stopped after $SANITIZER_TIMEOUT seconds, default 1800)
+#   --quick       shorter benchmark timing runs
+#
+# .whl/ (git-ignored, carried to the machine) holds the nvidia-cutlass 4.2.0.0 wheel and, for
+# --baseline, the two sdists; see benchmarks/RESULTS.md for how they were downloaded.
+# TORCH_CUDA_ARCH_LIST defaults to the GPU's own architecture (9.0a on Hopper);
+# QUAMBA_CUDA_FAMILIES limits the build to some kernel families (setup.py); QUAMBA_COMMIT names the
+# commit in the results where the copy of the repository has no .git.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+BASELINE=0 SANITIZER=0 BENCH=1 TESTS=1 QUICK=()
+for arg in "$@"; do
+  case "$arg" in
+    --baseline) BASELINE=1 ;;
+    --sanitizer) SANITIZER=1 ;;
+    --no-bench) BENCH=0 ;;
+    --no-tests) TESTS=0 ;;
+    --quick) QUICK=(--quick) ;;
+    *) echo "gpu_check.sh: unknown option $arg" >&2; exit 2 ;;
+  esac
+done
+
+LOG_DIR=${OUT:-logs/gpu_check}
+mkdir -p "$LOG_DIR"
+LOG="$LOG_DIR/gpu_check.log"
+: >"$LOG"
+export PYTHONUNBUFFERED=1
+export MAX_JOBS=${MAX_JOBS:-$(nproc)}
+PYTHON=${PYTHON:-python3}
+SUMMARY=()
+FAILED=0
+
+# step NAME COMMAND...: runs COMMAND with its output in the log, and records status and seconds.
+step() {
+  local name=$1 start=$SECONDS status
+  shift
+  echo "=== $name: $*" | tee -a "$LOG"
+  "$@" 2>&1 | tee -a "$LOG"
+  status=${PIPESTATUS[0]}
+  SUMMARY+=("$(printf '%-22s %-6s %5ds' "$name" "$([ "$status" = 0 ] && echo ok || echo FAIL)" $((SECONDS - start)))")
+  [ "$status" = 0 ] || FAILED=1
+  return "$status"
+}
+
+install_wheels() {
+  local wheels=(.whl/*.whl)
+  [ -e "${wheels[0]}" ] || { echo "no wheels in .whl/"; return 0; }
+  "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/quamba_site "${wheels[@]}"
+}
+
+# mamba-ssm and causal-conv1d compile for a long list of architectures; keep only sm_90.
+build_baseline() {
+  local dir=/tmp/quamba_baseline
+  rm -rf "$dir" && mkdir -p "$dir"
+  for sdist in .whl/causal_conv1d-*.tar.gz .whl/mamba_ssm-*.tar.gz; do
+    tar -xzf "$sdist" -C "$dir" || return 1
+  done
+  "$PYTHON" - "$dir"/*/setup.py <<'EOF' || return 1
+import re, sys
+gencode = re.compile(r'^([ \t]*)cc_flag\.append\("-gencode"\)[ \t]*\n[ \t]*cc_flag\.append\("arch=compute_(\d+),code=sm_\d+"\)',
+                     re.M)
+for path in sys.argv[1:]:
+    text = open(path).read()
+    text, count = gencode.subn(lambda m: m.group(0) if m.group(2) == "90" else m.group(1) + "pass", text)
+    assert count, f"no -gencode flags found in {path}"
+    open(path, "w").write(text)
+EOF
+  MAMBA_FORCE_BUILD=TRUE CAUSAL_CONV1D_FORCE_BUILD=TRUE TORCH_CUDA_ARCH_LIST=9.0 \
+    "$PYTHON" -m pip install --no-build-isolation --no-deps --no-index "$dir"/causal_conv1d-* "$dir"/mamba_ssm-* &&
+    "$PYTHON" -c "import causal_conv1d, mamba_ssm; print('mamba_ssm', mamba_ssm.__version__, 'ready')"
+}
+
+# Extensions must link libstdc++ dynamically: one with its own static copy (the image's
+# CXX=/opt/gcc/bin/g++ did that) crashes on its first number formatted into a stream, i.e. in the
+# first TORCH_CHECK message that reports a size. Hence the system compilers, and this check.
+use_system_compilers() {
+  export CC CXX
+  CC=$(command -v gcc) CXX=$(command -v g++)
+}
+
+build_extension() {
+  "$PYTHON" setup.py build_ext --inplace || return 1
+  if ! ldd quamba/_C*.so | grep -q libstdc++; then
+    echo "quamba._C links libstdc++ statically (CXX=$CXX): its error messages would crash"; return 1
+  fi
+  "$PYTHON" -c "import quamba._C; print('quamba._C built')"
+}
+
+run_tests() {
+  "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/ops/test_cuda_*.py
+}
+
+run_sanitizer() {
+  local sanitizer
+  sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+  timeout "${SANITIZER_TIMEOUT:-1800}" "$sanitizer" --tool memcheck --error-exitcode 9 --target-processes all \
+    "$PYTHON" -m pytest -q -x -p no:cacheprovider tests/ops/test_cuda_*.py -k small
+}
+
+run_benchmarks() {
+  local bench status=0
+  for bench in benchmarks/bench_*.py; do
+    echo "--- $bench"
+    "$PYTHON" "$bench" "${QUICK[@]}" --out "$LOG_DIR/$(basename "$bench" .py).json" || status=1
+  done
+  return $status
+}
+
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; "$PYTHON" -c \
+  "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"; nvcc --version | tail -1; } 2>&1 | tee -a "$LOG"
+use_system_compilers
+step install-wheels install_wheels && export PYTHONPATH=$PWD:/tmp/quamba_site${PYTHONPATH:+:$PYTHONPATH}
+[ "$BASELINE" = 1 ] && step build-baseline build_baseline
+if step build-quamba build_extension; then
+  [ "$TESTS" = 1 ] && step gpu-tests run_tests
+  [ "$BENCH" = 1 ] && step benchmarks run_benchmarks
+  [ "$SANITIZER" = 1 ] && step memcheck run_sanitizer
+fi
+
+{
+  echo
+  echo "gpu_check summary ($(date -u '+%Y-%m-%d %H:%M UTC'), commit $(git rev-parse --short HEAD 2>/dev/null || echo "${QUAMBA_COMMIT:-unknown}"))"
+  printf '%s\n' "${SUMMARY[@]}"
+  grep -E '[0-9]+ (passed|failed|errors?)\b.* in [0-9.]+s' "$LOG" || true
+} | tee -a "$LOG"
+exit $FAILED

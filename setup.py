@@ -1,0 +1,133 @@
+"""Build of quamba: the Python package always; the CUDA extension ``quamba._C`` when it can be built.
+
+The extension is built from every ``csrc/**/*.cu`` and ``csrc/**/*.cpp`` (or the kernel families
+named in ``QUAMBA_CUDA_FAMILIES``) when PyTorch with CUDA and nvcc are present and the environment variable ``QUAMBA_BUILD_CUDA`` is not ``"0"``. Without
+them (a CPU machine, or build isolation without torch) ``pip install -e .`` installs the pure
+Python package and every op runs on its torch reference.
+
+``TORCH_CUDA_ARCH_LIST`` (e.g. ``"8.0;8.6;8.9;9.0a"``, entries may end in ``+PTX``) picks the
+targets; unset, the visible GPU's capability is used, else all supported ones. ``9.0`` is built
+as ``9.0a``: the Hopper GEMM needs wgmma, and sm_90a machine code runs on every 9.0 device.
+"""
+from __future__ import annotations
+
+import glob
+import importlib.util
+import os
+import re
+
+from setuptools import find_packages, setup
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_ARCHS = ["8.0", "8.6", "8.9", "9.0a"]
+MIN_ARCH = (8, 0)
+
+
+def read_version() -> str:
+    with open(os.path.join(ROOT, "quamba", "version.py")) as f:
+        return re.search(r'__version__\s*=\s*"([^"]+)"', f.read()).group(1)
+
+
+def load_torch_build_tools():
+    """torch.utils.cpp_extension if torch with CUDA and nvcc are here, else None."""
+    if os.environ.get("QUAMBA_BUILD_CUDA", "1") == "0":
+        return None
+    try:  # torch is imported lazily: build isolation without torch must still work
+        import torch
+        from torch.utils import cpp_extension
+    except ImportError:
+        return None
+    if torch.version.cuda is None or cpp_extension.CUDA_HOME is None:
+        return None
+    if not os.path.exists(os.path.join(cpp_extension.CUDA_HOME, "bin", "nvcc")):
+        return None
+    return cpp_extension
+
+
+def cutlass_include_dirs() -> list[str]:
+    """Header folders of the nvidia-cutlass pip package (found without importing it)."""
+    spec = importlib.util.find_spec("cutlass_library")
+    roots = list(spec.submodule_search_locations or []) if spec else []
+    for root in roots:
+        dirs = [os.path.join(root, "source", "include"),
+                os.path.join(root, "source", "tools", "util", "include")]
+        if all(os.path.isdir(d) for d in dirs):
+            return dirs
+    raise RuntimeError(
+        "Building quamba's CUDA extension needs the CUTLASS headers of the nvidia-cutlass package "
+        "(pip install nvidia-cutlass==4.2.0.0), or set QUAMBA_BUILD_CUDA=0 to skip the extension.")
+
+
+def requested_archs() -> list[str]:
+    env = os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip()
+    if env:
+        return [a for a in re.split(r"[;\s,]+", env) if a]
+    import torch
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        return [f"{major}.{minor}"]
+    return DEFAULT_ARCHS
+
+
+def gencode_flags(archs: list[str]) -> tuple[list[str], bool]:
+    """nvcc -gencode flags for the arch list, and whether sm_90a is among them."""
+    flags, has_sm90a = [], False
+    for entry in archs:
+        match = re.fullmatch(r"(\d+)\.(\d+)(a?)(\+PTX)?", entry)
+        if not match:
+            raise RuntimeError(f"TORCH_CUDA_ARCH_LIST: cannot read {entry!r} (expected e.g. 8.6 or 9.0a)")
+        major, minor, suffix, ptx = int(match[1]), int(match[2]), match[3], match[4]
+        if (major, minor) < MIN_ARCH:
+            raise RuntimeError(f"TORCH_CUDA_ARCH_LIST: {entry} is below compute capability 8.0, "
+                               "the oldest quamba's int8 kernels support")
+        if (major, minor) == (9, 0):
+            suffix = "a"
+        code = f"{major}{minor}{suffix}"
+        has_sm90a |= code == "90a"
+        flags.append(f"-gencode=arch=compute_{code},code=sm_{code}")
+        if ptx:
+            flags.append(f"-gencode=arch=compute_{code},code=compute_{code}")
+    return sorted(set(flags)), has_sm90a
+
+
+def extension_sources() -> list[str]:
+    """csrc/module.cpp and the kernel families (csrc/<family>/); QUAMBA_CUDA_FAMILIES (e.g.
+    "gemm,conv1d") limits the build to some of them while one family is being worked on."""
+    sources = sorted(glob.glob("csrc/**/*.cu", recursive=True) + glob.glob("csrc/**/*.cpp", recursive=True))
+    families = [f for f in os.environ.get("QUAMBA_CUDA_FAMILIES", "").split(",") if f]
+    if not families:
+        return sources
+    return [s for s in sources if os.path.dirname(s) == "csrc" or s.split(os.sep)[1] in families]
+
+
+def cuda_extensions(cpp_extension):
+    sources = extension_sources()
+    arch_flags, has_sm90a = gencode_flags(requested_archs())
+    defines = ["-DQUAMBA_HAS_SM90A"] if has_sm90a else []
+    common = ["-DNDEBUG", "-O3", "-std=c++17"] + defines
+    nvcc = common + ["--expt-relaxed-constexpr", "-lineinfo"] + arch_flags
+    include_dirs = [os.path.join(ROOT, "csrc")] + cutlass_include_dirs()
+    return [cpp_extension.CUDAExtension(
+        name="quamba._C", sources=sources, include_dirs=include_dirs,
+        extra_compile_args={"cxx": common, "nvcc": nvcc})]
+
+
+def extension_kwargs() -> dict:
+    cpp_extension = load_torch_build_tools()
+    if cpp_extension is None:
+        return {}
+    return {"ext_modules": cuda_extensions(cpp_extension),
+            "cmdclass": {"build_ext": cpp_extension.BuildExtension}}
+
+
+setup(
+    name="quamba",
+    version=read_version(),
+    description="Post-training quantization of Mamba language models (W8A8, CUDA kernels)",
+    packages=find_packages(include=["quamba*"]),
+    python_requires=">=3.10",
+    install_requires=["torch", "transformers", "safetensors", "huggingface_hub", "tokenizers",
+                      "datasets", "lm-eval==0.4.13", "tqdm", "matplotlib", "numpy"],
+    extras_require={"dev": ["pytest"]},
+    **extension_kwargs(),
+)
