@@ -1,0 +1,247 @@
+"""SSM-side kernels against mamba-ssm's FP16 kernels: QSScan vs ``selective_scan_fn``, INT8 conv1d
+vs ``causal_conv1d_fn`` (+SiLU), and the decode steps vs ``selective_state_update`` /
+``causal_conv1d_update``; rmsnorm_quant and hadamard_quant are timed too (no baseline).
+
+Shapes: batch 1, d_inner 5120, d_state 16 (Mamba-2.8B), seqlen 1024 and 2048. The int8 ops are
+timed in the module's layout (channel-last views of the GEMM outputs, ``layout=module``) and
+channel-first (``layout=contiguous``, the layout mamba-ssm is given). GB/s counts each input
+read once and each output written once (y, and the last state); ``floor_us`` is those bytes
+over the device's measured copy bandwidth. The baseline columns are left empty, with a note,
+where mamba-ssm or causal-conv1d is not installed.
+
+    python benchmarks/bench_ssm.py --out results_ssm.json [--configs]
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+import common
+from quamba.ops import backend
+from quamba.ops.qconv1d import qconv1d, qconv1d_update
+from quamba.ops.qhadamard import hadamard_quant
+from quamba.ops.qnorm import rmsnorm_quant
+from quamba.ops.qsscan import SSMParams, qsscan, qsscan_update
+
+DEVICE = torch.device("cuda")
+BATCH, D_INNER, D_STATE, D_CONV, D_MODEL = 1, 5120, 16, 4, 2560
+DT_RANK = math.ceil(D_MODEL / 16)
+SEQLENS = (1024, 2048)
+COLUMNS = ("op", "layout", "seqlen", "us", "GB/s", "floor_us", "baseline_us", "speedup")
+
+
+def codes(*shape):
+    return torch.randint(-127, 128, shape, dtype=torch.int8, device=DEVICE)
+
+
+def load_baselines() -> dict:
+    """mamba-ssm / causal-conv1d functions that are installed, and notes for the missing ones."""
+    found, notes = {}, []
+    try:
+        from mamba_ssm.ops.selective_scan_interface import selective_scan_fn
+        from mamba_ssm.ops.triton.selective_state_update import selective_state_update
+        found.update(selective_scan_fn=selective_scan_fn,
+                     selective_state_update=selective_state_update)
+    except ImportError as exc:
+        notes.append(f"mamba-ssm not installed ({exc}): no selective-scan baseline")
+    try:
+        from causal_conv1d import causal_conv1d_fn, causal_conv1d_update
+        found.update(causal_conv1d_fn=causal_conv1d_fn, causal_conv1d_update=causal_conv1d_update)
+    except ImportError as exc:
+        notes.append(f"causal-conv1d not installed ({exc}): no conv1d baseline")
+    return {"fns": found, "notes": notes}
+
+
+class Timer:
+    def __init__(self, quick: bool, bandwidth_gbs: float):
+        self.rep_ms = 30 if quick else 200
+        self.bandwidth_gbs = bandwidth_gbs
+
+    def us(self, fn) -> float:
+        return 1e3 * common.time_ms(fn, warmup_ms=25, rep_ms=self.rep_ms)
+
+    def row(self, op, layout, seqlen, fn, nbytes, baseline_us=None) -> dict:
+        us = self.us(fn)
+        return {"op": op, "layout": layout, "seqlen": seqlen, "us": us,
+                "GB/s": nbytes / us / 1e3, "floor_us": nbytes / self.bandwidth_gbs / 1e3,
+                "baseline_us": baseline_us,
+                "speedup": None if baseline_us is None else baseline_us / us}
+
+
+# ---- prefill ---------------------------------------------------------------------------------
+
+def ssm_params():
+    a_log = torch.log(torch.arange(1, D_STATE + 1, device=DEVICE).float()).expand(D_INNER, D_STATE)
+    scale = float(a_log.max()) / 127
+    return SSMParams(torch.round(a_log / scale).to(torch.int8), scale, codes(D_INNER), 0.01,
+                     torch.randint(-127, -30, (D_INNER,), dtype=torch.int8, device=DEVICE), 0.05)
+
+
+def scan_inputs(seqlen, layout):
+    """int8 u, dt, z [b, d, l] and B, C [b, n, l], laid out as the module passes them or
+    channel-first."""
+    if layout == "module":
+        x_dbl = codes(BATCH, seqlen, DT_RANK + 2 * D_STATE)
+        B, C = (t.transpose(1, 2) for t in x_dbl.split([DT_RANK, D_STATE, D_STATE], -1)[1:])
+        return dict(u=codes(BATCH, seqlen, D_INNER).transpose(1, 2),
+                    dt=codes(BATCH, seqlen, D_INNER).transpose(1, 2),
+                    z=codes(BATCH, seqlen, 2 * D_INNER).transpose(1, 2)[:, D_INNER:], B=B, C=C)
+    return dict(u=codes(BATCH, D_INNER, seqlen), dt=codes(BATCH, D_INNER, seqlen),
+                z=codes(BATCH, D_INNER, seqlen), B=codes(BATCH, D_STATE, seqlen),
+                C=codes(BATCH, D_STATE, seqlen))
+
+
+def scan_bytes(seqlen, elem_in, elem_out, state_bytes):
+    return ((3 * D_INNER + 2 * D_STATE) * seqlen * elem_in + D_INNER * seqlen * elem_out
+            + D_INNER * D_STATE * state_bytes) * BATCH
+
+
+def mamba_scan_fn(fns, seqlen):
+    if "selective_scan_fn" not in fns:
+        return None
+    half = dict(dtype=torch.float16, device=DEVICE)
+    u, dt, z = (torch.randn(BATCH, D_INNER, seqlen, **half) for _ in range(3))
+    B, C = (torch.randn(BATCH, D_STATE, seqlen, **half) for _ in range(2))
+    A = -torch.arange(1, D_STATE + 1, device=DEVICE).float().expand(D_INNER, D_STATE).contiguous()
+    D, dt_bias = torch.ones(D_INNER, device=DEVICE), torch.full((D_INNER,), -4.0, device=DEVICE)
+    return lambda: fns["selective_scan_fn"](u, dt, A, B, C, D, z=z, delta_bias=dt_bias,
+                                            delta_softplus=True, return_last_state=True)
+
+
+def bench_scan(timer, fns, seqlen):
+    baseline = mamba_scan_fn(fns, seqlen)
+    base_us = timer.us(baseline) if baseline else None
+    rows = []
+    params = ssm_params()
+    for layout in ("module", "contiguous"):
+        t = scan_inputs(seqlen, layout)
+        run = lambda: qsscan(t["u"], 0.03, t["dt"], 0.02, t["B"], 0.02, t["C"], 0.02, t["z"], 0.03,
+                             params, state_scale=0.05, out_dtype=torch.float16,
+                             backend_name="cuda")
+        rows.append(timer.row("qsscan int8", layout, seqlen, run, scan_bytes(seqlen, 1, 2, 1),
+                              base_us))
+    if base_us is not None:
+        rows.append({"op": "selective_scan_fn fp16", "layout": "contiguous", "seqlen": seqlen,
+                     "us": base_us, "GB/s": scan_bytes(seqlen, 2, 2, 4) / base_us / 1e3})
+    return rows
+
+
+SCAN_CONFIGS = 3  # the launch configurations of csrc/qsscan (kScanConfigs)
+
+
+def bench_scan_configs(timer, seqlen):
+    """Every launch configuration of the QSScan kernel (the op's default is one of them)."""
+    backend.cuda_extension_error()  # loads quamba._C and registers the cuda backend
+    from quamba.ops.cuda_backend.ssm import qsscan_op_args
+
+    params, rows = ssm_params(), []
+    for layout in ("module", "contiguous"):
+        t = scan_inputs(seqlen, layout)
+        args = qsscan_op_args(t["u"], 0.03, t["dt"], 0.02, t["B"], 0.02, t["C"], 0.02, t["z"],
+                              0.03, params, 0.05, torch.float16)
+        for config in range(SCAN_CONFIGS):
+            run = lambda: torch.ops.quamba.qsscan(*args, config)
+            rows.append(timer.row(f"qsscan config {config}", layout, seqlen, run,
+                                  scan_bytes(seqlen, 1, 2, 1)))
+    return rows
+
+
+def bench_conv(timer, fns, seqlen):
+    weight, bias = codes(D_INNER, D_CONV), codes(D_INNER)
+    base_us = None
+    if "causal_conv1d_fn" in fns:
+        x16 = torch.randn(BATCH, D_INNER, seqlen, dtype=torch.float16, device=DEVICE)
+        w16, b16 = weight.half() / 127, bias.half() / 127
+        base_us = timer.us(lambda: fns["causal_conv1d_fn"](x16, w16, b16, activation="silu"))
+    rows = []
+    for layout in ("module", "contiguous"):
+        x = (codes(BATCH, seqlen, 2 * D_INNER).transpose(1, 2)[:, :D_INNER] if layout == "module"
+             else codes(BATCH, D_INNER, seqlen))
+        run = lambda: qconv1d(x, 0.04, weight, 0.01, bias, 0.01, 0.05, backend_name="cuda")
+        rows.append(timer.row("qconv1d int8", layout, seqlen, run, 2 * BATCH * D_INNER * seqlen,
+                              base_us))
+    if base_us is not None:
+        rows.append({"op": "causal_conv1d_fn fp16", "layout": "contiguous", "seqlen": seqlen,
+                     "us": base_us, "GB/s": 4 * BATCH * D_INNER * seqlen / base_us / 1e3})
+    return rows
+
+
+def bench_norm_hadamard(timer, seqlen):
+    x = torch.randn(BATCH * seqlen, D_MODEL, dtype=torch.float16, device=DEVICE)
+    residual = torch.randn(BATCH * seqlen, D_MODEL, device=DEVICE)
+    y = torch.randn(BATCH * seqlen, D_INNER, dtype=torch.float16, device=DEVICE)
+    norm = lambda: rmsnorm_quant(x, residual, None, 1e-5, 0.03, backend_name="cuda")
+    hadamard = lambda: hadamard_quant(y, 0.03, backend_name="cuda")
+    rows_norm = BATCH * seqlen * D_MODEL * (2 + 4 + 4 + 1)
+    return [timer.row("rmsnorm_quant", "rows", seqlen, norm, rows_norm),
+            timer.row("hadamard_quant", "rows", seqlen, hadamard, BATCH * seqlen * D_INNER * 3)]
+
+
+# ---- decode ----------------------------------------------------------------------------------
+
+def bench_decode(timer, fns):
+    params = ssm_params()
+    xz, x_dbl = codes(BATCH, 2 * D_INNER), codes(BATCH, DT_RANK + 2 * D_STATE)
+    x, z = xz[:, :D_INNER], xz[:, D_INNER:]
+    B, C = x_dbl[:, DT_RANK:DT_RANK + D_STATE], x_dbl[:, DT_RANK + D_STATE:]
+    u, dt = codes(BATCH, D_INNER), codes(BATCH, D_INNER)
+    ssm_state = codes(BATCH, D_INNER, D_STATE)
+    conv_state = codes(BATCH, D_INNER, D_CONV - 1)
+    weight, bias = codes(D_INNER, D_CONV), codes(D_INNER)
+    scan_step = lambda: qsscan_update(ssm_state, 0.05, u, 0.03, dt, 0.02, B, 0.02, C, 0.02, z, 0.03,
+                                      params, backend_name="cuda")
+    conv_step = lambda: qconv1d_update(x, conv_state, 0.04, weight, 0.01, bias, 0.01, 0.05,
+                                       backend_name="cuda")
+    base_scan = base_conv = None
+    if "selective_state_update" in fns:
+        half = dict(dtype=torch.float16, device=DEVICE)
+        state16 = torch.randn(BATCH, D_INNER, D_STATE, **half)
+        x16, dt16, z16 = (torch.randn(BATCH, D_INNER, **half) for _ in range(3))
+        B16, C16 = (torch.randn(BATCH, D_STATE, **half) for _ in range(2))
+        A = -torch.arange(1, D_STATE + 1, device=DEVICE).float().expand(D_INNER, D_STATE)
+        D, dt_bias = torch.ones(D_INNER, device=DEVICE), torch.full((D_INNER,), -4.0, device=DEVICE)
+        base_scan = timer.us(lambda: fns["selective_state_update"](
+            state16, x16, dt16, A, B16, C16, D, z=z16, dt_bias=dt_bias, dt_softplus=True))
+    if "causal_conv1d_update" in fns:
+        xc = torch.randn(BATCH, D_INNER, dtype=torch.float16, device=DEVICE)
+        state16 = torch.randn(BATCH, D_INNER, D_CONV - 1, dtype=torch.float16, device=DEVICE)
+        w16, b16 = weight.half() / 127, bias.half() / 127
+        base_conv = timer.us(lambda: fns["causal_conv1d_update"](xc, state16, w16, b16, "silu"))
+    scan_step_bytes = BATCH * (D_INNER * (4 + 2 * D_STATE) + 2 * D_STATE)
+    conv_step_bytes = BATCH * D_INNER * (1 + 2 * (D_CONV - 1) + 1)
+    return [timer.row("qsscan_update int8", "decode", 1, scan_step, scan_step_bytes, base_scan),
+            timer.row("qconv1d_update int8", "decode", 1, conv_step, conv_step_bytes, base_conv)]
+
+
+def add_options(parser):
+    parser.add_argument("--configs", action="store_true",
+                        help="also time every launch configuration of the QSScan kernel")
+
+
+def main():
+    args = common.parse_args(__doc__.splitlines()[0], add_options)
+    torch.manual_seed(0)
+    baselines = load_baselines()
+    bandwidth = common.copy_bandwidth_gbs()
+    timer = Timer(args.quick, bandwidth)
+    rows = []
+    for seqlen in SEQLENS:
+        rows += bench_scan(timer, baselines["fns"], seqlen)
+        rows += bench_conv(timer, baselines["fns"], seqlen)
+        rows += bench_norm_hadamard(timer, seqlen)
+        if args.configs:
+            rows += bench_scan_configs(timer, seqlen)
+    rows += bench_decode(timer, baselines["fns"])
+    meta = common.run_metadata()
+    title = (f"SSM kernels on {meta['device']} (batch {BATCH}, d_inner {D_INNER}, d_state "
+             f"{D_STATE}; copy bandwidth {bandwidth:.0f} GB/s; speedup = mamba-ssm fp16 / ours)")
+    print(common.format_table(rows, COLUMNS, title))
+    for note in baselines["notes"]:
+        print("note:", note)
+    common.write_json(args.out, {"meta": meta, "copy_bandwidth_gbs": bandwidth, "rows": rows,
+                                 "notes": baselines["notes"]})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+// Fused residual add + RMSNorm → int8. Specification: quamba/ops/qnorm.py.
+#include <torch/library.h>
+
+#include "../ssm_common/ssm_common.cuh"
+
+namespace quamba_ssm {
+namespace {
+
+constexpr int kNormThreads = 256;
+
+// Sum over the block; every thread gets the total.
+__device__ float block_sum(float v) {
+  __shared__ float warp_sums[kNormThreads / 32];
+  __shared__ float total;
+  for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) warp_sums[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    v = lane < kNormThreads / 32 ? warp_sums[lane] : 0.f;
+    for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
+    if (lane == 0) total = v;
+  }
+  __syncthreads();
+  return total;
+}
+
+// One block per row. r = x + residual is formed twice (for the sum of squares, then for the
+// output) instead of being kept: the second read hits the cache and no dimension is too large.
+template <typename In, typename Res, typename ResOut, typename W>
+__global__ void __launch_bounds__(kNormThreads)
+rmsnorm_quant_kernel(const In* __restrict__ x, const Res* __restrict__ residual,
+                     const W* __restrict__ weight, float eps, float out_inv_scale,
+                     int8_t* __restrict__ q, ResOut* __restrict__ residual_out, int dim) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * dim;
+  auto sum_at = [&](int i) {
+    const float v = to_float(x[row + i]);
+    return residual != nullptr ? __fadd_rn(v, to_float(residual[row + i])) : v;
+  };
+  float sum_sq = 0.f;
+  for (int i = threadIdx.x; i < dim; i += kNormThreads) {
+    const float r = sum_at(i);
+    residual_out[row + i] = from_float<ResOut>(r);
+    sum_sq = fmaf(r, r, sum_sq);
+  }
+  const float mean_sq = __fdiv_rn(block_sum(sum_sq), static_cast<float>(dim));
+  const float rstd = __frsqrt_rn(__fadd_rn(mean_sq, eps));
+  for (int i = threadIdx.x; i < dim; i += kNormThreads) {
+    float v = __fmul_rn(sum_at(i), rstd);
+    if (weight != nullptr) v = __fmul_rn(v, to_float(weight[i]));
+    q[row + i] = quantize_rn(v, out_inv_scale);
+  }
+}
+
+template <typename T>
+const T* data_or_null(const c10::optional<at::Tensor>& t) {
+  return t.has_value() ? static_cast<const T*>(t->data_ptr()) : nullptr;
+}
+
+// Float element types as CUDA types, for the dispatch below.
+template <typename F>
+void visit_float_type(at::ScalarType type, F&& f) {
+  switch (type) {
+    case at::kHalf: return f(__half{});
+    case at::kBFloat16: return f(__nv_bfloat16{});
+    default: return f(float{});
+  }
+}
+
+void check_float_tensor(const at::Tensor& t, const at::Tensor& ref, const char* name) {
+  check_same_device(t, ref, name);
+  TORCH_CHECK(t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16 ||
+                  t.scalar_type() == at::kFloat,
+              name, " must be float16, bfloat16 or float32, got ", t.scalar_type());
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+// x: contiguous [..., dim] float; residual: same shape (any float dtype) or None; weight: [dim]
+// or None. Returns (q int8 [..., dim], residual_out fp32 or x's dtype).
+std::tuple<at::Tensor, at::Tensor> rmsnorm_quant(const at::Tensor& x,
+                                                 const c10::optional<at::Tensor>& residual,
+                                                 const c10::optional<at::Tensor>& weight,
+                                                 double eps, double out_inv_scale,
+                                                 bool residual_in_fp32) {
+  check_float_tensor(x, x, "x");
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) > 0, "x must be [..., dim] with dim > 0, got ",
+              text(x.sizes()));
+  const int64_t dim = x.size(-1), rows = x.numel() / dim;
+  TORCH_CHECK(rows < (int64_t{1} << 31), "x has too many rows");
+  if (residual.has_value()) {
+    check_float_tensor(*residual, x, "residual");
+    check_shape(*residual, x.sizes(), "residual");
+  }
+  if (weight.has_value()) {
+    check_float_tensor(*weight, x, "weight");
+    check_shape(*weight, {dim}, "weight");
+  }
+  TORCH_CHECK(eps >= 0.0 && std::isfinite(eps), "eps must be finite and non-negative, got ",
+              text(eps));
+  check_positive_scale(out_inv_scale, "out_inv_scale");
+  const c10::cuda::CUDAGuard guard(x.device());
+
+  at::Tensor q = at::empty(x.sizes(), x.options().dtype(at::kChar));
+  at::Tensor residual_out =
+      at::empty(x.sizes(), x.options().dtype(residual_in_fp32 ? at::kFloat : x.scalar_type()));
+  if (rows == 0) return {q, residual_out};
+  const auto res_type = residual.has_value() ? residual->scalar_type() : at::kFloat;
+  const auto weight_type = weight.has_value() ? weight->scalar_type() : at::kFloat;
+  visit_float_type(x.scalar_type(), [&](auto in_tag) {
+    using In = decltype(in_tag);
+    visit_float_type(res_type, [&](auto res_tag) {
+      using Res = decltype(res_tag);
+      visit_float_type(weight_type, [&](auto weight_tag) {
+        using W = decltype(weight_tag);
+        auto launch = [&](auto kernel, auto* res_out) {
+          check_kernel_image(kernel, "rmsnorm_quant");
+          kernel<<<rows, kNormThreads, 0, current_stream()>>>(
+              static_cast<const In*>(x.data_ptr()), data_or_null<Res>(residual),
+              data_or_null<W>(weight), to_fp32(eps), to_fp32(out_inv_scale),
+              q.data_ptr<int8_t>(), res_out, dim);
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        };
+        if (residual_in_fp32) {
+          launch(rmsnorm_quant_kernel<In, Res, float, W>, residual_out.data_ptr<float>());
+        } else {
+          launch(rmsnorm_quant_kernel<In, Res, In, W>, static_cast<In*>(residual_out.data_ptr()));
+        }
+      });
+    });
+  });
+  return {q, residual_out};
+}
+
+}  // namespace
+}  // namespace quamba_ssm
+
+TORCH_LIBRARY_FRAGMENT(quamba, m) {
+  m.def(
+      "rmsnorm_quant(Tensor x, Tensor? residual, Tensor? weight, float eps, float out_inv_scale, "
+      "bool residual_in_fp32) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(quamba, CUDA, m) { m.impl("rmsnorm_quant", &quamba_ssm::rmsnorm_quant); }

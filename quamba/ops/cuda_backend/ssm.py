@@ -1,0 +1,144 @@
+"""The SSM-side ops on the kernels of ``quamba._C`` (csrc/conv1d, csrc/qsscan, csrc/norm):
+``qconv1d``, ``qconv1d_update``, ``qsscan``, ``qsscan_update``, ``rmsnorm_quant`` and
+``hadamard_quant``, with the torch references' signatures.
+
+Every fp32 constant a kernel applies (epilogue multiplier, reciprocal of an output scale, 1/sqrt(n))
+is computed here by the functions of :mod:`quamba.ops.quant` that the references use, so both
+backends multiply by the same numbers.
+
+Layouts: qconv1d and qsscan read [batch, dim, seqlen] inputs with any strides (coalesced when
+the time or the channel dimension has stride 1) and return outputs in their input's layout
+family: channel-last (a transposed [batch, seqlen, dim] tensor) when ``x``/``u`` has
+``stride(1) == 1``, else contiguous. rmsnorm_quant and hadamard_quant take rows: a
+non-contiguous input is copied once by ``.contiguous()`` (the module never passes one).
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+import quamba._C  # noqa: F401  loads torch.ops.quamba.*
+from quamba.ops import backend
+from quamba.ops.hadamard import hadamard_factors, hadamard_sign_matrix
+from quamba.ops.quant import reciprocal, requant_multiplier, to_fp32
+
+
+@functools.lru_cache(maxsize=4096)
+def _fp32(value: float) -> float:
+    return float(to_fp32(value))
+
+
+@functools.lru_cache(maxsize=4096)
+def _inverse(scale: float) -> float:
+    return float(reciprocal(scale))
+
+
+@functools.lru_cache(maxsize=4096)
+def _multiplier(x_scale: float, weight_scale: float) -> float:
+    return float(requant_multiplier(x_scale, weight_scale))
+
+
+def _scale(value) -> float | None:
+    """A scale as a hashable Python float (0-d tensors are read once)."""
+    return None if value is None else float(value)
+
+
+def _inverse_or_none(scale) -> float | None:
+    return None if scale is None else _inverse(_scale(scale))
+
+
+def _silu_flag(activation) -> bool:
+    if activation not in ("silu", None):
+        raise ValueError(f"activation must be 'silu' or None, got {activation!r}")
+    return activation == "silu"
+
+
+def _conv_constants(x_scale, weight_scale, bias, bias_scale, out_scale):
+    multiplier = _multiplier(_scale(x_scale), _scale(weight_scale))
+    bias_scale32 = _fp32(_scale(bias_scale)) if bias is not None else 1.0
+    return multiplier, bias_scale32, _inverse_or_none(out_scale)
+
+
+@backend.register("qconv1d", "cuda")
+def _qconv1d_cuda(x, x_scale, weight, weight_scale, bias, bias_scale, out_scale, activation):
+    silu = _silu_flag(activation)
+    multiplier, bias_scale32, out_inv = _conv_constants(x_scale, weight_scale, bias, bias_scale,
+                                                        out_scale)
+    return torch.ops.quamba.qconv1d(x, weight, bias, multiplier, bias_scale32, out_inv, silu)
+
+
+@backend.register("qconv1d_update", "cuda")
+def _qconv1d_update_cuda(x, conv_state, x_scale, weight, weight_scale, bias, bias_scale,
+                         out_scale, activation):
+    silu = _silu_flag(activation)
+    multiplier, bias_scale32, out_inv = _conv_constants(x_scale, weight_scale, bias, bias_scale,
+                                                        out_scale)
+    return torch.ops.quamba.qconv1d_update(x, conv_state, weight, bias, multiplier, bias_scale32,
+                                           out_inv, silu)
+
+
+def _input_scale(t: torch.Tensor, scale) -> float:
+    """fp32 scale of int8 codes; float inputs ignore theirs (0.0 makes a missing one an error)."""
+    if t.dtype != torch.int8:
+        return 1.0
+    return 0.0 if scale is None else _fp32(_scale(scale))
+
+
+def _param_args(params):
+    return (params.A_log, _fp32(_scale(params.A_log_scale)), params.D,
+            _fp32(_scale(params.D_scale)), params.dt_bias, _fp32(_scale(params.dt_bias_scale)))
+
+
+def qsscan_op_args(u, u_scale, dt, dt_scale, B, B_scale, C, C_scale, z, z_scale, params,
+                   state_scale, out_dtype) -> tuple:
+    """torch.ops.quamba.qsscan's arguments for :func:`quamba.ops.qsscan.qsscan`'s (its launch
+    configuration, the last argument, left to the default)."""
+    z_scale32 = 1.0 if z is None else _input_scale(z, z_scale)
+    return (u, _input_scale(u, u_scale), dt, _input_scale(dt, dt_scale), B,
+            _input_scale(B, B_scale), C, _input_scale(C, C_scale), z, z_scale32,
+            *_param_args(params), _inverse_or_none(state_scale), out_dtype)
+
+
+@backend.register("qsscan", "cuda")
+def _qsscan_cuda(u, u_scale, dt, dt_scale, B, B_scale, C, C_scale, z, z_scale, params,
+                 state_scale, out_dtype):
+    return torch.ops.quamba.qsscan(*qsscan_op_args(u, u_scale, dt, dt_scale, B, B_scale, C,
+                                                   C_scale, z, z_scale, params, state_scale,
+                                                   out_dtype))
+
+
+@backend.register("qsscan_update", "cuda")
+def _qsscan_update_cuda(state, state_scale, u, u_scale, dt, dt_scale, B, B_scale, C, C_scale, z,
+                        z_scale, params, out_dtype):
+    state_scale32 = _input_scale(state, state_scale)
+    z_scale32 = 1.0 if z is None else _input_scale(z, z_scale)
+    return torch.ops.quamba.qsscan_update(
+        state, state_scale32, u, _input_scale(u, u_scale), dt, _input_scale(dt, dt_scale), B,
+        _input_scale(B, B_scale), C, _input_scale(C, C_scale), z, z_scale32,
+        *_param_args(params), out_dtype)
+
+
+@backend.register("rmsnorm_quant", "cuda")
+def _rmsnorm_quant_cuda(x, residual, weight, eps, out_scale, residual_in_fp32):
+    residual = None if residual is None else residual.contiguous()
+    weight = None if weight is None else weight.contiguous()
+    return torch.ops.quamba.rmsnorm_quant(x.contiguous(), residual, weight, _fp32(float(eps)),
+                                          _inverse(_scale(out_scale)), residual_in_fp32)
+
+
+@functools.lru_cache(maxsize=None)
+def _hadamard_plan(n: int) -> tuple[int, int, list[int], float]:
+    """(m, p, column sign masks of S_m, fp32 1/sqrt(n)) for size n."""
+    m, p = hadamard_factors(n)
+    negative = hadamard_sign_matrix(m, dtype=torch.int8) < 0  # [c, a]
+    masks = [sum(1 << c for c in range(m) if negative[c, a]) for a in range(m)]
+    return m, p, masks, _fp32(1 / math.sqrt(n))
+
+
+@backend.register("hadamard_quant", "cuda")
+def _hadamard_quant_cuda(x, out_scale):
+    m, p, masks, norm = _hadamard_plan(x.shape[-1])
+    return torch.ops.quamba.hadamard_quant(x.contiguous(), m, p, masks, norm,
+                                           _inverse(_scale(out_scale)))

@@ -1,0 +1,469 @@
+"""The SSM-side kernels of quamba._C (qconv1d, qsscan, rmsnorm_quant, hadamard_quant and the
+decode steps) against their torch references, run on the same CUDA tensors.
+
+Tolerances, and why:
+
+* int8 outputs equal the reference, or differ by one step for a tiny fraction of elements
+  (``assert_codes_close``: at most max(2, 1e-3 · numel) elements). Every kernel follows the
+  rounding rule of quamba.ops.quant operation by operation, so a difference can only come from
+  an fp32 value the two backends compute a few ulps apart landing on opposite sides of a .5
+  boundary: the scan sums in another order than the sequential reference (and takes exp through
+  ex2.approx), RMSNorm sums the squares in another order, the Hadamard kernel adds the m × m
+  factor in another order than BLAS. The conv accumulates exactly and is expected to match
+  everywhere.
+* float outputs within 1e-3 relative, plus one unit in the last place of a 16-bit output dtype
+  (two fp32 values a few ulps apart may round to neighbouring fp16/bf16 numbers), with an
+  absolute floor of 1e-4 of the reference's RMS for values that cancel to near zero.
+* every output element is compared, after the caching allocator was primed with poison (-128 for
+  int8, which the rule never produces; NaN for floats), so an unwritten element shows.
+
+Decode: the fp32-state step chained over many tokens equals the prefill; with an int8 state each
+step requantizes (so a chain is not a prefill), and every step of a chain is checked against the
+torch step from the same state. Input-check errors are RuntimeErrors naming the argument.
+Tests whose names contain ``small`` are the subset run under compute-sanitizer.
+"""
+import math
+import zlib
+
+import pytest
+import torch
+
+from quamba.ops import backend
+from quamba.ops.qconv1d import qconv1d, qconv1d_update
+from quamba.ops.qhadamard import hadamard_quant
+from quamba.ops.qnorm import rmsnorm_quant
+from quamba.ops.qsscan import SSMParams, qsscan, qsscan_update
+from quamba.ops.quant import dequantize, quantize, quantize_weight, scale_from_range
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+if backend.cuda_extension_error() is not None:
+    pytest.skip(backend.cuda_extension_error(), allow_module_level=True)
+if not hasattr(torch.ops.quamba, "qsscan"):
+    pytest.skip("quamba._C was built without the SSM kernels", allow_module_level=True)
+
+DEVICE = torch.device("cuda")
+D_STATE = 16
+ULP_16 = {torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7, torch.float32: 0.0}
+
+
+@pytest.fixture(autouse=True)
+def _no_backend_override(monkeypatch):
+    monkeypatch.delenv("QUAMBA_BACKEND", raising=False)
+
+
+def seed_for(*params) -> None:
+    """Fresh inputs for every case, reproducible from its parameters."""
+    torch.manual_seed(zlib.crc32(repr(params).encode()))
+
+
+def codes(*shape):
+    return torch.randint(-127, 128, shape, dtype=torch.int8, device=DEVICE)
+
+
+def prime_allocator(*outputs):
+    """Hand the caching allocator freed blocks of the outputs' sizes filled with poison, so that an
+    output allocated from them and left unwritten shows (best effort: the allocator chooses)."""
+    blocks = [torch.full((numel,), -128 if dtype == torch.int8 else float("nan"), dtype=dtype,
+                         device=DEVICE) for numel, dtype in outputs]
+    del blocks
+
+
+def assert_codes_close(out, ref):
+    assert out.dtype == torch.int8 and out.shape == ref.shape
+    assert int(out.min()) >= -127, "unwritten (-128) or out-of-range int8 output"
+    diff = (out.int() - ref.int()).abs()
+    differing = int((diff > 0).sum())
+    assert int(diff.max()) <= 1, f"codes differ by up to {int(diff.max())}"
+    assert differing <= max(2, 1e-3 * out.numel()), f"{differing} of {out.numel()} codes differ"
+
+
+def assert_close_to(out, ref):
+    """int8 codes within one step, floats within 1e-3 relative (see the module docstring)."""
+    if ref.dtype == torch.int8:
+        assert_codes_close(out, ref)
+    else:
+        assert not out.isnan().any(), "unwritten (NaN) float output"
+        rtol = 1e-3 + ULP_16[ref.dtype]
+        rms = float(ref.float().pow(2).mean().sqrt()) if ref.numel() else 0.0
+        torch.testing.assert_close(out.float(), ref.float(), rtol=rtol, atol=1e-4 * rms + 1e-30)
+
+
+# ---- qconv1d ---------------------------------------------------------------------------------
+
+def conv_input(batch, dim, seqlen, layout):
+    """int8 x [batch, dim, seqlen]: 'module' is the x half of a transposed [b, l, 2·dim] in_proj
+    output (stride(1) == 1), 'contiguous' is channel-first, 'strided' a step-2 time slice."""
+    if layout == "module":
+        return codes(batch, seqlen, 2 * dim).transpose(1, 2)[:, :dim]
+    if layout == "strided":
+        return codes(batch, dim, 2 * seqlen)[:, :, ::2]
+    return codes(batch, dim, seqlen)
+
+
+def conv_params(dim, width, with_bias):
+    weight, weight_scale = quantize_weight(torch.randn(dim, width, device=DEVICE) * 0.3)
+    bias, bias_scale = (quantize_weight(torch.randn(dim, device=DEVICE) * 0.2) if with_bias
+                        else (None, None))
+    return dict(weight=weight, weight_scale=float(weight_scale), bias=bias,
+                bias_scale=None if bias_scale is None else float(bias_scale))
+
+
+X_SCALE = 0.04
+
+
+def run_conv(x, params, out_scale, activation, backend_name):
+    return qconv1d(x, X_SCALE, params["weight"], params["weight_scale"], params["bias"],
+                   params["bias_scale"], out_scale, activation, backend_name=backend_name)
+
+
+def conv_out_scale(x, params, activation="silu"):
+    """Maps 90% of the output's absmax to 127: outputs span the int8 range, the largest saturate."""
+    y = run_conv(x, params, None, activation, "torch")
+    return float(scale_from_range(0.9 * float(y.abs().max())))
+
+
+CONV_SHAPES = [(1, 5120, 2048), (2, 1536, 1), (3, 2560, 17), (8, 48, 4096), (4, 4096, 333),
+               (1, 40, 1), (2, 3072, 1000), (1, 1536, 4096), (5, 2048, 255)]
+
+
+@pytest.mark.parametrize("layout", ["module", "contiguous"])
+@pytest.mark.parametrize("batch,dim,seqlen", CONV_SHAPES)
+def test_qconv1d_matches_reference(batch, dim, seqlen, layout):
+    seed_for("conv", batch, dim, seqlen, layout)
+    x, params = conv_input(batch, dim, seqlen, layout), conv_params(dim, 4, with_bias=True)
+    out_scale = conv_out_scale(x, params)
+    prime_allocator((x.numel(), torch.int8))
+    out = run_conv(x, params, out_scale, "silu", "cuda")
+    assert out.stride(1) == 1 if layout == "module" else out.is_contiguous()
+    assert_codes_close(out, run_conv(x, params, out_scale, "silu", "torch"))
+
+
+@pytest.mark.parametrize("layout", ["module", "contiguous", "strided"])
+@pytest.mark.parametrize("width", [2, 3, 4])
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("out_int8", [True, False])
+@pytest.mark.parametrize("activation", ["silu", None])
+def test_small_qconv1d_every_variant(layout, width, with_bias, out_int8, activation):
+    seed_for("conv-variants", layout, width, with_bias, out_int8, activation)
+    batch, dim, seqlen = 3, 200, 37
+    x, params = conv_input(batch, dim, seqlen, layout), conv_params(dim, width, with_bias)
+    out_scale = conv_out_scale(x, params, activation) if out_int8 else None
+    prime_allocator((x.numel(), torch.int8 if out_int8 else torch.float32))
+    out = run_conv(x, params, out_scale, activation, "cuda")
+    assert_close_to(out, run_conv(x, params, out_scale, activation, "torch"))
+
+
+def conv_step(x_t, state, params, out_scale, backend_name):
+    return qconv1d_update(x_t, state, X_SCALE, params["weight"], params["weight_scale"],
+                          params["bias"], params["bias_scale"], out_scale,
+                          backend_name=backend_name)
+
+
+@pytest.mark.parametrize("width", [2, 3, 4])
+@pytest.mark.parametrize("batch,dim", [(1, 5120), (8, 1536), (3, 40)])
+def test_small_qconv1d_update_chain_equals_prefill(batch, dim, width):
+    """Decode steps from a zero state over seqlen tokens give the prefill's outputs exactly (the
+    same integer accumulation and epilogue) and leave the last width - 1 inputs as the state."""
+    seed_for("conv-chain", batch, dim, width)
+    seqlen = 40
+    xz = codes(batch, seqlen, 2 * dim)  # decode reads x as a slice of the in_proj output
+    params = conv_params(dim, width, with_bias=True)
+    x = xz.transpose(1, 2)[:, :dim]
+    out_scale = conv_out_scale(x, params)
+    prefill = run_conv(x, params, out_scale, "silu", "cuda")
+    state = torch.zeros(batch, dim, width - 1, dtype=torch.int8, device=DEVICE)
+    for t in range(seqlen):
+        step_out = conv_step(xz[:, t, :dim], state, params, out_scale, "cuda")
+        assert torch.equal(step_out, prefill[:, :, t]), f"step {t} differs from the prefill"
+    assert torch.equal(state, xz[:, seqlen - width + 1:, :dim].transpose(1, 2))
+
+
+@pytest.mark.parametrize("batch,dim", [(1, 5120), (8, 1536), (3, 40)])
+def test_small_qconv1d_update_matches_reference(batch, dim):
+    seed_for("conv-step", batch, dim)
+    params = conv_params(dim, 4, with_bias=True)
+    x_t = codes(batch, 2 * dim)[:, dim:]
+    state = codes(batch, dim, 3)
+    state_ref = state.clone()
+    out_scale = 0.05
+    prime_allocator((batch * dim, torch.int8))
+    out = conv_step(x_t, state, params, out_scale, "cuda")
+    assert_codes_close(out, conv_step(x_t, state_ref, params, out_scale, "torch"))
+    assert torch.equal(state, state_ref)
+
+
+# ---- qsscan ----------------------------------------------------------------------------------
+
+def ssm_params(dim):
+    """Mamba's initialisation (A = -(1..d_state), dt in [1e-3, 0.1]) with some noise, quantized."""
+    a_log = torch.log(torch.arange(1, D_STATE + 1, device=DEVICE).float()).expand(dim, D_STATE)
+    a_log = a_log + 0.1 * torch.randn(dim, D_STATE, device=DEVICE)
+    dt = torch.exp(torch.rand(dim, device=DEVICE) * (math.log(0.1) - math.log(1e-3))
+                   + math.log(1e-3))
+    dt_bias = dt + torch.log(-torch.expm1(-dt))  # inverse softplus
+    d_skip = 1 + 0.2 * torch.randn(dim, device=DEVICE)
+    (A_log, A_log_scale), (D, D_scale), (dt_b, dt_b_scale) = (
+        quantize_weight(a_log), quantize_weight(d_skip), quantize_weight(dt_bias))
+    return SSMParams(A_log, float(A_log_scale), D, float(D_scale), dt_b, float(dt_b_scale))
+
+
+SCALES = dict(u_scale=0.03, dt_scale=0.02, B_scale=0.02, C_scale=0.02, z_scale=0.03)
+
+
+def scan_inputs(batch, dim, seqlen, layout, in_dtype=torch.int8, with_z=True):
+    """u, dt, z [batch, dim, seqlen] and B, C [batch, d_state, seqlen] as the module lays them out
+    ('module': transposed GEMM outputs, B and C slices of x_proj's output) or channel-first
+    ('contiguous'); int8 codes, or their dequantized values in in_dtype (fp32-ssm-input mode)."""
+    if layout == "module":
+        u = codes(batch, seqlen, dim).transpose(1, 2)
+        dt = codes(batch, seqlen, dim).transpose(1, 2)
+        z = codes(batch, seqlen, 2 * dim).transpose(1, 2)[:, dim:]
+        x_dbl = codes(batch, seqlen, 48 + 2 * D_STATE)
+        B, C = (s.transpose(1, 2) for s in x_dbl.split([48, D_STATE, D_STATE], dim=-1)[1:])
+    else:
+        u, dt, z = codes(batch, dim, seqlen), codes(batch, dim, seqlen), codes(batch, dim, seqlen)
+        B, C = codes(batch, D_STATE, seqlen), codes(batch, D_STATE, seqlen)
+    tensors = dict(u=u, dt=dt, B=B, C=C, z=z if with_z else None)
+    if in_dtype != torch.int8:
+        tensors = {name: None if t is None else dequantize(t, SCALES[f"{name}_scale"]).to(in_dtype)
+                   for name, t in tensors.items()}
+    return tensors
+
+
+def run_scan(inputs, params, state_scale, out_dtype, backend_name):
+    s = SCALES
+    return qsscan(inputs["u"], s["u_scale"], inputs["dt"], s["dt_scale"], inputs["B"],
+                  s["B_scale"], inputs["C"], s["C_scale"], inputs["z"], s["z_scale"], params,
+                  state_scale=state_scale, out_dtype=out_dtype, backend_name=backend_name)
+
+
+def check_scan(batch, dim, seqlen, layout, out_dtype=torch.float16, int8_state=True,
+               in_dtype=torch.int8, with_z=True):
+    inputs = scan_inputs(batch, dim, seqlen, layout, in_dtype, with_z)
+    params = ssm_params(dim)
+    y_ref, h_ref = run_scan(inputs, params, None, out_dtype, "torch")
+    state_scale = None
+    if int8_state:  # what the torch backend returns for this scale, without a second scan
+        state_scale = float(scale_from_range(float(h_ref.abs().max())))
+        h_ref = quantize(h_ref, state_scale)
+    prime_allocator((batch * dim * seqlen, out_dtype),
+                    (batch * dim * D_STATE, h_ref.dtype))
+    y, h = run_scan(inputs, params, state_scale, out_dtype, "cuda")
+    if layout == "module":
+        assert y.stride(1) == 1
+    assert_close_to(y, y_ref)
+    assert_close_to(h, h_ref)
+
+
+SCAN_SHAPES = [(1, 5120, 1024), (1, 5120, 2048), (2, 1536, 1), (3, 2560, 17), (8, 48, 4096),
+               (4, 1536, 257), (1, 40, 1000), (2, 3072, 255), (1, 1536, 4096), (5, 2048, 513)]
+
+
+@pytest.mark.parametrize("layout", ["module", "contiguous"])
+@pytest.mark.parametrize("batch,dim,seqlen", SCAN_SHAPES)
+def test_qsscan_matches_reference(batch, dim, seqlen, layout):
+    seed_for("scan", batch, dim, seqlen, layout)
+    check_scan(batch, dim, seqlen, layout)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("int8_state", [True, False])
+@pytest.mark.parametrize("with_z", [True, False])
+@pytest.mark.parametrize("layout", ["module", "contiguous"])
+def test_small_qsscan_every_variant(out_dtype, int8_state, with_z, layout):
+    seed_for("scan-variants", out_dtype, int8_state, with_z, layout)
+    check_scan(2, 72, 300, layout, out_dtype, int8_state, with_z=with_z)
+
+
+@pytest.mark.parametrize("in_dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("layout", ["module", "contiguous"])
+def test_small_qsscan_float_inputs(in_dtype, layout):
+    """The fp32-ssm-input mode passes dequantized floats (their scales are ignored)."""
+    seed_for("scan-float", in_dtype, layout)
+    check_scan(2, 136, 333, layout, torch.float32, False, in_dtype)
+
+
+SCAN_CONFIGS = 3  # the launch configurations of csrc/qsscan (kScanConfigs)
+
+
+@pytest.mark.parametrize("config", range(SCAN_CONFIGS))
+@pytest.mark.parametrize("layout", ["module", "contiguous"])
+def test_small_qsscan_every_config(layout, config):
+    """Every launch configuration, called directly (the op's default is one of them)."""
+    from quamba.ops.cuda_backend.ssm import qsscan_op_args
+
+    seed_for("scan-config", layout, config)
+    inputs, params = scan_inputs(3, 200, 700, layout), ssm_params(200)
+    y_ref, h_ref = run_scan(inputs, params, None, torch.float16, "torch")
+    s = SCALES
+    args = qsscan_op_args(inputs["u"], s["u_scale"], inputs["dt"], s["dt_scale"], inputs["B"],
+                          s["B_scale"], inputs["C"], s["C_scale"], inputs["z"], s["z_scale"],
+                          params, None, torch.float16)
+    prime_allocator((3 * 200 * 700, torch.float16), (3 * 200 * D_STATE, torch.float32))
+    y, h = torch.ops.quamba.qsscan(*args, config)
+    assert_close_to(y, y_ref)
+    assert_close_to(h, h_ref)
+
+
+def test_small_qsscan_mixed_inputs():
+    """fp32-conv mode: a float u with int8 dt, B, C, z."""
+    seed_for("scan-mixed")
+    inputs = scan_inputs(2, 96, 129, "module")
+    inputs["u"] = dequantize(inputs["u"], SCALES["u_scale"])
+    params = ssm_params(96)
+    y_ref, h_ref = run_scan(inputs, params, None, torch.float32, "torch")
+    y, h = run_scan(inputs, params, None, torch.float32, "cuda")
+    assert_close_to(y, y_ref)
+    assert_close_to(h, h_ref)
+
+
+def step_inputs(inputs, t):
+    return {name: None if x is None else x[:, :, t] for name, x in inputs.items()}
+
+
+def run_step(state, state_scale, step, params, out_dtype, backend_name):
+    s = SCALES
+    return qsscan_update(state, state_scale, step["u"], s["u_scale"], step["dt"], s["dt_scale"],
+                         step["B"], s["B_scale"], step["C"], s["C_scale"], step["z"],
+                         s["z_scale"], params, out_dtype=out_dtype, backend_name=backend_name)
+
+
+@pytest.mark.parametrize("batch,dim", [(1, 5120), (8, 1536), (3, 40)])
+def test_small_qsscan_update_chain_equals_prefill(batch, dim):
+    """fp32 state: decode steps chained over 64 tokens give the prefill's y and last state."""
+    seed_for("scan-chain", batch, dim)
+    seqlen = 64
+    inputs, params = scan_inputs(batch, dim, seqlen, "module"), ssm_params(dim)
+    y_prefill, h_prefill = run_scan(inputs, params, None, torch.float32, "cuda")
+    state = torch.zeros(batch, dim, D_STATE, device=DEVICE)
+    for t in range(seqlen):
+        y_t = run_step(state, None, step_inputs(inputs, t), params, torch.float32, "cuda")
+        assert_close_to(y_t, y_prefill[:, :, t])
+    assert_close_to(state, h_prefill)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("batch,dim", [(1, 5120), (8, 1536), (3, 40)])
+def test_small_qsscan_update_int8_state_matches_reference(batch, dim, out_dtype):
+    """int8 state: each of 32 chained steps matches the torch step taken from the same state."""
+    seed_for("scan-int8-step", batch, dim, out_dtype)
+    seqlen = 32
+    inputs, params = scan_inputs(batch, dim, seqlen, "module"), ssm_params(dim)
+    _, h_last = run_scan(inputs, params, None, torch.float32, "torch")
+    state_scale = float(scale_from_range(float(h_last.abs().max())))
+    state_ref = torch.zeros(batch, dim, D_STATE, dtype=torch.int8, device=DEVICE)
+    for t in range(seqlen):
+        state = state_ref.clone()
+        step = step_inputs(inputs, t)
+        prime_allocator((batch * dim, out_dtype))
+        y = run_step(state, state_scale, step, params, out_dtype, "cuda")
+        y_ref = run_step(state_ref, state_scale, step, params, out_dtype, "torch")
+        assert_close_to(y, y_ref)
+        assert_codes_close(state, state_ref)
+
+
+# ---- rmsnorm_quant ---------------------------------------------------------------------------
+
+NORM_CASES = [((1, 384), torch.float16), ((7, 768), torch.bfloat16),
+              ((2048, 2560), torch.float16), ((3, 5, 1536), torch.float32),
+              ((1, 1, 5120), torch.float16), ((33, 40), torch.float32)]
+
+
+@pytest.mark.parametrize("residual_kind", ["none", "same", "fp32"])
+@pytest.mark.parametrize("with_weight", [True, False])
+@pytest.mark.parametrize("residual_in_fp32", [True, False])
+@pytest.mark.parametrize("shape,dtype", NORM_CASES, ids=str)
+def test_rmsnorm_quant_matches_reference(shape, dtype, residual_kind, with_weight,
+                                         residual_in_fp32):
+    seed_for("norm", shape, dtype, residual_kind, with_weight, residual_in_fp32)
+    x = torch.randn(shape, device=DEVICE).to(dtype)
+    residual = {"none": None, "same": torch.randn(shape, device=DEVICE).to(dtype),
+                "fp32": torch.randn(shape, device=DEVICE)}[residual_kind]
+    weight = (1 + 0.1 * torch.randn(shape[-1], device=DEVICE)).to(dtype) if with_weight else None
+    args = (x, residual, weight, 1e-5, 4.0 / 127, residual_in_fp32)
+    numel = x.numel()
+    prime_allocator((numel, torch.int8), (numel, torch.float32 if residual_in_fp32 else dtype))
+    q, r = rmsnorm_quant(*args, backend_name="cuda")
+    q_ref, r_ref = rmsnorm_quant(*args, backend_name="torch")
+    assert_codes_close(q, q_ref)
+    assert r.dtype == r_ref.dtype and torch.equal(r, r_ref), "the residual sum is exact"
+
+
+def test_small_rmsnorm_quant_non_contiguous_input():
+    seed_for("norm-view")
+    x = torch.randn(6, 2 * 384, device=DEVICE)[:, ::2]
+    q, r = rmsnorm_quant(x, None, None, 1e-5, 0.03, backend_name="cuda")
+    q_ref, r_ref = rmsnorm_quant(x, None, None, 1e-5, 0.03, backend_name="torch")
+    assert_codes_close(q, q_ref)
+    assert torch.equal(r, r_ref)
+
+
+# ---- hadamard_quant --------------------------------------------------------------------------
+
+HADAMARD_SIZES = [1, 2, 12, 20, 28, 40, 64, 112, 384, 1536, 1792, 2048, 2560, 3072, 4096, 5120,
+                  8192]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("rows", [1, 5, 300])
+@pytest.mark.parametrize("n", HADAMARD_SIZES)
+def test_hadamard_quant_matches_reference(n, rows, dtype):
+    seed_for("hadamard", n, rows, dtype)
+    x = torch.randn(rows, n, device=DEVICE).to(dtype)
+    out_scale = 4.0 / 127
+    prime_allocator((x.numel(), torch.int8))
+    q = hadamard_quant(x, out_scale, backend_name="cuda")
+    assert_codes_close(q, hadamard_quant(x, out_scale, backend_name="torch"))
+
+
+def test_small_hadamard_quant_batched_rows():
+    seed_for("hadamard-3d")
+    x = torch.randn(2, 7, 384, device=DEVICE, dtype=torch.float16)
+    q = hadamard_quant(x, 0.03, backend_name="cuda")
+    assert q.shape == x.shape
+    assert_codes_close(q, hadamard_quant(x, 0.03, backend_name="torch"))
+
+
+# ---- input checks ----------------------------------------------------------------------------
+
+def test_small_errors_name_the_argument():
+    params = conv_params(64, 4, with_bias=True)
+    x = codes(1, 64, 8)
+    with pytest.raises(RuntimeError, match="x must be"):
+        run_conv(x.float(), params, 0.05, "silu", "cuda")
+    with pytest.raises(RuntimeError, match="weight"):
+        run_conv(x, dict(params, weight=codes(64, 5)), 0.05, "silu", "cuda")
+    with pytest.raises(RuntimeError, match="bias"):
+        run_conv(x, dict(params, bias=codes(63)), 0.05, "silu", "cuda")
+    with pytest.raises(RuntimeError, match="conv_state"):
+        conv_step(x[:, :, 0], codes(1, 3, 64).transpose(1, 2), params, 0.05, "cuda")
+
+    inputs, ssm = scan_inputs(1, 64, 8, "module"), ssm_params(64)
+    with pytest.raises(RuntimeError, match="B must have shape"):
+        run_scan(dict(inputs, B=inputs["B"][:, :8]), ssm, None, torch.float16, "cuda")
+    with pytest.raises(RuntimeError, match="dt must be a CUDA tensor"):
+        run_scan(dict(inputs, dt=inputs["dt"].cpu()), ssm, None, torch.float16, "cuda")
+    with pytest.raises(RuntimeError, match="A_log"):
+        bad = SSMParams(ssm.A_log.float(), 1.0, ssm.D, 1.0, ssm.dt_bias, 1.0)
+        run_scan(inputs, bad, None, torch.float16, "cuda")
+    with pytest.raises(RuntimeError, match="out_dtype"):
+        run_scan(inputs, ssm, None, torch.int8, "cuda")
+    with pytest.raises(RuntimeError, match="config must be in"):
+        from quamba.ops.cuda_backend.ssm import qsscan_op_args
+        s = SCALES
+        torch.ops.quamba.qsscan(*qsscan_op_args(
+            inputs["u"], s["u_scale"], inputs["dt"], s["dt_scale"], inputs["B"], s["B_scale"],
+            inputs["C"], s["C_scale"], inputs["z"], s["z_scale"], ssm, None, torch.float16),
+            SCAN_CONFIGS)
+    with pytest.raises(RuntimeError, match="state must be contiguous"):
+        state = torch.zeros(1, D_STATE, 64, device=DEVICE).transpose(1, 2)
+        run_step(state, None, step_inputs(inputs, 0), ssm, torch.float16, "cuda")
+
+    with pytest.raises(RuntimeError, match="residual"):
+        rmsnorm_quant(torch.randn(4, 64, device=DEVICE), torch.randn(4, 32, device=DEVICE), None,
+                      1e-5, 0.03, backend_name="cuda")
+    with pytest.raises(RuntimeError, match="x must be float16"):
+        hadamard_quant(codes(4, 64), 0.03, backend_name="cuda")
