@@ -14,6 +14,8 @@ import quamba._C  # noqa: F401  loads torch.ops.quamba.*
 from quamba.ops import backend
 from quamba.ops.quant import requant_multiplier
 
+K_ALIGN = 16  # the GEMM and GEMV kernels read K in 16-byte steps
+
 
 @backend.register("w8a8_linear", "cuda")
 def _w8a8_linear_cuda(x, x_scale, weight, weight_scale, out_scale, bias, out_dtype):
@@ -24,9 +26,18 @@ def _w8a8_linear_cuda(x, x_scale, weight, weight_scale, out_scale, bias, out_dty
         bias = bias.to(torch.float32).contiguous()
     # Only x is made contiguous (a copy where it is a view, e.g. dt_low sliced from x_proj's output).
     x2d = x.reshape(-1, x.shape[-1]).contiguous()
+    if x2d.shape[-1] % K_ALIGN:
+        x2d, weight = _pad_k(x2d), _pad_k(weight)
     dtype = torch.int8 if out_scale is not None else out_dtype
     out = torch.ops.quamba.w8a8_linear(x2d, weight, multiplier, per_channel, bias, dtype)
     return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _pad_k(t: torch.Tensor) -> torch.Tensor:
+    """Zero-pad the reduction dim to a multiple of K_ALIGN, which the kernels need. Only small
+    models hit this (e.g. dt_proj with dt_rank 12): zeros add nothing to the int32 accumulator, so
+    the result stays exact."""
+    return torch.nn.functional.pad(t, (0, -t.shape[-1] % K_ALIGN)).contiguous()
 
 
 def _epilogue_multiplier(x_scale, weight_scale, out_scale, weight):
