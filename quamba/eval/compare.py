@@ -205,6 +205,7 @@ def plot_sqnr(sqnr: dict, path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
     cols = 3
     rows = math.ceil(len(LAYER_TAPS) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3 * rows), squeeze=False)
@@ -213,6 +214,7 @@ def plot_sqnr(sqnr: dict, path) -> None:
             values = [min(layer[tap], 99.0) for layer in layers]
             ax.plot(range(len(values)), values, marker="o", markersize=3, label=mode)
         ax.set_title(tap)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("layer")
         ax.set_ylabel("SQNR (dB)")
     for ax in list(axes.flat)[len(LAYER_TAPS):]:
