@@ -187,12 +187,12 @@ def _quantize_or_reuse(source: str, request: ModelRequest, device: str, backend:
 def _recorded_quant_config(model_dir: Path):
     """The QuantConfig recorded in a saved quantized model's config.json, or None if absent."""
     from quamba import QuantConfig
+    from quamba.models.loading import is_quamba_checkpoint
     try:
         raw = json.loads((model_dir / "config.json").read_text())
     except (OSError, ValueError):
         return None
-    recorded = raw.get("quantization_config") if isinstance(raw, dict) else None
-    return QuantConfig.from_dict(recorded) if isinstance(recorded, dict) else None
+    return QuantConfig.from_dict(raw["quantization_config"]) if is_quamba_checkpoint(raw) else None
 
 
 def _recipe_difference(saved, wanted) -> str:
