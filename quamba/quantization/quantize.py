@@ -97,10 +97,9 @@ def _quantized_norm(fp_norm, out_scale: float, keep_weight: bool) -> QRMSNorm:
 
 
 def _calibration_record(calib, config: QuantConfig) -> dict:
+    """What the checkpoint records of the calibration set (everything but the tokens)."""
+    from quamba.calibrate import content_hash
     if isinstance(calib, torch.Tensor):
-        import hashlib
-        digest = hashlib.sha256(calib.cpu().numpy().tobytes()).hexdigest()
         return {"source": "token tensor", "num_samples": calib.shape[0], "seqlen": calib.shape[1],
-                "seed": config.seed, "content_hash": digest}
-    record = {f.name: getattr(calib, f.name) for f in dataclasses.fields(calib) if f.name != "tokens"}
-    return record
+                "seed": config.seed, "content_hash": content_hash(calib)}
+    return {f.name: getattr(calib, f.name) for f in dataclasses.fields(calib) if f.name != "tokens"}
