@@ -25,9 +25,10 @@ def w8a8_linear(x, x_scale, weight, weight_scale, out_scale=None, bias=None,
 
 
 def int8_matmul(x, weight):
-    """Exact int32 x · weightᵀ for int8 x [M, K] and weight [N, K].
+    """Exact int32 x · weightᵀ for integer-valued x [M, K] and weight [N, K] (int8 codes, or
+    W4A8's codes times their group multipliers) whose dot products fit in int32.
 
-    fp64 holds every partial sum exactly (|acc| ≤ K·127² < 2⁵³), so a float64 GEMM is an exact
+    fp64 holds every partial sum exactly (|acc| < 2³¹ < 2⁵³), so a float64 GEMM is an exact
     integer GEMM on any device."""
     return (x.double() @ weight.double().t()).to(torch.int32)
 
