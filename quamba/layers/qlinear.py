@@ -1,11 +1,14 @@
-"""W8A8 linear layer: int8 weight codes with a per-tensor scale."""
+"""Quantized linear layers: W8A8 (int8 weights, per-tensor scale) and W4A8 (4-bit grouped weights)."""
 from __future__ import annotations
 
 import torch
 
 from quamba.layers.base import QuantModule
 from quamba.ops.qlinear import w8a8_linear
+from quamba.ops.qlinear4 import w4a8_linear
 from quamba.ops.quant import dequantize, fake_quantize, quantize_weight
+from quamba.ops.quant4 import (dequantize_int4, effective_scales, group_size_for, pack_int4,
+                               quantize_weight_w4a8)
 
 
 class W8A8Linear(QuantModule):
@@ -24,15 +27,12 @@ class W8A8Linear(QuantModule):
             self.register_scale("out_scale", out_scale)
         self.out_dtype = out_dtype
 
-    @classmethod
-    def from_float(cls, weight: torch.Tensor, in_scale: float, out_scale: float | None,
-                   out_dtype=torch.float16):
-        layer = cls(weight.shape[1], weight.shape[0], in_scale, out_scale, out_dtype, weight.device)
+    def load_float_weight(self, weight: torch.Tensor) -> None:
+        """Quantize ``weight`` [out, in] per tensor into this layer."""
         codes, scale = quantize_weight(weight)
-        layer.weight.copy_(codes)
-        layer.weight_scale.fill_(scale)
-        layer.refresh_scales()
-        return layer
+        self.weight.copy_(codes)
+        self.weight_scale.fill_(scale)
+        self.refresh_scales()
 
     def forward(self, x):
         s = self.scales
@@ -46,3 +46,51 @@ class W8A8Linear(QuantModule):
     def extra_repr(self) -> str:
         return (f"in={self.weight.shape[1]}, out={self.weight.shape[0]}, "
                 f"output={'int8' if self.int8_out else self.out_dtype}")
+
+
+class W4A8Linear(QuantModule):
+    """y = x · Wᵀ with int8 x and 4-bit W in groups along the input (quamba.ops.quant4: packed
+    codes, int8 group multipliers, fp32 channel scales); int8 or float output as W8A8Linear."""
+
+    def __init__(self, in_features: int, out_features: int, in_scale: float,
+                 out_scale: float | None, out_dtype=torch.float16, group_size: int = 128,
+                 device=None):
+        super().__init__()
+        self.group_size = group_size_for(in_features, group_size)
+        groups = in_features // self.group_size
+        self.register_buffer("weight", torch.zeros(out_features, in_features // 2,
+                                                   dtype=torch.uint8, device=device))
+        self.register_buffer("group_multiplier", torch.ones(out_features, groups,
+                                                            dtype=torch.int8, device=device))
+        self.register_buffer("channel_scale", torch.ones(out_features, device=device))
+        self.register_scale("in_scale", in_scale)
+        self.int8_out = out_scale is not None
+        if self.int8_out:
+            self.register_scale("out_scale", out_scale)
+        self.out_dtype = out_dtype
+
+    def load_float_weight(self, weight: torch.Tensor, codes: torch.Tensor | None = None) -> None:
+        """Quantize ``weight`` [out, in] with round-to-nearest, or store ``codes`` (e.g. from GPTQ,
+        taken against this weight's two-level scales)."""
+        packed, multiplier, channel_scale, _ = quantize_weight_w4a8(weight, self.group_size)
+        self.weight.copy_(packed if codes is None else pack_int4(codes))
+        self.group_multiplier.copy_(multiplier)
+        self.channel_scale.copy_(channel_scale)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        scales = effective_scales(self.channel_scale, self.group_multiplier)
+        return dequantize_int4(self.weight, scales, self.group_size)
+
+    def forward(self, x):
+        s = self.scales
+        out_scale = s["out_scale"] if self.int8_out else None
+        if self.simulate:
+            y = x.float() @ self.dequantized_weight().t()
+            return fake_quantize(y, out_scale) if self.int8_out else y.to(self.out_dtype)
+        return w4a8_linear(x.contiguous(), s["in_scale"], self.weight, self.group_multiplier,
+                           self.channel_scale, self.group_size, out_scale, self.out_dtype,
+                           backend_name=self.backend)
+
+    def extra_repr(self) -> str:
+        return (f"in={self.weight.shape[1] * 2}, out={self.weight.shape[0]}, "
+                f"group={self.group_size}, output={'int8' if self.int8_out else self.out_dtype}")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from quamba.layers.base import QuantModule
-from quamba.layers.qlinear import W8A8Linear
+from quamba.layers.qlinear import W4A8Linear, W8A8Linear
 from quamba.models.mamba import MixerState
 from quamba.ops.causal_conv1d import causal_conv1d, causal_conv1d_update, conv_state_from_prefill
 from quamba.ops.hadamard import hadamard_transform
@@ -34,7 +34,7 @@ class QMambaMixer(QuantModule):
 
     def __init__(self, d_model: int, d_inner: int, d_state: int, d_conv: int, dt_rank: int,
                  scales: dict[str, float], h_scale: float, hadamard: bool, out_dtype,
-                 device=None):
+                 device=None, weight_bits: int = 8, group_size: int = 128):
         super().__init__()
         self.d_inner, self.d_state, self.d_conv, self.dt_rank = d_inner, d_state, d_conv, dt_rank
         self.hadamard = hadamard
@@ -42,11 +42,18 @@ class QMambaMixer(QuantModule):
         for name in ACTIVATION_SCALES:
             self.register_scale(name, scales[name])
         xz, xdbl = scales["xz_scale"], scales["xdbl_scale"]
-        self.in_proj = W8A8Linear(d_model, 2 * d_inner, h_scale, xz, device=device)
-        self.x_proj = W8A8Linear(d_inner, dt_rank + 2 * d_state, scales["u_scale"], xdbl,
-                                 device=device)
+
+        def linear(in_features, out_features, in_scale, out_scale, dtype=torch.float16):
+            if weight_bits == 4:
+                return W4A8Linear(in_features, out_features, in_scale, out_scale, dtype,
+                                  group_size, device)
+            return W8A8Linear(in_features, out_features, in_scale, out_scale, dtype, device)
+
+        self.in_proj = linear(d_model, 2 * d_inner, h_scale, xz)
+        self.x_proj = linear(d_inner, dt_rank + 2 * d_state, scales["u_scale"], xdbl)
+        # dt_proj stays W8A8 in every recipe: its K (dt_rank) is too small for 4-bit groups
         self.dt_proj = W8A8Linear(dt_rank, d_inner, xdbl, scales["dt_scale"], device=device)
-        self.out_proj = W8A8Linear(d_inner, d_model, scales["y_scale"], None, out_dtype, device)
+        self.out_proj = linear(d_inner, d_model, scales["y_scale"], None, out_dtype)
         int8 = dict(dtype=torch.int8, device=device)
         self.register_buffer("conv_weight", torch.zeros(d_inner, d_conv, **int8))
         self.register_buffer("conv_bias", torch.zeros(d_inner, **int8))
@@ -61,17 +68,19 @@ class QMambaMixer(QuantModule):
     # --- construction ----------------------------------------------------------------------
 
     @classmethod
-    def from_float(cls, mixer, h_scale: float, scales: dict[str, float], hadamard: bool):
-        """Quantize an FP MambaMixer (already rotated if ``hadamard``) with calibrated scales."""
+    def from_float(cls, mixer, h_scale: float, scales: dict[str, float], hadamard: bool,
+                   weight_bits: int = 8, group_size: int = 128, weight_codes: dict | None = None):
+        """Quantize an FP MambaMixer (already rotated if ``hadamard``) with calibrated scales.
+        ``weight_codes`` maps a 4-bit layer's name to codes found by GPTQ (else round-to-nearest)."""
         weight = mixer.in_proj.weight
         q = cls(weight.shape[1], mixer.d_inner, mixer.d_state, mixer.d_conv, mixer.dt_rank,
-                scales, h_scale, hadamard, weight.dtype, weight.device)
+                scales, h_scale, hadamard, weight.dtype, weight.device, weight_bits, group_size)
         for name in ("in_proj", "x_proj", "dt_proj", "out_proj"):
-            fp_weight = getattr(mixer, name).weight
-            layer = getattr(q, name)
-            codes, scale = quantize_weight(fp_weight)
-            layer.weight.copy_(codes)
-            layer.weight_scale.fill_(scale)
+            layer, fp_weight = getattr(q, name), getattr(mixer, name).weight
+            if isinstance(layer, W4A8Linear):
+                layer.load_float_weight(fp_weight, (weight_codes or {}).get(name))
+            else:
+                layer.load_float_weight(fp_weight)
         for name, tensor in (("conv_weight", mixer.conv1d.weight.squeeze(1)),
                              ("conv_bias", mixer.conv1d.bias), ("A_log", mixer.A_log),
                              ("D", mixer.D), ("dt_bias", mixer.dt_proj.bias)):

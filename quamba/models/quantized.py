@@ -41,7 +41,8 @@ class QuantizedMambaLM(MambaLMHeadModel):
             Block(QRMSNorm(config.d_model, config.norm_epsilon, config.residual_in_fp32, 1.0,
                            has_weight=not hadamard, device=device),
                   QMambaMixer(config.d_model, config.d_inner, config.d_state, config.d_conv,
-                              config.dt_rank, ones, 1.0, hadamard, dtype, device))
+                              config.dt_rank, ones, 1.0, hadamard, dtype, device,
+                              quant_config.w_bits, quant_config.group_size))
             for _ in range(config.n_layer))
         self.backbone.norm_f = RMSNorm(config.d_model, config.norm_epsilon,
                                        config.residual_in_fp32, device, dtype)

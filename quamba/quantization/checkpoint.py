@@ -22,7 +22,7 @@ from quamba.utils.io import atomic_directory
 from quamba.version import __version__
 
 FORMAT_NAME = "quamba"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: 4-bit weights (W4A8); version 1 checkpoints (W8A8) load unchanged
 WEIGHTS_FILE = "model.safetensors"
 
 

@@ -9,7 +9,7 @@ from quamba.layers.modes import check_mode
 
 # Tensor kinds observed per layer during calibration (see quamba.calibrate.calibrate).
 PERCENTILE_KINDS = ("x_proj.input", "ssm_state")
-SUPPORTED_BITS = {(8, 8)}
+SUPPORTED_BITS = {(8, 8), (4, 8)}
 
 # Fields that change how a run executes but not what the quantized model holds.
 _RUNTIME_FIELDS = ("ssm_mode", "backend", "calib_batch_size")
@@ -17,7 +17,8 @@ _RUNTIME_FIELDS = ("ssm_mode", "backend", "calib_batch_size")
 
 @dataclass
 class QuantConfig:
-    """Quamba W8A8 recipe (defaults as the paper).
+    """Quamba recipe (defaults as the W8A8 paper); W4A8 quantizes in_proj, x_proj and out_proj
+    to 4-bit groups of ``group_size`` (quamba.ops.quant4) and keeps the rest as W8A8.
 
     percentile_alpha: α of the percentile observer used for the SSM input u and the SSM state
       (None = absmax for them too: the naive recipe). ``observers`` overrides any tensor kind:
@@ -26,6 +27,7 @@ class QuantConfig:
 
     w_bits: int = 8
     a_bits: int = 8
+    group_size: int = 128  # 4-bit weights: input channels per scale group
     hadamard: bool = True
     ssm_mode: str = "int8"
     percentile_alpha: float | None = 0.9995
@@ -45,7 +47,7 @@ class QuantConfig:
         alpha = self.percentile_alpha
         if alpha is not None and not 0.5 < alpha <= 1.0:
             raise QuambaError(f"percentile_alpha must be in (0.5, 1], got {alpha}")
-        for kind in ("calib_num_samples", "calib_seqlen", "calib_batch_size"):
+        for kind in ("calib_num_samples", "calib_seqlen", "calib_batch_size", "group_size"):
             if getattr(self, kind) <= 0:
                 raise QuambaError(f"{kind} must be positive, got {getattr(self, kind)}")
 

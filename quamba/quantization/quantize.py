@@ -1,4 +1,4 @@
-"""quantize(): FP Mamba1 LM → W8A8 QuantizedMambaLM (rotate, calibrate, quantize every block)."""
+"""quantize(): FP Mamba1 LM → QuantizedMambaLM (rotate, calibrate, quantize every block)."""
 from __future__ import annotations
 
 import copy
@@ -30,7 +30,8 @@ _SCALE_OF_KIND = {
 
 def quantize(model: MambaLMHeadModel, tokenizer=None, config: QuantConfig | None = None,
              calib_data=None, progress: bool = True) -> QuantizedMambaLM:
-    """Quantize an FP Mamba1 LM with the Quamba W8A8 recipe; ``model`` itself is not modified.
+    """Quantize an FP Mamba1 LM with the Quamba recipe (W8A8 or W4A8); ``model`` itself is not
+    modified.
 
     calib_data: a CalibrationSet, a LongTensor of token ids [samples, seqlen], or any source
     ``quamba.calibrate.load_calibration_set`` accepts (hub id, datasets.Dataset, list of
@@ -83,7 +84,8 @@ def build_quantized_model(fp_model: MambaLMHeadModel, ranges: dict, config: Quan
         h_scale = scale_from_range(layer_ranges["in_proj.input"])
         scales = {name: scale_from_range(layer_ranges[kind]) for kind, name in _SCALE_OF_KIND.items()}
         block.norm = _quantized_norm(fp_block.norm, h_scale, keep_weight=not config.hadamard)
-        block.mixer = QMambaMixer.from_float(fp_block.mixer, h_scale, scales, config.hadamard)
+        block.mixer = QMambaMixer.from_float(fp_block.mixer, h_scale, scales, config.hadamard,
+                                             config.w_bits, config.group_size)
     return qmodel
 
 

@@ -11,6 +11,7 @@ from quamba.calibrate import load_calibration_set
 from quamba.errors import CheckpointError, QuambaError
 from quamba.ops.backend import BackendError
 from quamba.ops.qlinear import w8a8_linear
+from quamba.quantization.checkpoint import FORMAT_VERSION
 
 REPO = Path(__file__).resolve().parents[2]
 SHARED_DATA = REPO.parent / "shared" / "data"
@@ -134,7 +135,7 @@ def test_save_load_gives_identical_logits(qmodel, held_out_ids, tmp_path):
     qmodel.set_ssm_mode("int8")
     assert tokenizer is not None
     config = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
-    assert config["format_version"] == 1 and config["calibration"]["content_hash"]
+    assert config["format_version"] == FORMAT_VERSION and config["calibration"]["content_hash"]
     # a reloaded model finds its base model for the fp16 mode; load_model also accepts the dir
     reloaded, _ = quamba.load_model(tmp_path / "q")
     assert isinstance(reloaded, quamba.QuantizedMambaLM)
@@ -210,9 +211,43 @@ def test_failed_save_keeps_the_previous_checkpoint(qmodel, tmp_path, monkeypatch
     assert sorted(p.name for p in tmp_path.iterdir()) == ["q"]
 
 
+def test_version_1_checkpoints_still_load(qmodel, held_out_ids, tmp_path):
+    directory = corrupt(tmp_path, qmodel, _edit_config(
+        lambda c: c["quantization_config"].update(format_version=1)))
+    reloaded, _ = quamba.from_pretrained(directory, tokenizer=False)
+    assert torch.equal(logits_in_mode(reloaded, "int8", held_out_ids),
+                       logits_in_mode(qmodel, "int8", held_out_ids))
+
+
+@pytest.fixture(scope="module")
+def w4a8_model(fp_model, calib_set):
+    model, tokenizer = fp_model
+    return quamba.quantize(model, tokenizer, quant_config(w_bits=4, a_bits=8, group_size=64),
+                           calib_data=calib_set, progress=False)
+
+
+def test_w4a8_runs_in_every_mode_and_reloads(w4a8_model, qmodel, fp_model, held_out_ids, tmp_path):
+    from quamba.layers.qlinear import W4A8Linear, W8A8Linear
+    mixer = w4a8_model.backbone.layers[0].mixer
+    assert isinstance(mixer.in_proj, W4A8Linear) and isinstance(mixer.out_proj, W4A8Linear)
+    assert isinstance(mixer.dt_proj, W8A8Linear)
+    with torch.no_grad():
+        fp = fp_model[0](held_out_ids)
+    int8 = logits_in_mode(w4a8_model, "int8", held_out_ids)
+    assert top1_agreement(int8, fp) > 0.7
+    assert top1_agreement(logits_in_mode(w4a8_model, "float-sim-asic-int8", held_out_ids), int8) >= 0.99
+    w4a8_model.set_ssm_mode("int8")
+    w4a8_model.save_pretrained(tmp_path / "w4a8")
+    reloaded, _ = quamba.from_pretrained(tmp_path / "w4a8", tokenizer=False)
+    assert torch.equal(logits_in_mode(reloaded, "int8", held_out_ids), int8)
+    w8a8_size = sum(t.numel() * t.element_size() for t in qmodel.state_dict().values())
+    w4a8_size = sum(t.numel() * t.element_size() for t in w4a8_model.state_dict().values())
+    assert w4a8_size < w8a8_size
+
+
 def test_unsupported_recipes_are_rejected():
-    with pytest.raises(QuambaError, match="w_bits=4 a_bits=16"):
-        quamba.QuantConfig(w_bits=4, a_bits=16)
+    with pytest.raises(QuambaError, match="w_bits=8 a_bits=16"):
+        quamba.QuantConfig(w_bits=8, a_bits=16)
     with pytest.raises(QuambaError, match="unknown SSM mode"):
         quamba.QuantConfig(ssm_mode="int4")
 
