@@ -78,6 +78,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, _Flags]:
                    "reused when its recorded recipe equals the requested one")
     flags.add(group, "--w_bits", type=int, default=8, help="weight bits (default 8)")
     flags.add(group, "--a_bits", type=int, default=8, help="activation bits (default 8)")
+    flags.add(group, "--group_size", type=int, default=128,
+              help="input channels per scale group of 4-bit weights (default 128)")
     flags.add(group, "--no_hadamard", action="store_true", help="do not rotate with Hadamard transforms")
     flags.add(group, "--percentile_alpha", type=float, default=0.9995, metavar="A",
               help="percentile of the SSM input and state scales (default 0.9995)")
@@ -138,6 +140,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def model_request(args: argparse.Namespace) -> ModelRequest:
     return ModelRequest(
         model=args.model, quantize=args.quantize, w_bits=args.w_bits, a_bits=args.a_bits,
+        group_size=args.group_size,
         hadamard=not args.no_hadamard, ssm_mode=args.ssm_mode, percentile_alpha=args.percentile_alpha,
         calib_source=args.calib_data, calib_num_samples=args.calib_data_num,
         calib_seqlen=args.calib_seqlen, seed=args.seed, pretrained_dir=args.pretrained_dir,

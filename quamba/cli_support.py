@@ -34,6 +34,7 @@ class ModelRequest:
     quantize: bool = False
     w_bits: int = 8
     a_bits: int = 8
+    group_size: int = 128
     hadamard: bool = True
     ssm_mode: str | None = None
     percentile_alpha: float | None = 0.9995
@@ -50,7 +51,8 @@ class ModelRequest:
     def quant_config(self):
         from quamba import QuantConfig
         optional = {"calib_source": self.calib_source} if self.calib_source else {}
-        return QuantConfig(w_bits=self.w_bits, a_bits=self.a_bits, hadamard=self.hadamard,
+        return QuantConfig(w_bits=self.w_bits, a_bits=self.a_bits, group_size=self.group_size,
+                           hadamard=self.hadamard,
                            ssm_mode=self.ssm_mode or "int8", percentile_alpha=self.percentile_alpha,
                            calib_num_samples=self.calib_num_samples, calib_seqlen=self.calib_seqlen,
                            seed=self.seed, backend=self.backend, **optional)

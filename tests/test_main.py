@@ -182,3 +182,18 @@ def test_quantize_saves_and_a_later_run_reuses_it_by_name(model_dir, tmp_path, c
     assert record["model"]["ssm_mode"] == "fp32-ssm-input"
     assert record["model"]["quant_config"]["calib_num_samples"] == 4
     assert record["perplexity"]["dataset"] == str(text)
+
+
+def test_w4a8_from_the_command_line_and_unsupported_bits(model_dir, tmp_path, capsys):
+    pretrained = tmp_path / "pretrained"
+    calibration = ["--calib_data", SHARED_DATA / "text" / "tinyshakespeare.txt", "--calib_data_num", "4",
+                   "--calib_seqlen", "32"]
+    assert main.main([str(a) for a in [model_dir, "--tokenizer", TOKENIZER, "--quantize", "--w_bits", "4",
+                                       "--group-size", "32", "--pretrained_dir", pretrained,
+                                       *calibration]]) == 0
+    config = json.loads((pretrained / "quamba-tiny-random-w4a8" / "config.json").read_text())
+    assert config["quantization_config"]["w_bits"] == 4
+    assert config["quantization_config"]["group_size"] == 32
+    assert main.main([str(a) for a in [model_dir, "--tokenizer", TOKENIZER, "--quantize", "--a_bits", "16",
+                                       "--pretrained_dir", pretrained, *calibration]]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("error: w_bits=8 a_bits=16 is not supported")
