@@ -126,8 +126,18 @@ setup(
     description="Post-training quantization of Mamba language models (W8A8, CUDA kernels)",
     packages=find_packages(include=["quamba*"]),
     python_requires=">=3.10",
-    install_requires=["torch", "transformers", "safetensors", "huggingface_hub", "tokenizers",
-                      "datasets", "lm-eval==0.4.13", "tqdm", "matplotlib", "numpy"],
+    install_requires=[
+        "torch",
+        "transformers",  # tokenizers and the reference MambaForCausalLM of the equivalence tests
+        "tokenizers",  # the test model's BPE (scripts/train_tiny_mamba.py)
+        "safetensors",  # checkpoints: raw int8 codes and fp32 scales, no pickle
+        "huggingface_hub",  # Hub model ids
+        "datasets",  # Hub calibration sets (streamed) and lm-eval's task data
+        "lm-eval==0.4.13",  # zero-shot evaluation; pinned, its task YAMLs are included by path
+        "tqdm",  # progress of calibration and evaluation
+        "matplotlib",  # mode-comparison charts
+        "numpy",
+    ],
     extras_require={"dev": ["pytest"]},
     **extension_kwargs(),
 )
