@@ -80,6 +80,14 @@ def build_parser() -> tuple[argparse.ArgumentParser, _Flags]:
     flags.add(group, "--a_bits", type=int, default=8, help="activation bits (default 8)")
     flags.add(group, "--group_size", type=int, default=128,
               help="input channels per scale group of 4-bit weights (default 128)")
+    flags.add(group, "--apply_gptq", action="store_true",
+              help="GPTQ instead of round-to-nearest for the 4-bit weights (in_proj, out_proj)")
+    flags.add(group, "--gptq_data", metavar="SOURCE",
+              help="text for GPTQ's Hessians (default: wikitext-2 train from the Hub)")
+    flags.add(group, "--gptq_data_num", type=int, default=128, help="GPTQ samples (default 128)")
+    flags.add(group, "--gptq_seqlen", type=int, default=1024,
+              help="tokens per GPTQ sample (default 1024)")
+    flags.add(group, "--act_order", action="store_true", help="GPTQ in decreasing Hessian-diagonal order")
     flags.add(group, "--no_hadamard", action="store_true", help="do not rotate with Hadamard transforms")
     flags.add(group, "--percentile_alpha", type=float, default=0.9995, metavar="A",
               help="percentile of the SSM input and state scales (default 0.9995)")
@@ -140,7 +148,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def model_request(args: argparse.Namespace) -> ModelRequest:
     return ModelRequest(
         model=args.model, quantize=args.quantize, w_bits=args.w_bits, a_bits=args.a_bits,
-        group_size=args.group_size,
+        group_size=args.group_size, apply_gptq=args.apply_gptq, gptq_source=args.gptq_data,
+        gptq_num_samples=args.gptq_data_num, gptq_seqlen=args.gptq_seqlen, act_order=args.act_order,
         hadamard=not args.no_hadamard, ssm_mode=args.ssm_mode, percentile_alpha=args.percentile_alpha,
         calib_source=args.calib_data, calib_num_samples=args.calib_data_num,
         calib_seqlen=args.calib_seqlen, seed=args.seed, pretrained_dir=args.pretrained_dir,

@@ -35,6 +35,11 @@ class ModelRequest:
     w_bits: int = 8
     a_bits: int = 8
     group_size: int = 128
+    apply_gptq: bool = False
+    gptq_source: str | None = None
+    gptq_num_samples: int = 128
+    gptq_seqlen: int = 1024
+    act_order: bool = False
     hadamard: bool = True
     ssm_mode: str | None = None
     percentile_alpha: float | None = 0.9995
@@ -51,7 +56,11 @@ class ModelRequest:
     def quant_config(self):
         from quamba import QuantConfig
         optional = {"calib_source": self.calib_source} if self.calib_source else {}
+        if self.gptq_source:
+            optional["gptq_source"] = self.gptq_source
         return QuantConfig(w_bits=self.w_bits, a_bits=self.a_bits, group_size=self.group_size,
+                           apply_gptq=self.apply_gptq, gptq_num_samples=self.gptq_num_samples,
+                           gptq_seqlen=self.gptq_seqlen, gptq_act_order=self.act_order,
                            hadamard=self.hadamard,
                            ssm_mode=self.ssm_mode or "int8", percentile_alpha=self.percentile_alpha,
                            calib_num_samples=self.calib_num_samples, calib_seqlen=self.calib_seqlen,

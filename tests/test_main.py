@@ -197,3 +197,21 @@ def test_w4a8_from_the_command_line_and_unsupported_bits(model_dir, tmp_path, ca
     assert main.main([str(a) for a in [model_dir, "--tokenizer", TOKENIZER, "--quantize", "--a_bits", "16",
                                        "--pretrained_dir", pretrained, *calibration]]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith("error: w_bits=8 a_bits=16 is not supported")
+
+
+def test_gptq_flags_reach_the_recipe(model_dir, tmp_path, capsys):
+    calibration = ["--calib_data", SHARED_DATA / "text" / "tinyshakespeare.txt", "--calib_data_num", "4",
+                   "--calib_seqlen", "32"]
+    gptq = ["--apply_gptq", "--gptq_data", SHARED_DATA / "text" / "tinyshakespeare.txt",
+            "--gptq_data_num", "4", "--gptq_seqlen", "64", "--act_order"]
+    pretrained = tmp_path / "pretrained"
+    assert main.main([str(a) for a in [model_dir, "--tokenizer", TOKENIZER, "--quantize", "--w_bits", "4",
+                                       "--group_size", "32", "--pretrained_dir", pretrained,
+                                       *calibration, *gptq]]) == 0
+    recipe = json.loads((pretrained / "quamba-tiny-random-w4a8" / "config.json").read_text())
+    recipe = recipe["quantization_config"]
+    assert recipe["apply_gptq"] and recipe["gptq_act_order"] and recipe["gptq_seqlen"] == 64
+    assert main.main([str(a) for a in [model_dir, "--tokenizer", TOKENIZER, "--quantize",
+                                       "--pretrained_dir", pretrained, *calibration, *gptq]]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == \
+        "error: GPTQ applies to 4-bit weights; use it with w_bits=4"

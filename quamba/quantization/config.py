@@ -38,6 +38,15 @@ class QuantConfig:
     calib_batch_size: int = 8
     seed: int = 0
     backend: str | None = None
+    # GPTQ for 4-bit weights (Quamba2): Hessians from gptq_num_samples × gptq_seqlen tokens
+    apply_gptq: bool = False
+    gptq_source: str = "wikitext:wikitext-2-raw-v1:train"
+    gptq_num_samples: int = 128
+    gptq_seqlen: int = 1024
+    gptq_layers: tuple = ("in_proj", "out_proj")
+    gptq_damp: float = 0.01
+    gptq_block_size: int = 128
+    gptq_act_order: bool = False
 
     def __post_init__(self):
         check_mode(self.ssm_mode)
@@ -47,7 +56,14 @@ class QuantConfig:
         alpha = self.percentile_alpha
         if alpha is not None and not 0.5 < alpha <= 1.0:
             raise QuambaError(f"percentile_alpha must be in (0.5, 1], got {alpha}")
-        for kind in ("calib_num_samples", "calib_seqlen", "calib_batch_size", "group_size"):
+        if self.apply_gptq and self.w_bits != 4:
+            raise QuambaError("GPTQ applies to 4-bit weights; use it with w_bits=4")
+        unknown = set(self.gptq_layers) - {"in_proj", "x_proj", "out_proj"}
+        if unknown:
+            raise QuambaError(f"gptq_layers may name in_proj, x_proj and out_proj, not {sorted(unknown)}")
+        self.gptq_layers = tuple(self.gptq_layers)  # JSON round trips give lists
+        for kind in ("calib_num_samples", "calib_seqlen", "calib_batch_size", "group_size",
+                     "gptq_num_samples", "gptq_seqlen", "gptq_block_size"):
             if getattr(self, kind) <= 0:
                 raise QuambaError(f"{kind} must be positive, got {getattr(self, kind)}")
 

@@ -6,6 +6,7 @@ import dataclasses
 import logging
 
 import torch
+from tqdm.auto import tqdm
 
 from quamba.errors import QuambaError
 from quamba.layers.qmixer import QMambaMixer
@@ -57,7 +58,8 @@ def quantize(model: MambaLMHeadModel, tokenizer=None, config: QuantConfig | None
                                      config.calib_num_samples, config.calib_seqlen, config.seed)
     ranges = calibrate(work, calib, observers=config.observer_specs(),
                        batch_size=config.calib_batch_size, progress=progress)
-    qmodel = build_quantized_model(work, ranges, config)
+    weight_codes = _gptq_codes(work, tokenizer, config, progress) if config.apply_gptq else {}
+    qmodel = build_quantized_model(work, ranges, config, weight_codes)
     qmodel.calibration = _calibration_record(calib, config)
     qmodel.base_model = getattr(model, "source", {}).get("name_or_path")
     qmodel.tokenizer = tokenizer
@@ -69,9 +71,10 @@ def quantize(model: MambaLMHeadModel, tokenizer=None, config: QuantConfig | None
 
 
 @torch.no_grad()
-def build_quantized_model(fp_model: MambaLMHeadModel, ranges: dict, config: QuantConfig):
+def build_quantized_model(fp_model: MambaLMHeadModel, ranges: dict, config: QuantConfig,
+                          weight_codes: dict | None = None):
     """QuantizedMambaLM from an FP model (rotated when ``config.hadamard``) and its calibrated
-    clipping ranges ``ranges[layer][kind]``."""
+    clipping ranges ``ranges[layer][kind]``; ``weight_codes[layer][name]``: GPTQ's 4-bit codes."""
     weight = fp_model.backbone.embedding.weight
     qmodel = QuantizedMambaLM(copy.deepcopy(fp_model.config), config, dtype=weight.dtype,
                               device=weight.device)
@@ -85,8 +88,30 @@ def build_quantized_model(fp_model: MambaLMHeadModel, ranges: dict, config: Quan
         scales = {name: scale_from_range(layer_ranges[kind]) for kind, name in _SCALE_OF_KIND.items()}
         block.norm = _quantized_norm(fp_block.norm, h_scale, keep_weight=not config.hadamard)
         block.mixer = QMambaMixer.from_float(fp_block.mixer, h_scale, scales, config.hadamard,
-                                             config.w_bits, config.group_size)
+                                             config.w_bits, config.group_size,
+                                             (weight_codes or {}).get(i))
     return qmodel
+
+
+def _gptq_codes(fp_model: MambaLMHeadModel, tokenizer, config: QuantConfig, progress: bool):
+    """GPTQ's 4-bit codes of ``config.gptq_layers`` of every layer, ``codes[layer][name]``, taken
+    against the same two-level scales round-to-nearest would use."""
+    from quamba.calibrate import load_calibration_set
+    from quamba.ops.quant4 import effective_scales, group_scales, group_size_for, two_level_scales
+    from quamba.quantization.gptq import collect_hessians, gptq_quantize
+    tokens = load_calibration_set(config.gptq_source, tokenizer, config.gptq_num_samples,
+                                  config.gptq_seqlen, config.seed).tokens
+    hessians = collect_hessians(fp_model, tokens, config.gptq_layers,
+                                batch_size=config.calib_batch_size, progress=progress)
+    codes: dict = {}
+    for (layer, name), hessian in tqdm(sorted(hessians.items()), desc="GPTQ", disable=not progress):
+        weight = getattr(fp_model.backbone.layers[layer].mixer, name).weight.float()
+        size = group_size_for(weight.shape[1], config.group_size)
+        scales = effective_scales(*two_level_scales(group_scales(weight, size)))
+        codes.setdefault(layer, {})[name] = gptq_quantize(
+            weight, hessian, scales, size, damp=config.gptq_damp,
+            block_size=config.gptq_block_size, act_order=config.gptq_act_order)
+    return codes
 
 
 def _quantized_norm(fp_norm, out_scale: float, keep_weight: bool) -> QRMSNorm:

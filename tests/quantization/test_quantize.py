@@ -292,3 +292,30 @@ def test_without_rotation(fp_model, calib_set, held_out_ids):
     assert naive.backbone.layers[0].norm.weight is not None
     with torch.no_grad():
         assert top1_agreement(naive(held_out_ids), model(held_out_ids)) > 0.8
+
+
+def test_w4a8_gptq_lowers_the_layer_error_on_held_out_text(fp_model, calib_set, w4a8_model,
+                                                           held_out_ids):
+    import copy
+
+    from quamba.quantization.gptq import collect_hessians
+    from quamba.quantization.rotation import rotate_model_
+    model, tokenizer = fp_model
+    config = quant_config(w_bits=4, a_bits=8, group_size=64, apply_gptq=True,
+                          gptq_source=str(SHARED_DATA / "text" / "c4_sample.jsonl"),
+                          gptq_num_samples=16, gptq_seqlen=256)
+    gptq = quamba.quantize(model, tokenizer, config, calib_data=calib_set, progress=False)
+    rotated = rotate_model_(copy.deepcopy(model))
+    held_out = collect_hessians(rotated, held_out_ids, ("in_proj", "out_proj"), progress=False)
+
+    def output_error(qmodel, layer, name):
+        fp_weight = getattr(rotated.backbone.layers[layer].mixer, name).weight.double()
+        delta = getattr(qmodel.backbone.layers[layer].mixer, name).dequantized_weight().double() - fp_weight
+        return torch.trace(delta @ held_out[(layer, name)].double() @ delta.t()).item()
+
+    for layer, name in held_out:
+        assert output_error(gptq, layer, name) < output_error(w4a8_model, layer, name), (layer, name)
+    with torch.no_grad():
+        assert top1_agreement(gptq(held_out_ids), model(held_out_ids)) > 0.7
+    with pytest.raises(QuambaError, match="GPTQ applies to 4-bit weights"):
+        quant_config(apply_gptq=True)
