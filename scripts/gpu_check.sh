@@ -3,14 +3,19 @@
 # GPU tests and every benchmarks/bench_*.py, and print a summary table. Logs and the benchmarks'
 # JSON go to $OUT when set (the lent GPU machine), else to logs/gpu_check/.
 #
-#   scripts/gpu_check.sh [--baseline] [--sanitizer] [--no-bench] [--no-tests] [--quick]
+#   scripts/gpu_check.sh [--baseline] [--no-build] [--sanitizer] [--no-bench] [--no-tests] [--quick]
+#                        [--e2e]
 #
 #   --baseline    also build mamba-ssm 2.3.2.post1 and causal-conv1d 1.7.0 (the FP16 baseline) from
-#                 the sdists in .whl/, for sm_90 only (413 s on the 16-core H200 machine: with
-#                 everything else it nearly fills one 10-minute device command)
+#                 the sdists in .whl/, for sm_90 only, beside quamba._C (413 s alone on the 16-core
+#                 H200 machine; with the other build it nearly fills one 10-minute device command)
 #   --sanitizer   also run the tests named *small* under compute-sanitizer --tool memcheck
 #                 (stopped after $SANITIZER_TIMEOUT seconds, default 1800)
+#   --no-build    reuse quamba._C (and the baseline) built by an earlier call on the same machine
 #   --quick       shorter benchmark timing runs
+#   --e2e         end-to-end generation profiles (benchmarks/profile_mamba.py): Mamba-130m and
+#                 Mamba-2.8b shapes, prompt 1024, 128 new tokens, batch 1 and 8 ($E2E_CONFIGS and
+#                 $E2E_BATCHES override the lists)
 #
 # .whl/ (git-ignored, carried to the machine) holds the nvidia-cutlass 4.2.0.0 wheel and, for
 # --baseline, the two sdists; see benchmarks/RESULTS.md for how they were downloaded.
@@ -20,10 +25,12 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-BASELINE=0 SANITIZER=0 BENCH=1 TESTS=1 QUICK=()
+BASELINE=0 BUILD=1 SANITIZER=0 BENCH=1 TESTS=1 E2E=0 QUICK=()
 for arg in "$@"; do
   case "$arg" in
     --baseline) BASELINE=1 ;;
+    --no-build) BUILD=0 ;;
+    --e2e) E2E=1 ;;
     --sanitizer) SANITIZER=1 ;;
     --no-bench) BENCH=0 ;;
     --no-tests) TESTS=0 ;;
@@ -100,14 +107,14 @@ build_extension() {
 }
 
 run_tests() {
-  "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/ops/test_cuda_*.py
+  "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/*/test_cuda_*.py
 }
 
 run_sanitizer() {
   local sanitizer
   sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
   timeout "${SANITIZER_TIMEOUT:-1800}" "$sanitizer" --tool memcheck --error-exitcode 9 --target-processes all \
-    "$PYTHON" -m pytest -q -x -p no:cacheprovider tests/ops/test_cuda_*.py -k small
+    "$PYTHON" -m pytest -q -x -p no:cacheprovider tests/*/test_cuda_*.py -k small
 }
 
 run_benchmarks() {
@@ -123,10 +130,35 @@ run_benchmarks() {
   "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"; nvcc --version | tail -1; } 2>&1 | tee -a "$LOG"
 use_system_compilers
 step install-wheels install_wheels && export PYTHONPATH=$PWD:/tmp/quamba_site${PYTHONPATH:+:$PYTHONPATH}
-[ "$BASELINE" = 1 ] && step build-baseline build_baseline
-if step build-quamba build_extension; then
+run_e2e() {
+  local config batch status=0
+  for config in ${E2E_CONFIGS:-130m 2.8b}; do
+    for batch in ${E2E_BATCHES:-1 8}; do
+      "$PYTHON" benchmarks/profile_mamba.py --config "$config" --batch "$batch" --prompt_len 1024 \
+        --gen_len 128 --breakdown --out "$LOG_DIR/profile_${config}_b${batch}.json" || status=1
+    done
+  done
+  return $status
+}
+
+# The baseline builds in the background while quamba._C builds; its log joins ours when it ends.
+wait_for_baseline() {
+  while [ ! -f "$LOG_DIR/baseline.status" ]; do sleep 5; done
+  cat "$LOG_DIR/baseline.log"
+  return "$(cat "$LOG_DIR/baseline.status")"
+}
+
+if [ "$BASELINE" = 1 ] && [ "$BUILD" = 1 ]; then
+  rm -f "$LOG_DIR/baseline.status"
+  { build_baseline >"$LOG_DIR/baseline.log" 2>&1; echo $? >"$LOG_DIR/baseline.status"; } &
+fi
+BUILT=1
+[ "$BUILD" = 1 ] && { step build-quamba build_extension || BUILT=0; }
+[ "$BASELINE" = 1 ] && [ "$BUILD" = 1 ] && step build-baseline wait_for_baseline
+if [ "$BUILT" = 1 ]; then
   [ "$TESTS" = 1 ] && step gpu-tests run_tests
   [ "$BENCH" = 1 ] && step benchmarks run_benchmarks
+  [ "$E2E" = 1 ] && step e2e run_e2e
   [ "$SANITIZER" = 1 ] && step memcheck run_sanitizer
 fi
 

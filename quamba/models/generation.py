@@ -1,9 +1,12 @@
-"""Token generation on any quamba LM (FP or quantized): prefill once, then one decode step per token."""
+"""Token generation on any quamba LM (FP or quantized): prefill once, then one decode step per
+token, eagerly or replayed from a CUDA graph (``cache_graph=True``)."""
 from __future__ import annotations
 
 from typing import Callable
 
 import torch
+
+from quamba.errors import QuambaError
 
 
 def sample_next(logits, temperature: float = 1.0, top_k: int = 1, top_p: float = 1.0,
@@ -30,16 +33,90 @@ def sample_next(logits, temperature: float = 1.0, top_k: int = 1, top_p: float =
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+class GraphedStep:
+    """A decode step captured once in a CUDA graph and replayed per token.
+
+    ``step_fn(input_ids [batch, 1]) -> logits [batch, vocab]`` may read only ``input_ids`` and
+    tensors that outlive the graph (weights, a preallocated cache updated in place); it runs twice
+    on a side stream before the capture (as CUDA graphs need), which changes the cache, so fill the
+    cache (prefill) after building this. Calling it with the next ids [batch] returns the logits
+    in a static tensor that the next call overwrites.
+    """
+
+    def __init__(self, step_fn: Callable, batch_size: int, device, pool=None, warmups: int = 2):
+        device = _cuda_device(device)
+        self.input_ids = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(warmups):
+                step_fn(self.input_ids)
+        torch.cuda.current_stream(device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.logits = step_fn(self.input_ids)
+
+    def __call__(self, next_ids: torch.Tensor) -> torch.Tensor:
+        self.input_ids.copy_(next_ids.view(-1, 1))
+        self.graph.replay()
+        return self.logits
+
+
+class _GraphCache(dict):
+    """The decode graphs kept on a model. A copy of the model (deepcopy, pickle) starts with none:
+    graphs are bound to this model's own weights and caches. The graphs share one memory pool."""
+
+    def __init__(self):
+        super().__init__()
+        self.pool = None
+
+    def __deepcopy__(self, memo):
+        return _GraphCache()
+
+    def __reduce__(self):
+        return (_GraphCache, ())
+
+
+def graphed_decoder(model, batch_size: int, device):
+    """``(cache, step)`` for ``model`` at ``batch_size``: a preallocated cache and its decode step
+    as a GraphedStep, captured on first use and kept on the model (per batch size, device and SSM
+    mode; the graphs share one memory pool). Prefill into ``cache`` after resetting its
+    ``seqlen_offset`` to 0, then call ``step``."""
+    device = _cuda_device(device)
+    graphs = model.__dict__.setdefault("_decode_graphs", _GraphCache())
+    key = (batch_size, str(device), getattr(model, "ssm_mode", None))
+    if key not in graphs:
+        cache = model.allocate_cache(batch_size, device=device)
+
+        def step_fn(input_ids):
+            cache.seqlen_offset = 1  # any offset > 0 selects the decode path; Mamba has no positions
+            return model(input_ids, cache=cache)[:, -1]
+
+        if graphs.pool is None:
+            graphs.pool = torch.cuda.graph_pool_handle()
+        graphs[key] = (cache, GraphedStep(step_fn, batch_size, device, graphs.pool))
+    return graphs[key]
+
+
+def _cuda_device(device) -> torch.device:
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise QuambaError(f"CUDA graphs need a CUDA device, the model is on {device}")
+    return device
+
+
 @torch.inference_mode()
 def generate(model, input_ids, max_new_tokens: int | None = None, max_length: int | None = None,
              temperature: float = 1.0, top_k: int = 1, top_p: float = 1.0,
              eos_token_id: int | None = None, generator: torch.Generator | None = None,
-             streamer: Callable[[torch.Tensor], None] | None = None):
+             streamer: Callable[[torch.Tensor], None] | None = None, cache_graph: bool = False):
     """Generate continuations of ``input_ids`` [batch, prompt_len]; returns [batch, total_len].
 
     Stops after ``max_new_tokens`` (or when the total reaches ``max_length``) or once every row
     has produced ``eos_token_id`` (default: the model config's eos). Rows that finished early are
     padded with eos. ``streamer`` is called with each new column of tokens [batch].
+    ``cache_graph``: replay each decode step from a CUDA graph (graphed_decoder) instead of
+    running it eagerly; the tokens are the same.
     """
     if input_ids.dim() != 2 or input_ids.shape[1] == 0:
         raise ValueError(f"input_ids must be [batch, prompt_len] with prompt_len > 0, got {tuple(input_ids.shape)}")
@@ -52,7 +129,14 @@ def generate(model, input_ids, max_new_tokens: int | None = None, max_length: in
         raise ValueError(f"max_length {max_length} is shorter than the prompt ({prompt_len} tokens)")
     if eos_token_id is None:
         eos_token_id = model.config.eos_token_id
-    cache = model.allocate_cache(input_ids.shape[0], device=input_ids.device)
+    if cache_graph:
+        cache, step = graphed_decoder(model, input_ids.shape[0], input_ids.device)
+        cache.seqlen_offset = 0
+    else:
+        cache = model.allocate_cache(input_ids.shape[0], device=input_ids.device)
+
+        def step(next_ids):
+            return model(next_ids[:, None], cache=cache)[:, -1]
     logits = model(input_ids, cache=cache, num_last_tokens=1)[:, -1]
     tokens = [input_ids]
     finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
@@ -65,5 +149,5 @@ def generate(model, input_ids, max_new_tokens: int | None = None, max_length: in
         finished |= next_ids == eos_token_id
         if bool(finished.all()) or i == max_new_tokens - 1:
             break
-        logits = model(next_ids[:, None], cache=cache)[:, -1]
+        logits = step(next_ids)
     return torch.cat(tokens, dim=1)

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from quamba.models.config import MambaConfig
 from quamba.ops.causal_conv1d import causal_conv1d, causal_conv1d_update, conv_state_from_prefill
+from quamba.ops.rms_norm import rms_norm
 from quamba.ops.selective_scan import selective_scan, selective_state_update
 
 
@@ -38,11 +39,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
 
     def forward(self, hidden, residual=None):
-        out_dtype = hidden.dtype
-        residual = hidden.float() if residual is None else hidden.float() + residual.float()
-        normed = residual * torch.rsqrt(residual.pow(2).mean(-1, keepdim=True) + self.eps)
-        normed = (normed * self.weight.float()).to(out_dtype)
-        return normed, (residual if self.residual_in_fp32 else residual.to(out_dtype))
+        return rms_norm(hidden, residual, self.weight, self.eps, self.residual_in_fp32)
 
 
 @dataclass
@@ -87,6 +84,18 @@ class MambaMixer(nn.Module):
         dt = F.linear(dt_low, self.dt_proj.weight)  # bias is added inside the scan
         return dt, B, C
 
+    def _ssm_params_channels_first(self, u):
+        """dt [b, d_inner, l], B and C [b, d_state, l] from the conv output u [b, d_inner, l], each
+        with time contiguous, the layout mamba-ssm's scan reads without copies (dt computed as
+        dt_proj.weight · dt_lowᵀ, as mamba_ssm does)."""
+        b, _, l = u.shape
+        x_dbl = self.x_proj(u.transpose(1, 2))
+        dt_low, B, C = torch.split(x_dbl.reshape(b * l, -1), [self.dt_rank, self.d_state, self.d_state],
+                                   dim=-1)
+        dt = (self.dt_proj.weight @ dt_low.t()).view(-1, b, l).transpose(0, 1)
+        B, C = (t.reshape(b, l, -1).transpose(1, 2).contiguous() for t in (B, C))
+        return dt, B, C
+
     def forward(self, h, state: MixerState | None = None, step: bool = False):
         """h: [batch, seqlen, d_model] → [batch, seqlen, d_model]. With ``state`` a prefill fills it;
         with ``step=True`` (seqlen 1) one decode step updates it in place."""
@@ -98,10 +107,9 @@ class MambaMixer(nn.Module):
         if state is not None:
             state.conv.copy_(conv_state_from_prefill(x, self.d_conv))
         u = causal_conv1d(x, conv_weight, self.conv1d.bias, activation="silu")
-        dt, B, C = self._ssm_params(self.x_proj(u.transpose(1, 2)))
+        dt, B, C = self._ssm_params_channels_first(u)
         A = -torch.exp(self.A_log.float())
-        y, last_state = selective_scan(u, dt.transpose(1, 2), A, B.transpose(1, 2), C.transpose(1, 2),
-                                       self.D, z=z, delta_bias=self.dt_proj.bias,
+        y, last_state = selective_scan(u, dt, A, B, C, self.D, z=z, delta_bias=self.dt_proj.bias,
                                        delta_softplus=True)
         if state is not None:
             state.ssm.copy_(last_state)
@@ -109,7 +117,7 @@ class MambaMixer(nn.Module):
         y_rotated = self.online_hadamard(y)
         out = self.out_proj(y_rotated)
         if self.taps is not None:
-            self.taps.update({"x": x, "z": z, "u": u, "dt": dt, "y": y,
+            self.taps.update({"x": x, "z": z, "u": u, "dt": dt.transpose(1, 2), "y": y,
                               "out_proj.input": y_rotated, "out": out})
         return out
 
@@ -235,25 +243,33 @@ def randomize_(model: MambaLMHeadModel, seed: int = 0, std: float = 0.02) -> Mam
     """Fill every parameter with seeded random values of realistic scale (tests, benchmarks).
 
     Norm weights, A_log, D and dt bias get random but well-conditioned values so no tensor is at
-    its trivial initial value."""
-    gen = torch.Generator().manual_seed(seed)
+    its trivial initial value. The numbers are drawn on the model's device (a multi-billion
+    parameter model fills in seconds on a GPU), so they differ between CPU and GPU."""
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def rand(shape):
+        return torch.rand(shape, generator=gen, device=device)
+
+    def randn(shape):
+        return torch.randn(shape, generator=gen, device=device)
+
     for name, param in model.named_parameters():
         shape, dtype = param.shape, param.dtype
         if name.endswith("A_log"):
-            value = torch.log(torch.rand(shape, generator=gen) * 15 + 0.5)
+            value = torch.log(rand(shape) * 15 + 0.5)
         elif name.endswith(".D"):
-            value = torch.rand(shape, generator=gen) + 0.5
+            value = rand(shape) + 0.5
         elif name.endswith("dt_proj.bias"):
-            dt = torch.exp(torch.rand(shape, generator=gen) * (math.log(0.1) - math.log(1e-3))
-                           + math.log(1e-3))
+            dt = torch.exp(rand(shape) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
             value = dt + torch.log(-torch.expm1(-dt))
         elif "norm" in name:
-            value = 1.0 + 0.1 * torch.randn(shape, generator=gen)
+            value = 1.0 + 0.1 * randn(shape)
         elif name.endswith("conv1d.weight"):
-            value = torch.randn(shape, generator=gen) * 0.3
+            value = randn(shape) * 0.3
         elif name.endswith("dt_proj.weight"):
-            value = torch.randn(shape, generator=gen) * model.config.dt_rank ** -0.5
+            value = randn(shape) * model.config.dt_rank ** -0.5
         else:
-            value = torch.randn(shape, generator=gen) * std
+            value = randn(shape) * std
         param.copy_(value.to(dtype))
     return model

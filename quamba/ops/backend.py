@@ -1,5 +1,5 @@
-"""Backend selection for quantized ops: ``torch`` (reference, always present) or ``cuda`` (our
-kernels in ``quamba._C``, when built).
+"""Backend selection for ops: ``torch`` (reference, always present) or ``cuda`` (our kernels in
+``quamba._C`` when built; for the FP ops, mamba-ssm's and causal-conv1d's kernels when installed).
 
 Resolution order: the environment variable ``QUAMBA_BACKEND`` (torch | cuda | auto), then the
 argument, then ``auto``. ``auto`` takes the CUDA kernel for CUDA tensors when one is registered
@@ -21,6 +21,11 @@ log = logging.getLogger("quamba")
 
 BACKENDS = ("torch", "cuda", "auto")
 _IMPLS: dict[str, dict[str, Callable]] = {}
+# op → a function returning None when its cuda implementation can run here, else why not
+_REQUIREMENTS: dict[str, Callable[[], str | None]] = {}
+# ops whose cuda implementation is an optional accelerator from another package (the FP16
+# baseline kernels): asking for cuda where it is missing runs the torch reference instead
+_OPTIONAL: set[str] = set()
 _LOGGED: set[tuple[str, str]] = set()
 
 
@@ -28,10 +33,16 @@ class BackendError(QuambaError):
     """A requested backend cannot run the op here."""
 
 
-def register(op: str, backend: str):
-    """Decorator registering ``fn`` as ``backend``'s implementation of ``op``."""
+def register(op: str, backend: str, requires: Callable[[], str | None] | None = None):
+    """Decorator registering ``fn`` as ``backend``'s implementation of ``op``. ``requires`` marks an
+    optional cuda implementation from another package (the FP ops on mamba-ssm's kernels) and
+    says whether it can run here: None, or why not. Where it cannot, both ``cuda`` and ``auto``
+    run the torch reference: only quamba's own kernels make ``cuda`` strict."""
     def wrap(fn):
         _IMPLS.setdefault(op, {})[backend] = fn
+        if requires is not None:
+            _REQUIREMENTS[op] = requires
+            _OPTIONAL.add(op)
         return fn
     return wrap
 
@@ -61,8 +72,8 @@ def select(op: str, device: torch.device, argument: str | None = None) -> Callab
     impls = _IMPLS[op]
     if choice == "torch":
         return _use(op, "torch", impls)
-    cuda_ready = device.type == "cuda" and cuda_extension_error() is None and "cuda" in impls
-    if choice == "auto":
+    cuda_ready = device.type == "cuda" and _cuda_missing(op) is None and "cuda" in impls
+    if choice == "auto" or op in _OPTIONAL:
         return _use(op, "cuda" if cuda_ready else "torch", impls)
     if not cuda_ready:
         raise BackendError(f"backend 'cuda' requested for {op} but {_why_not_cuda(op, device)}")
@@ -72,7 +83,11 @@ def select(op: str, device: torch.device, argument: str | None = None) -> Callab
 def _why_not_cuda(op: str, device: torch.device) -> str:
     if device.type != "cuda":
         return f"its inputs are on {device}, not a CUDA device"
-    return cuda_extension_error() or f"no CUDA kernel implements {op}"
+    return _cuda_missing(op) or f"no CUDA kernel implements {op}"
+
+
+def _cuda_missing(op: str) -> str | None:
+    return _REQUIREMENTS.get(op, cuda_extension_error)()
 
 
 def _use(op: str, backend: str, impls: dict) -> Callable:

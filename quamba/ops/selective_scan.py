@@ -1,11 +1,14 @@
 """Floating-point selective scan (Mamba1 SSM), the reference for every scan in quamba.
 
-Layouts follow mamba_ssm's ``selective_scan_fn``: channels before time.
+Layouts follow mamba_ssm's ``selective_scan_fn``: channels before time. On CUDA tensors the
+``auto`` backend runs mamba-ssm's kernels when they are installed (quamba.ops.fp_kernels).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from quamba.ops import backend, fp_kernels  # noqa: F401  fp_kernels registers the cuda kernels
 
 # Time steps whose discretised A and B·u are materialised at once: bounds the reference's
 # memory to batch * d_inner * _CHUNK * d_state floats whatever the sequence length.
@@ -13,7 +16,7 @@ _CHUNK = 256
 
 
 def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
-                   initial_state=None):
+                   initial_state=None, backend_name=None):
     """Selective scan in fp32; returns ``(y, last_state)``.
 
     u, delta: [batch, d_inner, seqlen]; A: [d_inner, d_state] (real, negative);
@@ -26,6 +29,12 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
 
     y has u's dtype; last_state is fp32 [batch, d_inner, d_state].
     """
+    impl = backend.select("selective_scan", u.device, backend_name)
+    return impl(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state)
+
+
+@backend.register("selective_scan", "torch")
+def _selective_scan_torch(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state):
     out_dtype = u.dtype
     u, delta, B, C = u.float(), delta.float(), B.float(), C.float()
     A = A.float()
@@ -56,12 +65,18 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
 
 
 def selective_state_update(state, u, delta, A, B, C, D=None, z=None, delta_bias=None,
-                           delta_softplus=False):
+                           delta_softplus=False, backend_name=None):
     """One decode step of the selective scan; updates ``state`` in place and returns y.
 
     state: [batch, d_inner, d_state] (fp32); u, delta, z: [batch, d_inner];
     B, C: [batch, d_state]. y has u's dtype, shape [batch, d_inner].
     """
+    impl = backend.select("selective_state_update", u.device, backend_name)
+    return impl(state, u, delta, A, B, C, D, z, delta_bias, delta_softplus)
+
+
+@backend.register("selective_state_update", "torch")
+def _selective_state_update_torch(state, u, delta, A, B, C, D, z, delta_bias, delta_softplus):
     out_dtype = u.dtype
     u, delta = u.float(), delta.float()
     if delta_bias is not None:

@@ -4,6 +4,7 @@ import pytest
 import torch
 from transformers import MambaForCausalLM
 
+from quamba.errors import QuambaError
 from quamba.models import MambaConfig, MambaLMHeadModel, load_model, randomize_, save_model
 from quamba.models.generation import sample_next
 
@@ -124,3 +125,23 @@ def test_half_precision_forward_is_close_to_fp32(saved, dtype, torch_dtype, tole
         expected = model(ids)
     assert got.dtype == torch_dtype
     assert max_relative_error(got, expected) <= tolerance
+
+
+def test_cache_graph_needs_a_cuda_device(saved):
+    model, _ = saved
+    with pytest.raises(QuambaError, match="CUDA graphs need a CUDA device"):
+        model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, cache_graph=True)
+
+
+def test_a_copy_of_the_model_holds_no_decode_graphs(saved):
+    from copy import deepcopy
+
+    from quamba.models.generation import _GraphCache
+    model, _ = saved
+    graphs = _GraphCache()
+    graphs[(1, "cuda:0", None)] = object()  # stands for a captured graph (no GPU here)
+    model.__dict__["_decode_graphs"] = graphs
+    try:
+        assert deepcopy(model).__dict__["_decode_graphs"] == {}
+    finally:
+        del model.__dict__["_decode_graphs"]

@@ -1,0 +1,338 @@
+"""End-to-end generation speed and memory per precision: TTFT, TPOT, TTLT and memory of FP16
+(mamba-ssm's own MambaLMHeadModel, and quamba's FP model on the same kernels), W8A8, W4A8 and
+W4A16, at the shapes of a published Mamba size with random weights (no download) or of a real model.
+
+    python benchmarks/profile_mamba.py --config 2.8b [--precisions fp16,w8a8,w4a8,w4a16]
+        [--batch 1] [--prompt_len 1024] [--gen_len 128] [--repeats 10] [--breakdown]
+        [--out result.json]
+    python benchmarks/profile_mamba.py --model state-spaces/mamba-130m ...
+
+* TTFT: a prefill of prompt_len tokens that fills the decode cache and returns the last token's
+  logits (eager; its kernels are long enough to hide the launches).
+* TPOT: one decode step replayed from a CUDA graph (quamba.models.generation.GraphedStep; the same
+  capture for mamba-ssm's model).
+* TTLT: the prefill and gen_len decode steps, the next token chosen greedily on the device.
+Each is the median of --repeats runs timed with CUDA events after warm-up. Memory: the weights
+(parameters and buffers, tied tensors once), the decode caches, and the peak allocated during one
+TTLT run with only that model on the GPU (the FP model waits on the CPU meanwhile). Ratios are to
+the mamba-ssm row of the same run (to quamba's FP16 row where mamba-ssm is not installed); the
+decode floor is the weight bytes over the measured copy bandwidth. --breakdown adds the per-kernel
+GPU time of one eager decode step and one prefill (torch profiler) for every row.
+Quantized models are calibrated on random tokens: their scales are meaningless, their speed is not.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+from collections import defaultdict
+
+import torch
+
+from common import copy_bandwidth_gbs, format_table, run_metadata, write_json
+
+from quamba import QuantConfig, quantize
+from quamba.models.config import PRESETS, preset_config
+from quamba.models.generation import GraphedStep, graphed_decoder
+from quamba.models.mamba import MambaLMHeadModel, randomize_
+from quamba.ops import fp_kernels
+
+PRECISIONS = {"fp16": None, "w8a8": (8, 8), "w4a8": (4, 8), "w4a16": (4, 16)}
+BASELINE = "mamba-ssm fp16"
+CALIB_SAMPLES, CALIB_SEQLEN = 4, 256
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--config", choices=list(PRESETS), default="130m",
+                        help="random weights at this model size (default 130m)")
+    source.add_argument("--model", help="a real FP model: Hub id or directory")
+    parser.add_argument("--precisions", default=",".join(PRECISIONS),
+                        help=f"comma-separated, of {', '.join(PRECISIONS)} (default all)")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--prompt_len", type=int, default=1024)
+    parser.add_argument("--gen_len", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=10, help="timed runs per number (median)")
+    parser.add_argument("--group_size", type=int, default=128, help="4-bit weight group size")
+    parser.add_argument("--no_baseline", action="store_true", help="skip mamba-ssm's own model")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="per-kernel GPU time of one decode step and one prefill")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", help="write the results as JSON to this path")
+    args = parser.parse_args(argv)
+    args.precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
+    unknown = sorted(set(args.precisions) - set(PRECISIONS))
+    if unknown:
+        parser.error(f"unknown precision {', '.join(unknown)}; choose from {', '.join(PRECISIONS)}")
+    for name in ("batch", "prompt_len", "gen_len", "repeats"):
+        if getattr(args, name) <= 0:
+            parser.error(f"--{name} must be positive")
+    if not torch.cuda.is_available():
+        parser.error("profiling needs a CUDA GPU")
+    return args
+
+
+# --- what is timed: a model with a prefill and a graphed decode step -------------------------------
+
+class QuambaRunner:
+    """A quamba model (FP or quantized): eager prefill into the cache of its graphed decoder."""
+
+    def __init__(self, model, batch: int):
+        self.model = model
+        self.cache, self.step = graphed_decoder(model, batch, "cuda")
+
+    def prefill(self, input_ids):
+        self.cache.seqlen_offset = 0
+        return self.model(input_ids, cache=self.cache, num_last_tokens=1)[:, -1]
+
+    def eager_step(self, next_ids):
+        self.cache.seqlen_offset = max(self.cache.seqlen_offset, 1)
+        return self.model(next_ids[:, None], cache=self.cache)[:, -1]
+
+    def cache_bytes(self) -> int:
+        return sum(t.nbytes for state in self.cache.states for t in (state.conv, state.ssm))
+
+    def close(self):
+        self.model.__dict__.pop("_decode_graphs", None)
+
+
+class MambaSSMRunner:
+    """mamba-ssm's MambaLMHeadModel with the FP model's weights, prefilled with InferenceParams
+    and decoded from a CUDA graph, as its own generate(cg=True) does."""
+
+    def __init__(self, fp_model: MambaLMHeadModel, batch: int, max_seqlen: int):
+        from mamba_ssm.models.config_mamba import MambaConfig as SSMConfig
+        from mamba_ssm.models.mixer_seq_simple import MambaLMHeadModel as SSMModel
+        from mamba_ssm.utils.generation import InferenceParams
+        config = SSMConfig(**fp_model.config.to_mamba_ssm())
+        self.model = SSMModel(config, device="cuda", dtype=torch.float16).eval()
+        self.model.load_state_dict(fp_model.state_dict())
+        self.cache = self.model.allocate_inference_cache(batch, max_seqlen)
+        self.params = InferenceParams(max_seqlen=max_seqlen, max_batch_size=batch,
+                                      key_value_memory_dict=self.cache)
+        self.step = GraphedStep(self.eager_step_ids, batch, "cuda")
+
+    def eager_step_ids(self, input_ids):
+        self.params.seqlen_offset = 1  # > 0 selects the decode path
+        return self.model(input_ids, inference_params=self.params, num_last_tokens=1).logits[:, -1]
+
+    def eager_step(self, next_ids):
+        return self.eager_step_ids(next_ids[:, None])
+
+    def prefill(self, input_ids):
+        self.params.seqlen_offset = 0
+        return self.model(input_ids, inference_params=self.params, num_last_tokens=1).logits[:, -1]
+
+    def cache_bytes(self) -> int:
+        return sum(t.nbytes for states in self.cache.values() for t in states)
+
+    def close(self):
+        pass
+
+
+def weight_bytes(model) -> int:
+    """Bytes of the parameters and buffers, each storage once (a tied lm_head is the embedding)."""
+    storages = {}
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+# --- measuring -----------------------------------------------------------------------------------
+
+def median_ms(fn, repeats: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def greedy(runner, prompt, gen_len: int):
+    logits = runner.prefill(prompt)
+    for _ in range(gen_len):
+        logits = runner.step(logits.argmax(-1))
+    return logits
+
+
+def kernel_breakdown(fn, top: int = 12) -> list[dict]:
+    """GPU time per kernel name (µs, summed over calls) of one call of ``fn``, largest first."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    totals, counts = defaultdict(float), defaultdict(int)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            totals[event.name] += event.device_time
+            counts[event.name] += 1
+    ranked = sorted(totals, key=totals.get, reverse=True)
+    rows = [{"kernel": name[:90], "calls": counts[name], "us": totals[name]} for name in ranked[:top]]
+    rest = sum(totals[name] for name in ranked[top:])
+    if rest:
+        rows.append({"kernel": f"({len(ranked) - top} other kernels)", "us": rest})
+    rows.append({"kernel": "total", "calls": sum(counts.values()), "us": sum(totals.values())})
+    return rows
+
+
+def measure(name: str, runner, weights: int, prompt, args, bandwidth_gbs: float) -> dict:
+    first = runner.prefill(prompt).argmax(-1)
+    row = {
+        "name": name,
+        "ttft_ms": median_ms(lambda: runner.prefill(prompt), args.repeats),
+        "tpot_ms": median_ms(lambda: runner.step(first), max(args.repeats, 50), warmup=5),
+        "ttlt_ms": median_ms(lambda: greedy(runner, prompt, args.gen_len), args.repeats, warmup=1),
+        "weights_bytes": weights,
+        "cache_bytes": runner.cache_bytes(),
+        "tpot_floor_ms": weights / (bandwidth_gbs * 1e9) * 1e3,
+    }
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    greedy(runner, prompt, args.gen_len)
+    torch.cuda.synchronize()
+    row["peak_bytes"] = torch.cuda.max_memory_allocated()
+    if args.breakdown:
+        row["decode_kernels"] = kernel_breakdown(lambda: runner.eager_step(first))
+        row["prefill_kernels"] = kernel_breakdown(lambda: runner.prefill(prompt))
+    return row
+
+
+# --- the models ----------------------------------------------------------------------------------
+
+def fp_model_for(args) -> MambaLMHeadModel:
+    if args.model:
+        from quamba.models.loading import load_model
+        model, _ = load_model(args.model, dtype=torch.float16, device="cuda", tokenizer=False)
+        return model
+    model = MambaLMHeadModel(preset_config(args.config), device="cuda", dtype=torch.float16)
+    return randomize_(model, seed=args.seed)
+
+
+def quantized_model(fp_model, precision: str, args):
+    w_bits, a_bits = PRECISIONS[precision]
+    gen = torch.Generator(device="cuda").manual_seed(args.seed)
+    calib = torch.randint(0, fp_model.config.vocab_size, (CALIB_SAMPLES, CALIB_SEQLEN),
+                          generator=gen, device="cuda")
+    config = QuantConfig(w_bits=w_bits, a_bits=a_bits, group_size=args.group_size, seed=args.seed)
+    qmodel = quantize(fp_model, config=config, calib_data=calib, progress=False)
+    qmodel.__dict__["fp_model"] = None  # only the quantized blocks are timed
+    return qmodel
+
+
+def release(*objects):
+    for obj in objects:
+        obj.close()
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def run(args) -> dict:
+    torch.manual_seed(args.seed)
+    bandwidth = copy_bandwidth_gbs()
+    fp_model = fp_model_for(args).eval()
+    gen = torch.Generator(device="cuda").manual_seed(args.seed + 1)
+    prompt = torch.randint(0, fp_model.config.vocab_size, (args.batch, args.prompt_len),
+                           generator=gen, device="cuda")
+    rows, notes = [], {}
+    if not args.no_baseline:
+        if fp_kernels.missing():
+            notes["baseline"] = fp_kernels.missing()
+        else:
+            rows.append(_baseline_row(fp_model, prompt, args, bandwidth, notes))
+    for precision in args.precisions:
+        print(f"profiling {precision} ...", file=sys.stderr, flush=True)
+        if precision == "fp16":
+            rows.append(measure_quamba("quamba fp16", fp_model, prompt, args, bandwidth))
+            continue
+        with torch.no_grad():
+            qmodel = quantized_model(fp_model, precision, args)
+        fp_model.to("cpu")
+        rows.append(measure_quamba(f"quamba {precision}", qmodel, prompt, args, bandwidth))
+        del qmodel
+        release()
+        fp_model.to("cuda")
+    _add_ratios(rows)
+    config = fp_model.config.to_dict()
+    return {"meta": run_metadata(), "copy_bandwidth_gbs": bandwidth, "model": args.model or args.config,
+            "config": config, "batch": args.batch, "prompt_len": args.prompt_len,
+            "gen_len": args.gen_len, "repeats": args.repeats, "fp_kernels": fp_kernels.missing() is None,
+            "rows": rows, "notes": notes}
+
+
+def measure_quamba(name: str, model, prompt, args, bandwidth) -> dict:
+    release()
+    with torch.inference_mode():
+        runner = QuambaRunner(model, args.batch)
+        row = measure(name, runner, weight_bytes(model), prompt, args, bandwidth)
+    release(runner)
+    return row
+
+
+def _baseline_row(fp_model, prompt, args, bandwidth, notes) -> dict:
+    """mamba-ssm's model, measured alone on the GPU; also how far quamba's FP16 logits are from it."""
+    print("profiling mamba-ssm ...", file=sys.stderr, flush=True)
+    with torch.inference_mode():
+        runner = MambaSSMRunner(fp_model, args.batch, args.prompt_len + args.gen_len + 1)
+        ours = fp_model(prompt, num_last_tokens=1)[:, -1].float()
+        theirs = runner.prefill(prompt).float()
+        notes["fp16_logits_rel_error_vs_mamba_ssm"] = float((ours - theirs).norm() / theirs.norm())
+        notes["fp16_top1_agreement_vs_mamba_ssm"] = float((ours.argmax(-1) == theirs.argmax(-1)).float().mean())
+    fp_model.to("cpu")
+    release()
+    with torch.inference_mode():
+        row = measure(BASELINE, runner, weight_bytes(runner.model), prompt, args, bandwidth)
+    del runner
+    release()
+    fp_model.to("cuda")
+    return row
+
+
+def _add_ratios(rows: list[dict]) -> None:
+    anchor = next((r for r in rows if r["name"] == BASELINE), None) or \
+        next((r for r in rows if r["name"] == "quamba fp16"), None)
+    for row in rows:
+        row["weights_gb"] = row["weights_bytes"] / 1e9
+        row["cache_mb"] = row["cache_bytes"] / 1e6
+        row["peak_gb"] = row["peak_bytes"] / 1e9
+        if anchor is not None:
+            row["ttft_speedup"] = anchor["ttft_ms"] / row["ttft_ms"]
+            row["tpot_speedup"] = anchor["tpot_ms"] / row["tpot_ms"]
+            row["ttlt_speedup"] = anchor["ttlt_ms"] / row["ttlt_ms"]
+            row["weights_ratio"] = row["weights_bytes"] / anchor["weights_bytes"]
+
+
+COLUMNS = ["name", "ttft_ms", "tpot_ms", "tpot_floor_ms", "ttlt_ms", "weights_gb", "cache_mb",
+           "peak_gb", "ttft_speedup", "tpot_speedup", "ttlt_speedup", "weights_ratio"]
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    result = run(args)
+    meta = result["meta"]
+    title = (f"{result['model']} batch {args.batch}, prompt {args.prompt_len}, {args.gen_len} new tokens "
+             f"on {meta['device']} ({meta['date']}, commit {meta['commit']}); copy bandwidth "
+             f"{result['copy_bandwidth_gbs']:.0f} GB/s")
+    print(format_table(result["rows"], COLUMNS, title))
+    for key, value in result["notes"].items():
+        print(f"{key}: {value}")
+    for row in result["rows"]:
+        for part in ("decode_kernels", "prefill_kernels"):
+            if part in row:
+                print(format_table(row[part], ["kernel", "calls", "us"], f"{row['name']}: {part}"))
+    write_json(args.out, result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
