@@ -1,17 +1,19 @@
-// Decode GEMV (M = 1..8): streams the int8 weight rows once with 16-byte loads and keeps the few
-// activation rows in L1. Work comes in row groups of R weight rows; `splits` warps of one block
+// Decode GEMV (M = 1..8): streams the int8 weight rows once with 16-byte loads and reads the few
+// activation rows from L2. Work comes in row groups of R weight rows; `splits` warps of one block
 // share a group's K range and meet in shared memory. R = 1, 2, 4 multiply with dp4a; R = 8 with
 // tensor cores (mma.sync), far fewer instructions per weight byte as M grows.
 // Blocks are small (4 warps, one tile each) so that the block scheduler spreads the weight bytes
 // evenly over the SMs (8-warp blocks gave e.g. 320 blocks for 132 SMs: 3 on some, 2 on others;
 // out_proj at M = 8 went from 8.9 to 7.4 us with 4). R and splits are chosen from the shape
-// (choose_rows, choose_splits), or given for tuning.
+// (choose_rows, choose_splits), or given for tuning. Launched with programmatic dependence
+// (pdl.cuh): the first weight loads are issued before waiting for the kernel that writes x.
 #include <ATen/cuda/CUDAContextLight.h>
 #include <c10/cuda/CUDAException.h>
 
 #include "gemm/epilogue.cuh"
 #include "gemm/gemm.h"
 #include "gemm/mma.cuh"
+#include "pdl.cuh"
 
 namespace quamba::gemm {
 namespace {
@@ -21,7 +23,9 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kLoadsPerLane = 8;  // 16-byte weight chunks in flight per lane: R rows x (8 / R) steps
 
 // Weights are read once: streaming loads (ld.global.cs, evict-first) leave the caches to the
-// activations.
+// activations. The activations are read from L2 (ld.global.cg): with programmatic dependent
+// launch the kernel that writes them may still be running when this one starts, so no copy of
+// them may sit in an SM's L1.
 __device__ __forceinline__ int4 load_streaming(const int4* p) { return __ldcs(p); }
 
 __device__ __forceinline__ int dot16(int4 a, int4 b, int acc) {
@@ -49,6 +53,7 @@ __device__ __forceinline__ int row_group_sums(const int4* __restrict__ x, const 
     w_rows[r] = reinterpret_cast<const int4*>(w + static_cast<int64_t>(min(row0 + r, N - 1)) * chunks * 16);
 
   int acc[R][M] = {};
+  bool waited = false;
   for (int c = begin + lane; c < end; c += 32 * kSteps) {
     int4 wv[kSteps][R];
 #pragma unroll
@@ -56,12 +61,16 @@ __device__ __forceinline__ int row_group_sums(const int4* __restrict__ x, const 
       if (c + 32 * s < end)
 #pragma unroll
         for (int r = 0; r < R; ++r) wv[s][r] = load_streaming(w_rows[r] + c + 32 * s);
+    if (!waited) {  // the first weights are on their way: now wait for x (see pdl.cuh)
+      pdl_wait();
+      waited = true;
+    }
 #pragma unroll
     for (int s = 0; s < kSteps; ++s) {
       if (c + 32 * s >= end) continue;
 #pragma unroll
       for (int m = 0; m < M; ++m) {
-        const int4 xv = __ldg(x + m * chunks + c + 32 * s);
+        const int4 xv = __ldcg(x + m * chunks + c + 32 * s);
 #pragma unroll
         for (int r = 0; r < R; ++r) acc[r][m] = dot16(wv[s][r], xv, acc[r][m]);
       }
@@ -84,6 +93,7 @@ gemv_kernel(const int8_t* __restrict__ x, const int8_t* __restrict__ w, OutT* __
             Epilogue epilogue, int splits) {
   static_assert(R * M <= 32, "one output per lane");
   __shared__ int partial[kWarps][32];
+  pdl_launch_dependents();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int split = warp % splits;
   const int row0 = (blockIdx.x * (kWarps / splits) + warp / splits) * R;
@@ -93,6 +103,7 @@ gemv_kernel(const int8_t* __restrict__ x, const int8_t* __restrict__ w, OutT* __
   const int end = row0 < N ? min(chunks, begin + per_split) : begin;
 
   int sum = row_group_sums<M, R>(reinterpret_cast<const int4*>(x), w, N, chunks, row0, begin, end, lane);
+  pdl_wait();  // warps with no share of K have not waited yet
   if (splits > 1) {
     partial[warp][lane] = sum;
     __syncthreads();
@@ -125,11 +136,11 @@ __device__ __forceinline__ void row_group_sums_mma(int (&d)[4], const int4* __re
   for (int c0 = begin; c0 < end; c0 += 4 * kMmaSteps) {
     int4 wv[kMmaSteps], xv[kMmaSteps];
 #pragma unroll
-    for (int s = 0; s < kMmaSteps; ++s) {  // unconditional (clamped) loads; out-of-range ones zeroed below
-      const int c = min(c0 + 4 * s + t, end - 1);
-      wv[s] = load_streaming(w_row + c);
-      xv[s] = __ldg(x_row + c);
-    }
+    for (int s = 0; s < kMmaSteps; ++s)  // unconditional (clamped) loads; out-of-range ones zeroed below
+      wv[s] = load_streaming(w_row + min(c0 + 4 * s + t, end - 1));
+    if (c0 == begin) pdl_wait();  // the first weights are on their way: now wait for x
+#pragma unroll
+    for (int s = 0; s < kMmaSteps; ++s) xv[s] = __ldcg(x_row + min(c0 + 4 * s + t, end - 1));
 #pragma unroll
     for (int s = 0; s < kMmaSteps; ++s) {
       if (c0 + 4 * s + t >= end) wv[s] = zero;
@@ -150,6 +161,7 @@ __global__ void __launch_bounds__(kThreads)
 gemv_mma_kernel(const int8_t* __restrict__ x, const int8_t* __restrict__ w, OutT* __restrict__ out, int N, int K,
                 Epilogue epilogue, int splits) {
   __shared__ int partial[kWarps][2][32];
+  pdl_launch_dependents();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int split = warp % splits;
   const int row0 = (blockIdx.x * (kWarps / splits) + warp / splits) * kMmaRows;
@@ -160,6 +172,7 @@ gemv_mma_kernel(const int8_t* __restrict__ x, const int8_t* __restrict__ w, OutT
 
   int d[4] = {};
   row_group_sums_mma<M>(d, reinterpret_cast<const int4*>(x), w, N, chunks, row0, begin, end, lane);
+  pdl_wait();  // warps with no share of K have not waited yet
   if (splits > 1) {
     partial[warp][0][lane] = d[0];
     partial[warp][1][lane] = d[1];
@@ -200,9 +213,8 @@ void launch_kernel(const GemmArgs& a, int splits) {
   check_kernel_image(reinterpret_cast<const void*>(kernel), "w8a8 GEMV");
   const int groups_per_block = kWarps / splits;
   const int blocks = ((a.N + R - 1) / R + groups_per_block - 1) / groups_per_block;
-  kernel<<<blocks, kThreads, 0, a.stream>>>(a.x, a.w, static_cast<OutT*>(a.out), a.N, a.K, Epilogue::from(a),
-                                            splits);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_with_pdl(kernel, blocks, kThreads, 0, a.stream, a.x, a.w, static_cast<OutT*>(a.out), a.N, a.K,
+                  Epilogue::from(a), splits);
 }
 
 template <int M>

@@ -2,6 +2,7 @@
 #include <torch/library.h>
 
 #include "../ssm_common/ssm_common.cuh"
+#include "pdl.cuh"
 
 namespace quamba_ssm {
 namespace {
@@ -32,6 +33,8 @@ __global__ void __launch_bounds__(kNormThreads)
 rmsnorm_quant_kernel(const In* __restrict__ x, const Res* __restrict__ residual,
                      const W* __restrict__ weight, float eps, float out_inv_scale,
                      int8_t* __restrict__ q, ResOut* __restrict__ residual_out, int dim) {
+  quamba::pdl_launch_dependents();  // the next GEMV may start loading its weights (pdl.cuh)
+  quamba::pdl_wait();                // x comes from the kernel before
   const int64_t row = static_cast<int64_t>(blockIdx.x) * dim;
   auto sum_at = [&](int i) {
     const float v = to_float(x[row + i]);
@@ -114,11 +117,10 @@ std::tuple<at::Tensor, at::Tensor> rmsnorm_quant(const at::Tensor& x,
         using W = decltype(weight_tag);
         auto launch = [&](auto kernel, auto* res_out) {
           check_kernel_image(kernel, "rmsnorm_quant");
-          kernel<<<rows, kNormThreads, 0, current_stream()>>>(
-              static_cast<const In*>(x.data_ptr()), data_or_null<Res>(residual),
-              data_or_null<W>(weight), to_fp32(eps), to_fp32(out_inv_scale),
-              q.data_ptr<int8_t>(), res_out, dim);
-          C10_CUDA_KERNEL_LAUNCH_CHECK();
+          quamba::launch_with_pdl(kernel, rows, kNormThreads, 0, current_stream(),
+                                  static_cast<const In*>(x.data_ptr()), data_or_null<Res>(residual),
+                                  data_or_null<W>(weight), to_fp32(eps), to_fp32(out_inv_scale),
+                                  q.data_ptr<int8_t>(), res_out, dim);
         };
         if (residual_in_fp32) {
           launch(rmsnorm_quant_kernel<In, Res, float, W>, residual_out.data_ptr<float>());

@@ -1,0 +1,51 @@
+// Programmatic dependent launch (PDL, compute capability 9.0): a kernel launched with
+// launch_with_pdl may start while the kernel before it in the stream is still running, once every
+// block of that one has called pdl_launch_dependents (or exited). It must call pdl_wait before it
+// reads what earlier kernels wrote and before it writes anything (its output memory may still be
+// read by them); work that needs neither, e.g. loading weights, can run before. In a decode step
+// the GEMVs start streaming their weights while the small kernel before them (norm, Hadamard)
+// runs. CUDA graphs keep these launches as programmatic edges. Before sm_90 both calls are no-ops
+// and kernels launch in plain stream order.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <c10/cuda/CUDAException.h>
+
+#include <utility>
+
+namespace quamba {
+
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Launches kernel<<<grid, block, smem, stream>>>(args...), programmatically dependent on the
+// previous kernel of the stream where the device supports it (compute capability >= 9).
+template <typename... Params, typename... Args>
+void launch_with_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                     Args&&... args) {
+  int device = 0, major = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  cudaLaunchAttribute attribute;
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  config.attrs = &attribute;
+  config.numAttrs = major >= 9 ? 1 : 0;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+}
+
+}  // namespace quamba
