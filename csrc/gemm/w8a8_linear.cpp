@@ -16,6 +16,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include "gemm/checks.h"
 #include "gemm/gemm.h"
 
 namespace quamba::gemm {
@@ -32,13 +33,12 @@ void check_kernel_image(const void* kernel, const char* name) {
 
 namespace {
 
-bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
-
-void check_on_device(const char* op, const char* name, const at::Tensor& t, const at::Device& device) {
-  TORCH_CHECK(t.is_cuda(), op, ": ", name, " must be a CUDA tensor, got one on ", t.device());
-  TORCH_CHECK(t.device() == device, op, ": ", name, " is on ", t.device(), " but x is on ", device);
-  TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
-}
+using checks::aligned16;
+using checks::check_architecture;
+using checks::check_on_device;
+using checks::check_vector;
+using checks::guard_for;
+using checks::out_type_of;
 
 void check_matrix(const char* op, const char* name, const at::Tensor& t, const at::Device& device) {
   check_on_device(op, name, t, device);
@@ -47,35 +47,6 @@ void check_matrix(const char* op, const char* name, const at::Tensor& t, const a
   TORCH_CHECK(t.size(1) > 0 && t.size(1) % 16 == 0, op, ": ", name,
               " must have a last dimension that is a positive multiple of 16, got ", t.size(1));
   TORCH_CHECK(aligned16(t), op, ": ", name, " must start at a 16-byte aligned address");
-}
-
-void check_vector(const char* op, const char* name, const at::Tensor& t, int64_t N, const at::Device& device) {
-  check_on_device(op, name, t, device);
-  TORCH_CHECK(t.scalar_type() == at::kFloat, op, ": ", name, " must be float32, got ", t.scalar_type());
-  TORCH_CHECK(t.dim() == 1 && t.size(0) == N, op, ": ", name, " must have shape [", N, "] (one per output "
-              "channel), got ", t.sizes());
-}
-
-OutType out_type_of(const char* op, at::ScalarType dtype) {
-  switch (dtype) {
-    case at::kChar: return OutType::kInt8;
-    case at::kHalf: return OutType::kFloat16;
-    case at::kBFloat16: return OutType::kBFloat16;
-    case at::kFloat: return OutType::kFloat32;
-    default: TORCH_CHECK(false, op, ": out must be int8, float16, bfloat16 or float32, got ", dtype);
-  }
-}
-
-void check_architecture(const char* op) {
-  const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
-  TORCH_CHECK(prop->major >= 8, op, ": needs a GPU of compute capability 8.0 or newer, this one (", prop->name,
-              ") is ", prop->major, ".", prop->minor);
-}
-
-// The device guard of every entry point: x's device, after checking that it is a CUDA one.
-c10::cuda::CUDAGuard guard_for(const char* op, const at::Tensor& x) {
-  TORCH_CHECK(x.is_cuda(), op, ": x must be a CUDA tensor, got one on ", x.device());
-  return c10::cuda::CUDAGuard(x.device());
 }
 
 // Checks every argument and packs them for a launcher (the caller holds a device guard).

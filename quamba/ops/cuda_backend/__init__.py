@@ -4,6 +4,7 @@ has loaded; each kernel family has its own module."""
 import importlib.util
 
 from quamba.ops.cuda_backend import gemm  # noqa: F401
+from quamba.ops.cuda_backend import gemm4  # noqa: F401
 
 if importlib.util.find_spec("quamba.ops.cuda_backend.ssm") is not None:
     from quamba.ops.cuda_backend import ssm  # noqa: F401

@@ -1,0 +1,188 @@
+// Expansion of packed 4-bit weights for the prefill GEMMs: one thread per 16-byte chunk of a packed
+// row (32 codes, one group), written out as 32 int8 values (W4A8: code * group multiplier) or 32
+// f16/bf16 values (W4A16: fp32(code) * fp32(scale), rounded once). Grid-stride, 16-byte stores.
+#include <c10/cuda/CUDAException.h>
+#include <c10/util/Exception.h>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "gemm4/gemm4.h"
+
+namespace quamba::gemm4 {
+namespace {
+
+constexpr int kThreads = 256;
+
+__device__ __forceinline__ int code_at(const uint32_t (&words)[4], int k) {  // k in 0..31 of the chunk
+  const int nibble = (words[k / 8] >> (4 * (k % 8))) & 0xF;
+  return nibble >= 8 ? nibble - 16 : nibble;
+}
+
+__device__ __forceinline__ void load_chunk(uint32_t (&words)[4], const uint8_t* w, int chunk) {
+  const int4 raw = __ldcs(reinterpret_cast<const int4*>(w) + chunk);
+  words[0] = raw.x, words[1] = raw.y, words[2] = raw.z, words[3] = raw.w;
+}
+
+// Eight codes of one 32-bit word times m, as int8 bytes in k order (two words), for 0 <= m <= 127:
+// each 16-bit lane of u holds one biased nibble n ^ 8 = code + 8, so u * m has no carry between
+// lanes; adding 2048 - 8m per lane keeps it non-negative and leaves code * m (mod 256) in the low
+// byte of each lane, which the byte permutes gather.
+__device__ __forceinline__ void expand_word(uint32_t word, uint32_t m, uint32_t& lo, uint32_t& hi) {
+  const uint32_t flipped = word ^ 0x88888888u;
+  const uint32_t bias = (2048u - 8u * m) * 0x00010001u;
+  uint32_t r[4];
+#pragma unroll
+  for (int q = 0; q < 4; ++q) r[q] = ((flipped >> (4 * q)) & 0x000F000Fu) * m + bias;  // lanes: code q, q + 4
+  const uint32_t r01 = __byte_perm(r[0], r[1], 0x6240), r23 = __byte_perm(r[2], r[3], 0x6240);
+  lo = __byte_perm(r01, r23, 0x5410);  // codes 0..3
+  hi = __byte_perm(r01, r23, 0x7632);  // codes 4..7
+}
+
+// Whether some nibble of the word is 8 (code -8): a zero nibble of word ^ 0x88888888.
+__device__ __forceinline__ bool has_code_minus8(uint32_t word) {
+  const uint32_t v = word ^ 0x88888888u;
+  return ((v - 0x11111111u) & ~v & 0x88888888u) != 0;
+}
+
+__global__ void __launch_bounds__(kThreads)
+w4a8_expand_kernel(const uint8_t* __restrict__ w, const int8_t* __restrict__ multipliers, int8_t* __restrict__ out,
+                   int total_chunks, int chunks_per_row, int chunks_per_group, int* overflow) {
+  const int groups = chunks_per_row / chunks_per_group;
+  bool bad = false;
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < total_chunks; i += gridDim.x * blockDim.x) {
+    const int row = i / chunks_per_row;
+    const int c = i - row * chunks_per_row;
+    const int multiplier = __ldg(multipliers + static_cast<int64_t>(row) * groups + c / chunks_per_group);
+    uint32_t words[4];
+    load_chunk(words, w, i);
+    uint32_t packed[8];
+    if (multiplier >= 0 && multiplier <= 18) {  // the quant4 rule: |code * m| <= 127 unless code -8, m >= 17
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        expand_word(words[j], static_cast<uint32_t>(multiplier), packed[2 * j], packed[2 * j + 1]);
+        bad |= multiplier >= 17 && has_code_minus8(words[j]);
+      }
+    } else {  // any other int8 multiplier: element by element
+#pragma unroll
+      for (int v = 0; v < 8; ++v) {
+        uint32_t word = 0;
+#pragma unroll
+        for (int b = 0; b < 4; ++b) {
+          const int value = code_at(words, 4 * v + b) * multiplier;
+          bad |= value < -128 || value > 127;
+          word |= (static_cast<uint32_t>(value) & 0xFFu) << (8 * b);
+        }
+        packed[v] = word;
+      }
+    }
+    int4* dst = reinterpret_cast<int4*>(out) + 2 * static_cast<int64_t>(i);  // 32 bytes of out per chunk
+    dst[0] = make_int4(packed[0], packed[1], packed[2], packed[3]);
+    dst[1] = make_int4(packed[4], packed[5], packed[6], packed[7]);
+  }
+  if (bad && overflow != nullptr) atomicExch(overflow, 1);
+}
+
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi);
+template <>
+__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+// Codes of one word as exact fp16 pairs (code q, code q + 4), q = 0..3 (as in the W4A16 GEMV).
+__device__ __forceinline__ void codes_f16(uint32_t word, uint32_t (&pairs)[4]) {
+  const uint32_t flipped = word ^ 0x88888888u;
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const uint32_t v = ((flipped >> (4 * q)) & 0x000F000Fu) | 0x64006400u;  // 1024 + (n ^ 8)
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(pairs[q]) : "r"(v), "r"(0x3C003C00u), "r"(0xE408E408u));
+  }
+}
+
+// code * scale rounded once to T: for fp16 one f16x2 multiply (the exact product rounded to
+// fp16, as the fp32 product would be); for bf16 through fp32.
+template <typename T>
+__device__ __forceinline__ uint32_t scale_pair(uint32_t codes, uint32_t scale2, float scale);
+template <>
+__device__ __forceinline__ uint32_t scale_pair<__half>(uint32_t codes, uint32_t scale2, float) {
+  uint32_t r;
+  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(codes), "r"(scale2));
+  return r;
+}
+template <>
+__device__ __forceinline__ uint32_t scale_pair<__nv_bfloat16>(uint32_t codes, uint32_t, float scale) {
+  const __half2 h = *reinterpret_cast<const __half2*>(&codes);
+  const float2 f = __half22float2(h);
+  return pack2<__nv_bfloat16>(__fmul_rn(f.x, scale), __fmul_rn(f.y, scale));
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+w4a16_dequantize_kernel(const uint8_t* __restrict__ w, const __half* __restrict__ scales, T* __restrict__ out,
+                        int total_chunks, int chunks_per_row, int chunks_per_group) {
+  const int groups = chunks_per_row / chunks_per_group;
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < total_chunks; i += gridDim.x * blockDim.x) {
+    const int row = i / chunks_per_row;
+    const int c = i - row * chunks_per_row;
+    const __half scale_h = __ldg(scales + static_cast<int64_t>(row) * groups + c / chunks_per_group);
+    const __half2 scale_h2 = __halves2half2(scale_h, scale_h);
+    const uint32_t scale2 = *reinterpret_cast<const uint32_t*>(&scale_h2);
+    const float scale = __half2float(scale_h);
+    uint32_t words[4];
+    load_chunk(words, w, i);
+    uint32_t packed[16];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      uint32_t pairs[4];
+      codes_f16(words[j], pairs);
+#pragma unroll
+      for (int q = 0; q < 4; ++q) pairs[q] = scale_pair<T>(pairs[q], scale2, scale);
+      packed[4 * j + 0] = __byte_perm(pairs[0], pairs[1], 0x5410);  // codes 0, 1
+      packed[4 * j + 1] = __byte_perm(pairs[2], pairs[3], 0x5410);  // codes 2, 3
+      packed[4 * j + 2] = __byte_perm(pairs[0], pairs[1], 0x7632);  // codes 4, 5
+      packed[4 * j + 3] = __byte_perm(pairs[2], pairs[3], 0x7632);  // codes 6, 7
+    }
+    int4* dst = reinterpret_cast<int4*>(out) + 4 * static_cast<int64_t>(i);  // 64 bytes of out per chunk
+#pragma unroll
+    for (int q = 0; q < 4; ++q) dst[q] = make_int4(packed[4 * q], packed[4 * q + 1], packed[4 * q + 2], packed[4 * q + 3]);
+  }
+}
+
+int grid_for(int64_t total_chunks) {
+  TORCH_CHECK(total_chunks < (int64_t{1} << 30), "4-bit weight expansion: N * K / 32 must be below 2^30");
+  return static_cast<int>(std::min<int64_t>((total_chunks + kThreads - 1) / kThreads, 65535));
+}
+
+}  // namespace
+
+void launch_w4a8_expand(const uint8_t* w, const int8_t* group_multiplier, int8_t* out, int N, int K, int group_size,
+                        int* overflow, cudaStream_t stream) {
+  const int64_t total = static_cast<int64_t>(N) * (K / kCodesPerChunk);
+  if (total == 0) return;
+  gemm::check_kernel_image(reinterpret_cast<const void*>(w4a8_expand_kernel), "w4a8 weight expansion");
+  const int grid = grid_for(total);
+  w4a8_expand_kernel<<<grid, kThreads, 0, stream>>>(w, group_multiplier, out, static_cast<int>(total),
+                                                    K / kCodesPerChunk, group_size / kCodesPerChunk, overflow);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void launch_w4a16_dequantize(const uint8_t* w, const void* scales, void* out, ActType out_type, int N, int K,
+                             int group_size, cudaStream_t stream) {
+  const int64_t total = static_cast<int64_t>(N) * (K / kCodesPerChunk);
+  if (total == 0) return;
+  auto launch = [&](auto tag) {
+    using T = decltype(tag);
+    const auto kernel = w4a16_dequantize_kernel<T>;
+    gemm::check_kernel_image(reinterpret_cast<const void*>(kernel), "w4a16 weight dequantization");
+    const int grid = grid_for(total);
+    kernel<<<grid, kThreads, 0, stream>>>(w, static_cast<const __half*>(scales), static_cast<T*>(out),
+                                          static_cast<int>(total), K / kCodesPerChunk, group_size / kCodesPerChunk);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  };
+  if (out_type == ActType::kFloat16) launch(__half{});
+  else launch(__nv_bfloat16{});
+}
+
+}  // namespace quamba::gemm4

@@ -1,0 +1,494 @@
+"""W4A8 / W4A16 kernels of quamba._C (csrc/gemm4) against the torch reference of
+:func:`quamba.ops.qlinear4.w4a8_linear` / :func:`~quamba.ops.qlinear4.w4a16_linear`.
+
+Every path (GEMV in each work split, the expansion + W8A8 GEMM on mma.sync and on each CUTLASS
+sm90 configuration, the dequantization + cuBLAS GEMM, the dispatching ops and the ``cuda``
+backend) runs on fresh random inputs with its output poisoned first (-128 cannot come out of the
+int8 epilogue, NaN out of the float ones). W4A8 outputs must equal the reference exactly, int8
+and float alike (same int32 accumulator, same fp32 multiply, same rounding). W4A16 outputs agree
+to 1e-3 of the largest output plus one rounding of the output dtype: the fp32 accumulation order
+differs (the GEMV scales each group's partial sum). The GEMM path rounds code × scale to x's
+dtype first (what cuBLAS, or any mixed-input GEMM, multiplies): exact-to-rounding in fp16, but up
+to 2⁻⁹ per weight in bfloat16, which with short K (one group of 128) measured 5.6e-3 of the largest
+output on the H100, hence 1e-2 for that path. Skipped without a
+GPU or the extension. Tests whose names contain ``small`` suit compute-sanitizer.
+"""
+import zlib
+
+import pytest
+import torch
+
+from quamba.ops import backend
+from quamba.ops.qlinear4 import w4a8_linear, w4a16_linear
+from quamba.ops.quant4 import pack_int4
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+if backend.cuda_extension_error() is not None:
+    pytest.skip(backend.cuda_extension_error(), allow_module_level=True)
+if not hasattr(torch.ops.quamba, "w4a8_linear"):
+    pytest.skip("quamba._C was built without the gemm4 kernel family", allow_module_level=True)
+
+from quamba.ops.cuda_backend.gemm import _epilogue_multiplier  # noqa: E402
+from quamba.ops.cuda_backend.gemm4 import W4A8OverflowError, check_expandable  # noqa: E402
+
+ops = torch.ops.quamba
+DEVICE = torch.device("cuda")
+
+# (N, K, G): Mamba-2.8B in_proj, out_proj, x_proj with groups of 128; the test model's shapes
+# (d_model 192: groups of 64); single groups (K <= 128); groups of 32 and of 160 (a step of the
+# W4A16 GEMV then touches 4 and 2 groups).
+MAMBA_2_8B = [(10240, 2560, 128), (2560, 5120, 128), (192, 5120, 128)]
+SMALL_SHAPES = [(80, 64, 64), (200, 128, 128), (96, 192, 64), (136, 384, 64), (72, 256, 32), (40, 96, 96),
+                (48, 320, 160), (33, 1024, 128)]
+DECODE_M = [1, 2, 3, 4, 5, 6, 7, 8]
+PREFILL_M = [9, 17, 100, 1024, 2048]
+W4A8_OUT = [torch.int8, torch.float16, torch.bfloat16, torch.float32]
+W4A16_OUT = [torch.float16, torch.bfloat16, torch.float32]
+
+SM90_CONFIGS = ops.w8a8_gemm_sm90_configs()
+IS_SM90 = torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.fixture(autouse=True)
+def _no_backend_override(monkeypatch):
+    monkeypatch.delenv("QUAMBA_BACKEND", raising=False)
+
+
+def seed_for(*params) -> None:
+    torch.manual_seed(zlib.crc32(repr(params).encode()))
+
+
+def random_packed(N, K):
+    codes = torch.randint(-7, 8, (N, K), dtype=torch.int8, device=DEVICE)
+    return pack_int4(codes)
+
+
+# ---- W4A8 ----
+
+def w4a8_case(M, N, K, G, out_dtype, max_multiplier=18):
+    x = torch.randint(-127, 128, (M, K), dtype=torch.int8, device=DEVICE)
+    group_multiplier = torch.randint(1, max_multiplier + 1, (N, K // G), dtype=torch.int8, device=DEVICE)
+    x_scale, out_scale = 0.05, 0.05
+    # ~3 standard deviations of the accumulator map to 127 (x rms 73, code rms 4.3, multiplier rms ~ 10.7)
+    acc_std = (K ** 0.5) * 73 * 4.3 * 10.7
+    channel_scale = (127 / (3 * acc_std)) * (0.5 + torch.rand(N, device=DEVICE))
+    return dict(x=x, x_scale=x_scale, weight_packed=random_packed(N, K), group_multiplier=group_multiplier,
+                channel_scale=channel_scale, group_size=G, out_scale=out_scale if out_dtype == torch.int8 else None,
+                out_dtype=out_dtype)
+
+
+def w4a8_reference(case):
+    return w4a8_linear(case["x"], case["x_scale"], case["weight_packed"], case["group_multiplier"],
+                       case["channel_scale"], case["group_size"], case["out_scale"], out_dtype=case["out_dtype"],
+                       backend_name="torch")
+
+
+def w4a8_op_arguments(case):
+    multiplier, per_channel = _epilogue_multiplier(case["x_scale"], case["channel_scale"], case["out_scale"],
+                                                   case["weight_packed"])
+    return (case["x"], case["weight_packed"], case["group_multiplier"], case["group_size"], multiplier, per_channel)
+
+
+def poisoned_out(M, N, dtype):
+    fill = -128 if dtype == torch.int8 else float("nan")
+    return torch.full((M, N), fill, dtype=dtype, device=DEVICE)
+
+
+def assert_exact(out, ref):
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    if out.dtype == torch.int8:
+        assert int(out.min()) >= -127, "unwritten (-128) or out-of-range int8 output"
+    else:
+        assert not out.isnan().any(), "unwritten (NaN) float output"
+    mismatches = int((out != ref).sum())
+    if mismatches:
+        diff = (out.float() - ref.float()).abs().max()
+        raise AssertionError(f"{mismatches} of {out.numel()} outputs differ from the reference (max |diff| {diff})")
+
+
+def check_w4a8(run, M, N, K, G, out_dtype, **options):
+    case = w4a8_case(M, N, K, G, out_dtype, **options)
+    out = poisoned_out(M, N, out_dtype)
+    run(case, out)
+    assert_exact(out, w4a8_reference(case))
+
+
+def run_w4a8_gemv(case, out, rows=0, splits=0):
+    ops.w4a8_gemv_out(*w4a8_op_arguments(case), out, rows, splits)
+
+
+def run_w4a8_gemm(case, out, config=-1):
+    ops.w4a8_gemm_out(*w4a8_op_arguments(case), out, config)
+
+
+def run_w4a8_linear(case, out):
+    ops.w4a8_linear_out(*w4a8_op_arguments(case), out)
+
+
+@pytest.mark.parametrize("out_dtype", W4A8_OUT, ids=str)
+@pytest.mark.parametrize("N,K,G", MAMBA_2_8B + SMALL_SHAPES)
+@pytest.mark.parametrize("M", DECODE_M)
+def test_w4a8_gemv_matches_reference(M, N, K, G, out_dtype):
+    seed_for("w4a8 gemv", M, N, K, G, out_dtype)
+    check_w4a8(run_w4a8_gemv, M, N, K, G, out_dtype)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 4])
+@pytest.mark.parametrize("rows", [1, 2, 4])
+@pytest.mark.parametrize("M", [1, 3, 8])
+@pytest.mark.parametrize("N,K,G", [(192, 5120, 128), (2560, 5120, 128), (96, 192, 64), (40, 96, 96), (72, 256, 32)])
+def test_w4a8_gemv_every_work_split(M, N, K, G, rows, splits):
+    seed_for("w4a8 gemv splits", M, N, K, G, rows, splits)
+    check_w4a8(lambda case, out: run_w4a8_gemv(case, out, rows, splits), M, N, K, G, torch.int8)
+
+
+@pytest.mark.parametrize("out_dtype", W4A8_OUT, ids=str)
+@pytest.mark.parametrize("N,K,G", MAMBA_2_8B + SMALL_SHAPES)
+@pytest.mark.parametrize("M", PREFILL_M)
+def test_w4a8_linear_prefill_matches_reference(M, N, K, G, out_dtype):
+    """The dispatching op: expansion + the W8A8 GEMM the device gets (sm90 where it can run)."""
+    seed_for("w4a8 gemm", M, N, K, G, out_dtype)
+    check_w4a8(run_w4a8_linear, M, N, K, G, out_dtype)
+
+
+@pytest.mark.parametrize("out_dtype", W4A8_OUT, ids=str)
+@pytest.mark.parametrize("N,K,G", [(2560, 5120, 128), (136, 384, 64), (33, 1024, 128)])
+@pytest.mark.parametrize("M", [9, 100, 1024])
+def test_w4a8_gemm_mma_matches_reference(M, N, K, G, out_dtype):
+    seed_for("w4a8 mma", M, N, K, G, out_dtype)
+    check_w4a8(lambda case, out: run_w4a8_gemm(case, out, -2), M, N, K, G, out_dtype)
+
+
+@pytest.mark.skipif(not (IS_SM90 and SM90_CONFIGS), reason="needs the sm_90a build on a 9.0 GPU")
+@pytest.mark.parametrize("config", range(SM90_CONFIGS))
+@pytest.mark.parametrize("out_dtype", [torch.int8, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("N,K,G", MAMBA_2_8B + [(96, 192, 64)])
+@pytest.mark.parametrize("M", [17, 1024])
+def test_w4a8_gemm_sm90_configs_match_reference(M, N, K, G, out_dtype, config):
+    seed_for("w4a8 sm90", M, N, K, G, out_dtype, config)
+    check_w4a8(lambda case, out: run_w4a8_gemm(case, out, config), M, N, K, G, out_dtype)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.int8, torch.float16], ids=str)
+@pytest.mark.parametrize("M", [1, 5, 8])
+def test_small_w4a8_gemv_is_exact_for_any_multiplier(M, out_dtype):
+    """Checkpoints from before the 1..18 cap hold multipliers up to 127: the GEMV stays exact."""
+    seed_for("w4a8 big multipliers", M, out_dtype)
+    check_w4a8(run_w4a8_gemv, M, 136, 384, 64, out_dtype, max_multiplier=127)
+
+
+@pytest.mark.parametrize("M", [1, 7, 8, 9, 64, 1000])
+@pytest.mark.parametrize("out_dtype", [torch.int8, torch.float16, torch.bfloat16], ids=str)
+def test_w4a8_linear_cuda_backend_matches_torch(M, out_dtype):
+    """The public op on the cuda backend: 3-D x (batch 2), a strided view for x."""
+    seed_for("w4a8 backend", M, out_dtype)
+    N, K, G = 2560, 5120, 128
+    case = w4a8_case(2 * M, N, K, G, out_dtype)
+    wide = torch.randint(-127, 128, (2 * M, 2 * K), dtype=torch.int8, device=DEVICE)
+    wide[:, :K] = case["x"]
+    x_view = wide[:, :K].reshape(2, M, K)
+    out = w4a8_linear(x_view, case["x_scale"], case["weight_packed"], case["group_multiplier"],
+                      case["channel_scale"], G, case["out_scale"], out_dtype=out_dtype, backend_name="cuda")
+    assert out.shape == (2, M, N)
+    assert_exact(out.reshape(2 * M, N), w4a8_reference(case))
+
+
+def test_small_w4a8_expand_flags_overflow():
+    seed_for("expand")
+    N, K, G = 64, 256, 64
+    codes = torch.randint(-7, 8, (N, K), dtype=torch.int8, device=DEVICE)
+    codes[5, 70] = 7
+    multipliers = torch.randint(1, 19, (N, K // G), dtype=torch.int8, device=DEVICE)
+    packed = pack_int4(codes)
+    out = torch.full((N, K), -99, dtype=torch.int8, device=DEVICE)
+    overflow = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    ops.w4a8_expand_out(packed, multipliers, G, out, overflow)
+    expected = codes.int() * multipliers.int().repeat_interleave(G, dim=1)
+    assert torch.equal(out.int(), expected) and int(overflow.item()) == 0
+    multipliers[5, 1] = 19  # 7 * 19 = 133
+    ops.w4a8_expand_out(packed, multipliers, G, out, overflow)
+    assert int(overflow.item()) == 1
+
+
+def test_small_w4a8_backend_refuses_overflowing_weight_for_prefill_only():
+    seed_for("refuse")
+    case = w4a8_case(16, 64, 256, 64, torch.int8)
+    gm = case["group_multiplier"]
+    args = (case["x_scale"], case["weight_packed"], gm, case["channel_scale"], 64, case["out_scale"])
+    out = w4a8_linear(case["x"], *args, backend_name="cuda")
+    assert_exact(out, w4a8_reference(case))
+    gm[3, 2] = 100  # in place: bumps _version, so the cached verdict is dropped
+    case["weight_packed"][3, 64:96] = 0x77  # codes 7 in group 2 of row 3: 700 does not fit int8
+    with pytest.raises(W4A8OverflowError, match="group multipliers must lie in 1…18"):
+        w4a8_linear(case["x"], *args, backend_name="cuda")
+    out = w4a8_linear(case["x"][:8], *args, backend_name="cuda")  # decode (GEMV) stays exact
+    case["x"] = case["x"][:8]
+    assert_exact(out, w4a8_reference(case))
+    with pytest.raises(W4A8OverflowError):
+        check_expandable(case["weight_packed"], gm, 64)
+
+
+# ---- W4A16 ----
+
+def w4a16_case(M, N, K, G, x_dtype, out_dtype):
+    x = torch.randn(M, K, device=DEVICE).to(x_dtype)
+    scales = ((0.5 + torch.rand(N, K // G, device=DEVICE)) * 0.02).half()
+    return dict(x=x, weight_packed=random_packed(N, K), scales=scales, group_size=G, out_dtype=out_dtype)
+
+
+def w4a16_reference(case):
+    return w4a16_linear(case["x"], case["weight_packed"], case["scales"], case["group_size"],
+                        out_dtype=case["out_dtype"], backend_name="torch")
+
+
+def w4a16_op_arguments(case):
+    return case["x"], case["weight_packed"], case["scales"], case["group_size"]
+
+
+def assert_close_w4a16(out, ref, relative=1e-3):
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    assert not out.isnan().any(), "unwritten (NaN) output"
+    scale = float(ref.float().abs().max())
+    torch.testing.assert_close(out.float(), ref.float(), rtol=torch.finfo(out.dtype).eps + 1e-3,
+                               atol=relative * scale)
+
+
+def check_w4a16(run, M, N, K, G, x_dtype, out_dtype, relative=1e-3):
+    case = w4a16_case(M, N, K, G, x_dtype, out_dtype)
+    out = poisoned_out(M, N, out_dtype)
+    run(case, out)
+    assert_close_w4a16(out, w4a16_reference(case), relative)
+
+
+def gemm_tolerance(x_dtype):
+    return 1e-2 if x_dtype == torch.bfloat16 else 1e-3
+
+
+@pytest.mark.parametrize("out_dtype", W4A16_OUT, ids=str)
+@pytest.mark.parametrize("x_dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("N,K,G", MAMBA_2_8B + SMALL_SHAPES)
+@pytest.mark.parametrize("M", DECODE_M)
+def test_w4a16_gemv_matches_reference(M, N, K, G, x_dtype, out_dtype):
+    seed_for("w4a16 gemv", M, N, K, G, x_dtype, out_dtype)
+    check_w4a16(lambda case, out: ops.w4a16_gemv_out(*w4a16_op_arguments(case), out), M, N, K, G, x_dtype, out_dtype)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 4])
+@pytest.mark.parametrize("M", [1, 8])
+@pytest.mark.parametrize("N,K,G", [(192, 5120, 128), (2560, 5120, 128), (96, 192, 64), (72, 256, 32), (48, 320, 160)])
+def test_w4a16_gemv_every_split(M, N, K, G, splits):
+    seed_for("w4a16 splits", M, N, K, G, splits)
+    check_w4a16(lambda case, out: ops.w4a16_gemv_out(*w4a16_op_arguments(case), out, splits), M, N, K, G,
+                torch.float16, torch.float16)
+
+
+@pytest.mark.parametrize("out_dtype", W4A16_OUT, ids=str)
+@pytest.mark.parametrize("x_dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("N,K,G", MAMBA_2_8B + SMALL_SHAPES)
+@pytest.mark.parametrize("M", PREFILL_M)
+def test_w4a16_linear_prefill_matches_reference(M, N, K, G, x_dtype, out_dtype):
+    seed_for("w4a16 gemm", M, N, K, G, x_dtype, out_dtype)
+    check_w4a16(lambda case, out: ops.w4a16_linear_out(*w4a16_op_arguments(case), out), M, N, K, G, x_dtype,
+                out_dtype, gemm_tolerance(x_dtype))
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_small_w4a16_dequantize_matches_reference(x_dtype):
+    seed_for("dequantize", x_dtype)
+    case = w4a16_case(1, 136, 384, 64, x_dtype, x_dtype)
+    out = torch.full((136, 384), float("nan"), dtype=x_dtype, device=DEVICE)
+    ops.w4a16_dequantize_out(case["weight_packed"], case["scales"], 64, out)
+    from quamba.ops.quant4 import dequantize_int4
+    assert torch.equal(out, dequantize_int4(case["weight_packed"], case["scales"], 64).to(x_dtype))
+
+
+@pytest.mark.parametrize("M", [1, 8, 9, 64])
+@pytest.mark.parametrize("x_dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_w4a16_linear_cuda_backend_matches_torch(M, x_dtype):
+    seed_for("w4a16 backend", M, x_dtype)
+    N, K, G = 2560, 5120, 128
+    case = w4a16_case(2 * M, N, K, G, x_dtype, x_dtype)
+    wide = torch.randn(2 * M, 2 * K, device=DEVICE).to(x_dtype)
+    wide[:, :K] = case["x"]
+    out = w4a16_linear(wide[:, :K].reshape(2, M, K), case["weight_packed"], case["scales"], G, backend_name="cuda")
+    assert out.shape == (2, M, N) and out.dtype == x_dtype
+    assert_close_w4a16(out.reshape(2 * M, N), w4a16_reference(case), gemm_tolerance(x_dtype))
+
+
+@pytest.mark.parametrize("M", [1, 3, 8, 9, 17])
+@pytest.mark.parametrize("N,K,G", [(40, 96, 96), (72, 256, 32), (33, 1024, 128)])
+def test_small_every_path_small_shapes(M, N, K, G):
+    """Every kernel on small odd shapes (the set compute-sanitizer runs)."""
+    seed_for("small every path", M, N, K, G)
+    w4a8_runs = [run_w4a8_linear, lambda case, out: run_w4a8_gemm(case, out, -2)]
+    if M <= 8:
+        w4a8_runs.append(run_w4a8_gemv)
+    for run in w4a8_runs:
+        check_w4a8(run, M, N, K, G, torch.int8)
+        check_w4a8(run, M, N, K, G, torch.float16)
+    w4a16_runs = [lambda case, out: ops.w4a16_linear_out(*w4a16_op_arguments(case), out),
+                  lambda case, out: ops.w4a16_gemm_out(*w4a16_op_arguments(case), out)]
+    if M <= 8:
+        w4a16_runs.append(lambda case, out: ops.w4a16_gemv_out(*w4a16_op_arguments(case), out))
+    for run in w4a16_runs:
+        check_w4a16(run, M, N, K, G, torch.float16, torch.float16)
+        check_w4a16(run, M, N, K, G, torch.bfloat16, torch.float32, gemm_tolerance(torch.bfloat16))
+
+
+def test_small_w4a16_cuda_backend_runs_float32_x_as_the_reference():
+    """No kernel takes fp32 activations: the cuda backend runs the reference computation on the GPU."""
+    seed_for("w4a16 fp32 x")
+    case = w4a16_case(5, 136, 384, 64, torch.float32, torch.float32)
+    out = w4a16_linear(case["x"], case["weight_packed"], case["scales"], 64, backend_name="cuda")
+    assert torch.equal(out, w4a16_reference(case))
+
+
+# ---- CUDA graphs ----
+
+@pytest.mark.parametrize("M", [1, 8, 100])
+def test_linear4_ops_replay_in_a_cuda_graph(M):
+    seed_for("graph", M)
+    N, K, G = 2560, 5120, 128
+    a8 = w4a8_case(M, N, K, G, torch.float16)
+    a16 = w4a16_case(M, N, K, G, torch.float16, torch.float16)
+    out8, out16 = poisoned_out(M, N, torch.float16), poisoned_out(M, N, torch.float16)
+    args8, args16 = w4a8_op_arguments(a8), w4a16_op_arguments(a16)
+    ops.w4a8_linear_out(*args8, out8)  # warm-up outside the capture
+    ops.w4a16_linear_out(*args16, out16)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ops.w4a8_linear_out(*args8, out8)
+        ops.w4a16_linear_out(*args16, out16)
+    a8["x"].copy_(torch.randint(-127, 128, (M, K), dtype=torch.int8, device=DEVICE))
+    a16["x"].copy_(torch.randn(M, K, device=DEVICE).half())
+    out8.fill_(float("nan"))
+    out16.fill_(float("nan"))
+    graph.replay()
+    assert_exact(out8, w4a8_reference(a8))
+    assert_close_w4a16(out16, w4a16_reference(a16))
+
+
+# ---- input checks: RuntimeError naming the argument ----
+
+def misaligned(t):
+    flat = torch.empty(t.numel() + 16, dtype=t.dtype, device=t.device)
+    view = flat[1:1 + t.numel()].view(t.shape)
+    view.copy_(t)
+    return view
+
+
+def valid_w4a8(M=4, N=32, K=128, G=64):
+    case = w4a8_case(M, N, K, G, torch.float16)
+    x, w, gm, g, multiplier, per_channel = w4a8_op_arguments(case)
+    return dict(x=x, weight_packed=w, group_multiplier=gm, group_size=g, multiplier=multiplier,
+                multiplier_per_channel=per_channel, out=torch.empty(M, N, dtype=torch.float16, device=DEVICE))
+
+
+def call_w4a8(op, a):
+    op(a["x"], a["weight_packed"], a["group_multiplier"], a["group_size"], a["multiplier"],
+       a["multiplier_per_channel"], a["out"])
+
+
+BAD_W4A8 = {
+    "x float": (lambda a: a.update(x=a["x"].float()), "x must be int8"),
+    "x on cpu": (lambda a: a.update(x=a["x"].cpu()), "x must be a CUDA tensor"),
+    "x 1-D": (lambda a: a.update(x=a["x"].reshape(-1)), "x must be 2-D"),
+    "x not contiguous": (lambda a: a.update(x=torch.zeros(4, 256, dtype=torch.int8, device=DEVICE)[:, :128]),
+                         "x must be contiguous"),
+    "x misaligned": (lambda a: a.update(x=misaligned(a["x"])), "x must start at a 16-byte aligned address"),
+    "K not multiple of 32": (lambda a: a.update(x=torch.zeros(4, 48, dtype=torch.int8, device=DEVICE)),
+                             "positive multiple of 32"),
+    "weight int8": (lambda a: a.update(weight_packed=a["weight_packed"].view(torch.int8)),
+                    "weight_packed must be uint8"),
+    "weight on cpu": (lambda a: a.update(weight_packed=a["weight_packed"].cpu()),
+                      "weight_packed must be a CUDA tensor"),
+    "weight unpacked": (lambda a: a.update(weight_packed=torch.zeros(32, 128, dtype=torch.uint8, device=DEVICE)),
+                        "weight_packed must have shape"),
+    "weight transposed": (lambda a: a.update(weight_packed=torch.zeros(64, 32, dtype=torch.uint8,
+                                                                       device=DEVICE).t()),
+                          "weight_packed must be contiguous"),
+    "weight misaligned": (lambda a: a.update(weight_packed=misaligned(a["weight_packed"])),
+                          "weight_packed must start at a 16-byte aligned address"),
+    "group size 48": (lambda a: a.update(group_size=48), "group_size must be a positive multiple of 32"),
+    "group size 96 for K 128": (lambda a: a.update(group_size=96), "group_size must be"),
+    "multiplier wrong shape": (lambda a: a.update(group_size=32), "group_multiplier must have shape"),
+    "multiplier int32": (lambda a: a.update(group_multiplier=a["group_multiplier"].int()),
+                         "group_multiplier must be"),
+    "multiplier_per_channel wrong size": (
+        lambda a: a.update(multiplier_per_channel=torch.ones(31, device=DEVICE)), "multiplier_per_channel must have"),
+    "multiplier_per_channel fp16": (
+        lambda a: a.update(multiplier_per_channel=torch.ones(32, device=DEVICE, dtype=torch.float16)),
+        "multiplier_per_channel must be float32"),
+    "out wrong shape": (lambda a: a.update(out=torch.empty(4, 31, dtype=torch.float16, device=DEVICE)),
+                        "out must have shape"),
+    "out int32": (lambda a: a.update(out=torch.empty(4, 32, dtype=torch.int32, device=DEVICE)),
+                  "out must be int8, float16, bfloat16 or float32"),
+}
+
+
+@pytest.mark.parametrize("op_name", ["w4a8_linear_out", "w4a8_gemv_out", "w4a8_gemm_out"])
+@pytest.mark.parametrize("bad", BAD_W4A8, ids=list(BAD_W4A8))
+def test_w4a8_bad_arguments_raise_naming_the_argument(bad, op_name):
+    arguments = valid_w4a8()
+    spoil, message = BAD_W4A8[bad]
+    spoil(arguments)
+    with pytest.raises(RuntimeError, match=message):
+        call_w4a8(getattr(ops, op_name), arguments)
+
+
+def test_w4a8_gemv_and_gemm_reject_bad_options():
+    a = valid_w4a8(M=9)
+    with pytest.raises(RuntimeError, match="x must have 1 to 8 rows"):
+        call_w4a8(ops.w4a8_gemv_out, a)
+    a = valid_w4a8()
+    args = (a["x"], a["weight_packed"], a["group_multiplier"], a["group_size"], a["multiplier"], None, a["out"])
+    with pytest.raises(RuntimeError, match="rows must be"):
+        ops.w4a8_gemv_out(*args, 3, 0)
+    with pytest.raises(RuntimeError, match="splits must be"):
+        ops.w4a8_gemv_out(*args, 0, 3)
+    with pytest.raises(RuntimeError, match="config must be"):
+        ops.w4a8_gemm_out(*args, 99)
+
+
+def valid_w4a16(M=4, N=32, K=128, G=64):
+    case = w4a16_case(M, N, K, G, torch.float16, torch.float16)
+    return dict(x=case["x"], weight_packed=case["weight_packed"], scales=case["scales"], group_size=G,
+                out=torch.empty(M, N, dtype=torch.float16, device=DEVICE))
+
+
+def call_w4a16(op, a):
+    op(a["x"], a["weight_packed"], a["scales"], a["group_size"], a["out"])
+
+
+BAD_W4A16 = {
+    "x int8": (lambda a: a.update(x=torch.zeros(4, 128, dtype=torch.int8, device=DEVICE)),
+               "x must be float16 or bfloat16"),
+    "x float32": (lambda a: a.update(x=a["x"].float()), "x must be float16 or bfloat16"),
+    "x on cpu": (lambda a: a.update(x=a["x"].cpu()), "x must be a CUDA tensor"),
+    "x misaligned": (lambda a: a.update(x=misaligned(a["x"])), "x must start at a 16-byte aligned address"),
+    "weight on cpu": (lambda a: a.update(weight_packed=a["weight_packed"].cpu()),
+                      "weight_packed must be a CUDA tensor"),
+    "weight wrong K": (lambda a: a.update(weight_packed=torch.zeros(32, 32, dtype=torch.uint8, device=DEVICE)),
+                       "weight_packed must have shape"),
+    "scales fp32": (lambda a: a.update(scales=a["scales"].float()), "scales must be"),
+    "scales wrong shape": (lambda a: a.update(scales=a["scales"][:, :1].contiguous()), "scales must have shape"),
+    "group size 0": (lambda a: a.update(group_size=0), "group_size must be a positive multiple of 32"),
+    "out int8": (lambda a: a.update(out=torch.empty(4, 32, dtype=torch.int8, device=DEVICE)),
+                 "out must be float16, bfloat16 or float32"),
+    "out wrong shape": (lambda a: a.update(out=torch.empty(5, 32, dtype=torch.float16, device=DEVICE)),
+                        "out must have shape"),
+}
+
+
+@pytest.mark.parametrize("op_name", ["w4a16_linear_out", "w4a16_gemv_out", "w4a16_gemm_out"])
+@pytest.mark.parametrize("bad", BAD_W4A16, ids=list(BAD_W4A16))
+def test_w4a16_bad_arguments_raise_naming_the_argument(bad, op_name):
+    arguments = valid_w4a16()
+    spoil, message = BAD_W4A16[bad]
+    spoil(arguments)
+    with pytest.raises(RuntimeError, match=message):
+        call_w4a16(getattr(ops, op_name), arguments)
