@@ -4,6 +4,7 @@
 #include <torch/library.h>
 
 #include "../ssm_common/ssm_common.cuh"
+#include "pdl.cuh"
 
 namespace quamba_ssm {
 namespace {
@@ -116,6 +117,224 @@ qconv1d_time_fast_kernel(const int8_t* __restrict__ x, Strides3 xs, Out* __restr
   }
 }
 
+// ---- vectorized int8 paths -------------------------------------------------------------------
+// For int8 outputs in layouts that allow vector accesses (vector_layout), every thread moves 8 or
+// 16 int8 codes per load and per store, builds each output's 4-tap window with one byte permute,
+// takes the integer dot product with one dp4a, and applies the reference's epilogue with the same
+// roundings (its int8 codes are the reference's, bit for bit). The scalar kernels above remain
+// for fp32 outputs and other layouts.
+
+// The weights of channel d as the 4 bytes of a dp4a operand, oldest tap in byte 4 - W, zero below
+// (a width-W filter is a width-4 filter whose first 4 - W taps are zero).
+template <int W>
+__device__ __forceinline__ int pack_weights(const int8_t* __restrict__ weight, int d) {
+  if constexpr (W == 4) {
+    return *reinterpret_cast<const int*>(weight + d * 4);  // d · 4: 4-byte aligned
+  } else {
+    unsigned packed = 0;
+#pragma unroll
+    for (int k = 0; k < W; ++k) {
+      packed |= static_cast<unsigned>(static_cast<uint8_t>(weight[d * W + k])) << (8 * (4 - W + k));
+    }
+    return static_cast<int>(packed);
+  }
+}
+
+// quantize_rn's code of y (clamp(rne(y · inv), ±127)) in the low byte of the result: clamping
+// before rounding gives the same codes (the bounds are integers), and adding 1.5 · 2^23 rounds a
+// value of magnitude ≤ 127 to the nearest integer, ties to even, into the low mantissa bits.
+__device__ __forceinline__ unsigned quantize_low_byte(float y, float inv_scale) {
+  const float v = fminf(fmaxf(__fmul_rn(y, inv_scale), -kInt8Max), kInt8Max);
+  return __float_as_uint(__fadd_rn(v, 12582912.f));
+}
+
+// The four codes' low bytes packed into one word, the first in byte 0.
+__device__ __forceinline__ unsigned pack_codes(unsigned q0, unsigned q1, unsigned q2, unsigned q3) {
+  return __byte_perm(__byte_perm(q0, q1, 0x0040), __byte_perm(q2, q3, 0x0040), 0x5410);
+}
+
+// silu_rn(y) = y / (1 + expf(-y)), with the division as div.rn's own fast path (reciprocal, one
+// Newton step, one residual correction: the correctly rounded quotient for operands in the normal
+// range) without the range check (FCHK) that sends other operands to a slow path. The divisor
+// is in [1, inf]; the only operands outside that range are a divisor of 2^126 or more (y below
+// about -87, where the reciprocal flushes to zero) or a subnormal y: there the exact quotient
+// has magnitude below 1e-36, and it and the zero (or subnormal) this returns both quantize to
+// code 0. Clamping the divisor to FLT_MAX keeps inf · 0 out of the Newton step. So the int8
+// codes equal the reference's (checked on ~630 M codes, benchmarks/notes_ssm_perf.md).
+__device__ __forceinline__ float silu_codes(float y) {
+  const float d = fminf(__fadd_rn(1.f, expf(-y)), 3.40282347e38f);
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(d));
+  r = fmaf(r, fmaf(-d, r, 1.f), r);
+  const float q = __fmul_rn(y, r);
+  return fmaf(fmaf(-d, q, y), r, q);
+}
+
+// The constants of the epilogue in registers (the compiler otherwise reloads them per element).
+struct EpilogueRegs {
+  float multiplier, out_inv_scale;
+  __device__ __forceinline__ explicit EpilogueRegs(const Epilogue& ep)
+      : multiplier(ep.multiplier), out_inv_scale(ep.out_inv_scale) {
+    asm volatile("" : "+f"(multiplier), "+f"(out_inv_scale));
+  }
+};
+
+template <bool kSilu>
+__device__ __forceinline__ unsigned conv_code(int window, int weights, float bias,
+                                              const EpilogueRegs& ep) {
+  const int acc = __dp4a(window, weights, 0);
+  float y = __fadd_rn(__fmul_rn(static_cast<float>(acc), ep.multiplier), bias);
+  if (kSilu) y = silu_codes(y);
+  return quantize_low_byte(y, ep.out_inv_scale);
+}
+
+constexpr int kVecChannels = 8;  // channels of one thread in the channel-fast vector kernel
+constexpr int kVecRun = 16;      // its time steps
+constexpr int kVecRunsPerBlock = kThreads / 32;
+constexpr int kTimeVecThreads = 64;  // threads of a block of the time-fast vector kernel
+constexpr int kTimeVecRun = 16;      // time steps of one of its threads
+
+// Channel-fast layout: lane l of a warp takes channels 8·l ... 8·l + 7 (one 8-byte load per time
+// step, a warp reads 256 contiguous bytes) and kVecRun consecutive time steps. Channel j's window
+// of its last 4 inputs, oldest in byte 0, shifts one byte in per time step. 5 blocks per SM (at
+// most 102 registers) hold the Mamba shapes' whole grid at once.
+template <int W, bool kSilu>
+__global__ void __launch_bounds__(kThreads, 5)
+qconv1d_channel_vec_kernel(const int8_t* __restrict__ x, Strides3 xs, int8_t* __restrict__ out,
+                           Strides3 os, const int8_t* __restrict__ weight, Epilogue ep, int dim,
+                           int seqlen) {
+  const int d0 = (blockIdx.x * 32 + threadIdx.x % 32) * kVecChannels;
+  const int t0 = (blockIdx.y * kVecRunsPerBlock + threadIdx.x / 32) * kVecRun;
+  const int b = blockIdx.z;
+  if (d0 >= dim || t0 >= seqlen) return;
+  const int8_t* x_base = x + b * xs.batch + d0;
+  int8_t* out_base = out + b * os.batch + d0;
+  const EpilogueRegs regs(ep);
+
+  uint2 inputs[kVecRun + 3];  // time steps t0 - 3 ... t0 + kVecRun - 1, zero outside
+#pragma unroll
+  for (int k = 0; k < kVecRun + 3; ++k) {
+    const int t = t0 - 3 + k;
+    inputs[k] = t >= 0 && t < seqlen ? *reinterpret_cast<const uint2*>(x_base + t * xs.time)
+                                     : make_uint2(0, 0);
+  }
+  int weights[kVecChannels];
+  float bias[kVecChannels];
+  unsigned window[kVecChannels];
+#pragma unroll
+  for (int j = 0; j < kVecChannels; ++j) {
+    weights[j] = pack_weights<W>(weight, d0 + j);
+    bias[j] = ep.bias_of(d0 + j);
+    window[j] = 0;
+  }
+#pragma unroll
+  for (int k = 0; k < kVecRun + 3; ++k) {
+#pragma unroll
+    for (int j = 0; j < kVecChannels; ++j) {
+      const unsigned word = j < 4 ? inputs[k].x : inputs[k].y;
+      window[j] = __byte_perm(window[j], word, 0x0321 | ((4 + j % 4) << 12));
+    }
+    const int t = t0 - 3 + k;
+    if (k >= 3 && t < seqlen) {
+      unsigned codes[kVecChannels];
+#pragma unroll
+      for (int j = 0; j < kVecChannels; ++j) {
+        codes[j] = conv_code<kSilu>(static_cast<int>(window[j]), weights[j], bias[j], regs);
+      }
+      *reinterpret_cast<uint2*>(out_base + t * os.time) =
+          make_uint2(pack_codes(codes[0], codes[1], codes[2], codes[3]),
+                     pack_codes(codes[4], codes[5], codes[6], codes[7]));
+    }
+  }
+}
+
+// Time-fast layout: a thread takes kTimeVecRun consecutive time steps of one channel (one 16-byte
+// load, and the 4 bytes before it); output t's window is 4 consecutive input bytes, one byte
+// permute of two neighbouring words.
+template <int W, bool kSilu>
+__global__ void __launch_bounds__(kTimeVecThreads)
+qconv1d_time_vec_kernel(const int8_t* __restrict__ x, Strides3 xs, int8_t* __restrict__ out,
+                        Strides3 os, const int8_t* __restrict__ weight, Epilogue ep, int seqlen) {
+  const int d = blockIdx.x, b = blockIdx.z;
+  const int t0 = (blockIdx.y * kTimeVecThreads + threadIdx.x) * kTimeVecRun;
+  if (t0 >= seqlen) return;
+  const int8_t* x_row = x + b * xs.batch + d * xs.dim;
+  const uint4 run = *reinterpret_cast<const uint4*>(x_row + t0);
+  const unsigned before = t0 > 0 ? *reinterpret_cast<const unsigned*>(x_row + t0 - 4) : 0u;
+  const unsigned words[5] = {before, run.x, run.y, run.z, run.w};  // inputs t0 - 4 ...
+  const int weights = pack_weights<W>(weight, d);
+  const float bias = ep.bias_of(d);
+  const EpilogueRegs regs(ep);
+  unsigned codes[kTimeVecRun];
+#pragma unroll
+  for (int k = 0; k < kTimeVecRun; ++k) {
+    const int first = k + 1;  // byte of the window's oldest input (t0 + k - 3) in words
+    const unsigned window =
+        first % 4 == 0 ? words[first / 4]
+                       : __byte_perm(words[first / 4], words[first / 4 + 1],
+                                     (first % 4) | ((first % 4 + 1) << 4) |
+                                         ((first % 4 + 2) << 8) | ((first % 4 + 3) << 12));
+    codes[k] = conv_code<kSilu>(static_cast<int>(window), weights, bias, regs);
+  }
+  uint4 packed;
+  packed.x = pack_codes(codes[0], codes[1], codes[2], codes[3]);
+  packed.y = pack_codes(codes[4], codes[5], codes[6], codes[7]);
+  packed.z = pack_codes(codes[8], codes[9], codes[10], codes[11]);
+  packed.w = pack_codes(codes[12], codes[13], codes[14], codes[15]);
+  *reinterpret_cast<uint4*>(out + b * os.batch + d * os.dim + t0) = packed;
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// Whether x and the int8 output allow the vector kernels: 16-byte aligned rows along the
+// stride-1 dimension, of whole 8-channel groups (channel-fast) or 16-step runs (time-fast).
+bool vector_layout(const at::Tensor& x, const at::Tensor& out, bool channel_fast) {
+  if (!aligned16(x.data_ptr()) || !aligned16(out.data_ptr())) return false;
+  const int64_t dim = x.size(1), seqlen = x.size(2);
+  if (channel_fast) {
+    return dim % kVecChannels == 0 && x.stride(0) % 16 == 0 && x.stride(2) % 16 == 0 &&
+           out.stride(0) % 16 == 0 && out.stride(2) % 16 == 0 && out.stride(1) == 1;
+  }
+  return x.stride(2) == 1 && out.stride(2) == 1 && seqlen % kTimeVecRun == 0 &&
+         x.stride(0) % 16 == 0 && x.stride(1) % 16 == 0 && out.stride(0) % 16 == 0 &&
+         out.stride(1) % 16 == 0 && dim <= 0x7fffffff;
+}
+
+template <int W, bool kSilu>
+void launch_vec(const at::Tensor& x, const at::Tensor& weight, Epilogue ep, at::Tensor& out,
+                bool channel_fast) {
+  const int batch = x.size(0), dim = x.size(1), seqlen = x.size(2);
+  const Strides3 xs{x.stride(0), x.stride(1), x.stride(2)};
+  const Strides3 os{out.stride(0), out.stride(1), out.stride(2)};
+  const cudaStream_t stream = current_stream();
+  if (channel_fast) {
+    auto kernel = qconv1d_channel_vec_kernel<W, kSilu>;
+    check_kernel_image(kernel, "qconv1d");
+    const dim3 grid(ceil_div(dim, 32 * kVecChannels), ceil_div(seqlen, kVecRun * kVecRunsPerBlock),
+                    batch);
+    kernel<<<grid, kThreads, 0, stream>>>(x.data_ptr<int8_t>(), xs, out.data_ptr<int8_t>(), os,
+                                          weight.data_ptr<int8_t>(), ep, dim, seqlen);
+  } else {
+    auto kernel = qconv1d_time_vec_kernel<W, kSilu>;
+    check_kernel_image(kernel, "qconv1d");
+    const dim3 grid(dim, ceil_div(seqlen, kTimeVecRun * kTimeVecThreads), batch);
+    kernel<<<grid, kTimeVecThreads, 0, stream>>>(x.data_ptr<int8_t>(), xs,
+                                                 out.data_ptr<int8_t>(), os,
+                                                 weight.data_ptr<int8_t>(), ep, seqlen);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <bool kSilu>
+void dispatch_vec_width(int width, const at::Tensor& x, const at::Tensor& weight, Epilogue ep,
+                        at::Tensor& out, bool channel_fast) {
+  switch (width) {
+    case 2: return launch_vec<2, kSilu>(x, weight, ep, out, channel_fast);
+    case 3: return launch_vec<3, kSilu>(x, weight, ep, out, channel_fast);
+    default: return launch_vec<4, kSilu>(x, weight, ep, out, channel_fast);
+  }
+}
+
 template <int W, typename Out>
 void launch_qconv1d(const at::Tensor& x, const at::Tensor& weight, Epilogue ep, at::Tensor& out,
                     bool channel_fast) {
@@ -204,7 +423,13 @@ at::Tensor qconv1d(const at::Tensor& x, const at::Tensor& weight,
   if (x.numel() == 0) return out;
   TORCH_CHECK(seqlen <= int64_t{65535} * kRun, "x seqlen must be at most ", text(65535 * kRun));
   const Epilogue ep = make_epilogue(bias, multiplier, bias_scale, out_inv_scale, silu);
-  if (out_type == at::kChar) {
+  if (out_type == at::kChar && vector_layout(x, out, channel_fast)) {
+    if (silu) {
+      dispatch_vec_width<true>(weight.size(1), x, weight, ep, out, channel_fast);
+    } else {
+      dispatch_vec_width<false>(weight.size(1), x, weight, ep, out, channel_fast);
+    }
+  } else if (out_type == at::kChar) {
     dispatch_width<int8_t>(weight.size(1), x, weight, ep, out, channel_fast);
   } else {
     dispatch_width<float>(weight.size(1), x, weight, ep, out, channel_fast);
@@ -219,6 +444,7 @@ __global__ void __launch_bounds__(kThreads)
 qconv1d_update_kernel(const int8_t* __restrict__ x, int64_t x_batch_stride, int64_t x_dim_stride,
                       int8_t* __restrict__ state, Out* __restrict__ out,
                       const int8_t* __restrict__ weight, Epilogue ep, int dim, int batch) {
+  quamba::pdl_launch_dependents();  // x_proj's GEMV may start loading its weights (pdl.cuh)
   const int index = blockIdx.x * kThreads + threadIdx.x;
   if (index >= batch * dim) return;
   const int b = index / dim, d = index % dim;

@@ -1,27 +1,31 @@
 // QSScan: the selective scan of Mamba on int8 (or float) inputs, fp32 inside.
 // Specification: quamba/ops/qsscan.py (and quamba/ops/selective_scan.py for the recurrence).
 //
-// Prefill layout of the work. A block owns kWarps·kRows channels of one sequence and walks the
-// sequence in chunks of 32·kItems time steps. A small first kernel dequantizes B and C (shared by
-// every channel) once into fp32 chunk tiles, already in shared-memory order; per chunk, each block
-// copies those tiles with cp.async and stages u, dt, z of its channels as fp32, loading along
+// Prefill layout of the work. A block owns kChannels channels of one sequence and walks the
+// sequence in chunks of kLanes·kItems time steps. A small first kernel dequantizes B and C (shared
+// by every channel) once into fp32 chunk tiles, already in shared-memory order; per chunk, each
+// block copies those tiles with cp.async and stages u, dt, z of its channels as fp32, loading along
 // whichever dimension each tensor has contiguous (the module's channel-last tensors and
-// channel-first ones both read coalesced). Then each warp scans its kRows channels: lane l owns
-// kItems consecutive time steps; for each state n it forms the pairs (decay, drive) =
-// (exp(Δ A_n), Δ u B_n), reduces them over its own steps, combines the 32 lane aggregates with a
-// shuffle scan (the state carried in from the previous chunk enters at lane 0), and rescans its
-// steps from the resulting start state, accumulating C_n · h. No block barrier sits inside the
-// scan; B and C are read from shared memory once per state and reused by the kRows channels.
+// channel-first ones both read coalesced; int8 codes in aligned layouts move as 8- or 16-byte
+// vectors, and so does y on the way out). Then each group of kLanes lanes scans one channel: lane
+// l of the group owns kItems consecutive time steps; for each state n it forms the pairs
+// (decay, drive) = (exp(Δ A_n), Δ u B_n), reduces them over its own steps, combines the kLanes
+// lane aggregates with a shuffle scan (the state carried in from the previous chunk enters at the
+// group's first lane), and rescans its steps from the resulting start state, accumulating C_n · h.
+// No block barrier sits inside the scan; the chunk carries live in shared memory (double
+// buffered), and the shuffle scan uses shfl.sync's own in-range predicate, so a scan step is
+// four instructions. benchmarks/notes_ssm_perf.md has the instruction counts and timings.
 #include <torch/library.h>
 
 #include "../ssm_common/ssm_common.cuh"
+#include "pdl.cuh"
 
 namespace quamba_ssm {
 namespace {
 
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr float kLog2e = 1.4426950408889634f;
-constexpr int kMaxState = 32;  // the chunk carry of state n lives in lane n
+constexpr int kMaxState = 32;
 
 __device__ __forceinline__ float exp2_approx(float x) {
   float y;
@@ -36,10 +40,23 @@ __device__ __forceinline__ float silu_fast(float z) {
   return __fdividef(z, 1.f + exp2_approx(-kLog2e * z));
 }
 
-// PyTorch's softplus with the exponential through ex2.approx (a few 1e-7 relative for |x| ≤ 20) and
-// the exact log1pf: Δ stays within about 1e-6 of the reference, with fewer instructions.
-__device__ __forceinline__ float softplus_fast_exp(float x) {
-  return x > 20.f ? x : log1pf(exp2_approx(kLog2e * x));
+__device__ __forceinline__ float log2_approx(float x) {
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// PyTorch's softplus (x if x > 20 else log1p(exp(x))) without branches: e = exp(x) through
+// ex2.approx; log1p(e) by its series e - e²/2 + e³/3 - e⁴/4 below e = 2^-6 (truncation < 2^-26
+// relative), else as lg2.approx(1 + e) · ln 2 (absolute error ~2^-23, under 1e-5 relative there).
+// Δ stays within about 1e-5 of the reference, for 12 instructions instead of log1pf's ~40.
+__device__ __forceinline__ float softplus_fast(float x) {
+  constexpr float kLn2 = 0.6931471805599453f;
+  const float e = exp2_approx(kLog2e * x);
+  const float series = e * fmaf(e, fmaf(e, fmaf(e, -0.25f, 1.f / 3.f), -0.5f), 1.f);
+  const float logarithm = log2_approx(1.f + e) * kLn2;
+  const float log1p_e = e < 0.015625f ? series : logarithm;
+  return x > 20.f ? x : log1p_e;
 }
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
@@ -49,15 +66,19 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
 
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::); }
 
-// Shared-memory row of one chunk. Time step t of a row sits at pos(t): lane l's kItems steps are
-// stored as kItems / 4 groups of 4, and group q of all 32 lanes is contiguous, so a warp's
-// 16-byte reads of one group cover 512 contiguous bytes (no bank conflict).
-template <int kItems>
+// Shared-memory row of one chunk (kLanes lanes × kItems time steps). Time step t of a row sits at
+// pos(t): lane l's kItems steps are stored as kItems / 4 groups of 4, and group q of all kLanes
+// lanes is contiguous, so the lanes' 16-byte reads of one group cover contiguous bytes (no bank
+// conflict).
+template <int kLanes, int kItems>
 struct ChunkRow {
   static_assert(kItems % 4 == 0, "kItems must be a multiple of 4");
-  static constexpr int kLen = 32 * kItems;
+  static constexpr int kLanesPerRow = kLanes, kItemsPerLane = kItems;
+  static constexpr int kLen = kLanes * kItems;
   static constexpr int kPitch = kLen + 4;  // staged rows start 4 banks apart
-  __device__ static int pos(int t) { return (t % kItems / 4) * 128 + (t / kItems) * 4 + t % 4; }
+  __device__ static int pos(int t) {
+    return (t % kItems / 4) * (4 * kLanes) + (t / kItems) * 4 + t % 4;
+  }
 };
 
 struct ScanArgs {
@@ -76,16 +97,21 @@ struct ScanArgs {
   bool state_int8;
   float state_inv_scale;
   int dim, dstate, seqlen, chunks;
+  int staging;  // Staging: how the block moves u, dt, z in and y out
 };
+
+// kChannelVec / kTimeVec: u, dt, z are int8 codes and u, dt, z, y all have 16-byte aligned runs
+// of 16 codes (16 bytes of y) along the stride-1 dimension (channels / time steps), so the block
+// moves them with 16-byte loads and stores; kGeneric: element by element, any dtype and strides.
+enum Staging : int { kGeneric = 0, kChannelVec = 1, kTimeVec = 2 };
 
 // Loads rows [row0, row0 + rows) × the chunk's time steps of one input into a tile (row pitch
 // kPitch, time steps at pos(t)) as fp32, zero outside the tensor. Consecutive threads follow the
 // dimension with stride 1.
-template <int kItems, int kPitch, int kThreads, typename T>
+template <typename Row, int kPitch, int kThreads, typename T>
 __device__ __forceinline__ void stage_typed(float* tile, const T* data, float scale,
                                             const Strides3& st, int b, int row0, int rows,
                                             int row_limit, int t0, int seqlen) {
-  using Row = ChunkRow<kItems>;
   const bool row_fast = st.dim == 1 && st.time != 1;
   const T* base = data + b * st.batch + row0 * st.dim + t0 * st.time;
   const int rows_left = row_limit - row0, steps_left = seqlen - t0;
@@ -99,224 +125,265 @@ __device__ __forceinline__ void stage_typed(float* tile, const T* data, float sc
   }
 }
 
-template <int kItems, int kPitch, int kThreads>
+template <typename Row, int kPitch, int kThreads>
 __device__ __forceinline__ void stage_rows(float* tile, const FloatSource& src,
                                            const Strides3& st, int b, int row0, int rows,
                                            int row_limit, int t0, int seqlen) {
   switch (src.kind) {
     case InKind::kInt8:
-      return stage_typed<kItems, kPitch, kThreads>(tile, static_cast<const int8_t*>(src.data),
-                                                   src.scale, st, b, row0, rows, row_limit, t0,
-                                                   seqlen);
+      return stage_typed<Row, kPitch, kThreads>(tile, static_cast<const int8_t*>(src.data),
+                                                src.scale, st, b, row0, rows, row_limit, t0,
+                                                seqlen);
     case InKind::kHalf:
-      return stage_typed<kItems, kPitch, kThreads>(tile, static_cast<const __half*>(src.data),
-                                                   src.scale, st, b, row0, rows, row_limit, t0,
-                                                   seqlen);
+      return stage_typed<Row, kPitch, kThreads>(tile, static_cast<const __half*>(src.data),
+                                                src.scale, st, b, row0, rows, row_limit, t0,
+                                                seqlen);
     case InKind::kBFloat16:
-      return stage_typed<kItems, kPitch, kThreads>(
+      return stage_typed<Row, kPitch, kThreads>(
           tile, static_cast<const __nv_bfloat16*>(src.data), src.scale, st, b, row0, rows,
           row_limit, t0, seqlen);
     default:
-      return stage_typed<kItems, kPitch, kThreads>(tile, static_cast<const float*>(src.data),
-                                                   src.scale, st, b, row0, rows, row_limit, t0,
-                                                   seqlen);
+      return stage_typed<Row, kPitch, kThreads>(tile, static_cast<const float*>(src.data),
+                                                src.scale, st, b, row0, rows, row_limit, t0,
+                                                seqlen);
   }
 }
 
-// Row and time step of element e of a tile, consecutive e following the tensor's stride-1
-// dimension.
-struct TileIndex {
-  int r, t;
-};
-
-template <int kLen>
-__device__ __forceinline__ TileIndex tile_index(int e, int rows, bool row_fast) {
-  return row_fast ? TileIndex{e % rows, e / rows} : TileIndex{e / kLen, e % kLen};
+// Time step of the slot-th of a chunk's kLen steps such that a warp's 32 consecutive slots land
+// in 32 different shared-memory banks of a tile row: 8 lanes' worth of steps (j / 4) × 4
+// consecutive steps (j % 4) of one group of 4.
+template <typename Row>
+__device__ __forceinline__ int conflict_free_step(int slot) {
+  constexpr int kQuads = Row::kItemsPerLane / 4;
+  static_assert(Row::kLanesPerRow % 8 == 0, "needs lanes in multiples of 8");
+  const int w = slot / 32, j = slot % 32;
+  return ((w / kQuads) * 8 + j / 4) * Row::kItemsPerLane + (w % kQuads) * 4 + j % 4;
 }
 
-// The int8 codes of a [kTileRows × chunk] tile that this thread stages (zero outside the tensor).
-template <int kItems, int kThreads, int kTileRows, int kPerThread>
-__device__ __forceinline__ void load_codes(int8_t (&codes)[kPerThread], const FloatSource& src,
-                                           const Strides3& st, int b, int d0, int dim, int t0,
-                                           int seqlen) {
-  const bool row_fast = st.dim == 1 && st.time != 1;
-  const int8_t* base = static_cast<const int8_t*>(src.data) + b * st.batch + d0 * st.dim +
-                       t0 * st.time;
+__device__ __forceinline__ float code_of(unsigned word, int byte, float scale) {
+  return dequantize(static_cast<int8_t>(word >> (8 * byte)), scale);
+}
+
+// Channel-fast int8 tile: one 16-byte (8-byte) load per (time step, 16 (8) channels), then
+// scalar stores.
+template <typename Row, int kThreads, int kChannels>
+__device__ __forceinline__ void stage_channel_vec(float* tile, const FloatSource& src,
+                                                  const Strides3& st, int b, int d0, int dim,
+                                                  int t0, int seqlen) {
+  constexpr int kGroup = kChannels % 16 == 0 ? 16 : 8;
+  static_assert(kChannels % kGroup == 0, "channel groups of 8 or 16");
+  const int8_t* base = static_cast<const int8_t*>(src.data) + b * st.batch + d0;
+#pragma unroll 1
+  for (int item = threadIdx.x; item < kChannels / kGroup * Row::kLen; item += kThreads) {
+    const int g = item / Row::kLen, t = conflict_free_step<Row>(item % Row::kLen);
+    unsigned words[kGroup / 4] = {};
+    if (d0 + kGroup * g < dim && t0 + t < seqlen) {
+      const int8_t* codes = base + kGroup * g + (t0 + t) * st.time;
+      if constexpr (kGroup == 16) {
+        const uint4 v = *reinterpret_cast<const uint4*>(codes);
+        words[0] = v.x, words[1] = v.y, words[2] = v.z, words[3] = v.w;
+      } else {
+        const uint2 v = *reinterpret_cast<const uint2*>(codes);
+        words[0] = v.x, words[1] = v.y;
+      }
+    }
+    float* dst = tile + kGroup * g * Row::kPitch + Row::pos(t);
 #pragma unroll
-  for (int k = 0; k < kPerThread; ++k) {
-    const TileIndex at =
-        tile_index<ChunkRow<kItems>::kLen>(threadIdx.x + k * kThreads, kTileRows, row_fast);
-    const bool inside = at.r < dim - d0 && at.t < seqlen - t0;
-    codes[k] = inside ? base[at.r * st.dim + at.t * st.time] : 0;
+    for (int c = 0; c < kGroup; ++c) dst[c * Row::kPitch] = code_of(words[c / 4], c % 4, src.scale);
   }
 }
 
-template <int kItems, int kThreads, int kTileRows, int kPerThread>
-__device__ __forceinline__ void store_codes(float* tile, const int8_t (&codes)[kPerThread],
-                                            const FloatSource& src, const Strides3& st) {
-  using Row = ChunkRow<kItems>;
-  const bool row_fast = st.dim == 1 && st.time != 1;
+// Time-fast int8 tile: one 16-byte load per (channel, 16 time steps), four 16-byte stores.
+template <typename Row, int kThreads, int kChannels>
+__device__ __forceinline__ void stage_time_vec(float* tile, const FloatSource& src,
+                                               const Strides3& st, int b, int d0, int dim, int t0,
+                                               int seqlen) {
+  constexpr int kVecs = Row::kLen / 16;
+  const int8_t* base = static_cast<const int8_t*>(src.data) + b * st.batch + d0 * st.dim + t0;
+#pragma unroll 1
+  for (int item = threadIdx.x; item < kChannels * kVecs; item += kThreads) {
+    const int r = item / kVecs, t = item % kVecs * 16;
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (d0 + r < dim && t0 + t < seqlen) {
+      v = *reinterpret_cast<const uint4*>(base + r * st.dim + t);
+    }
+    const unsigned words[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-  for (int k = 0; k < kPerThread; ++k) {
-    const TileIndex at = tile_index<Row::kLen>(threadIdx.x + k * kThreads, kTileRows, row_fast);
-    tile[at.r * Row::kPitch + Row::pos(at.t)] = dequantize(codes[k], src.scale);
+    for (int h = 0; h < 4; ++h) {
+      *reinterpret_cast<float4*>(tile + r * Row::kPitch + Row::pos(t + 4 * h)) =
+          make_float4(code_of(words[h], 0, src.scale), code_of(words[h], 1, src.scale),
+                      code_of(words[h], 2, src.scale), code_of(words[h], 3, src.scale));
+    }
   }
 }
 
-// The u, dt (and z) tiles of a chunk when all are int8 codes, the deployed case: every load of
-// the chunk is issued before the first is used, so the chunk waits for memory once.
-template <int kItems, int kThreads, int kTileRows>
-__device__ __forceinline__ void stage_int8_tiles(float* u_tile, float* dt_tile, float* z_tile,
-                                                 const ScanArgs& a, int b, int d0, int t0) {
-  constexpr int kPerThread = kTileRows * ChunkRow<kItems>::kLen / kThreads;
-  static_assert(kTileRows * ChunkRow<kItems>::kLen % kThreads == 0, "uneven tile split");
-  int8_t u[kPerThread], dt[kPerThread], z[kPerThread];
-  load_codes<kItems, kThreads, kTileRows>(u, a.u, a.u_st, b, d0, a.dim, t0, a.seqlen);
-  load_codes<kItems, kThreads, kTileRows>(dt, a.dt, a.dt_st, b, d0, a.dim, t0, a.seqlen);
-  if (z_tile != nullptr) {
-    load_codes<kItems, kThreads, kTileRows>(z, a.z, a.z_st, b, d0, a.dim, t0, a.seqlen);
+template <typename Row, int kThreads, int kChannels>
+__device__ __forceinline__ void stage_vec(float* tile, const FloatSource& src, const Strides3& st,
+                                          int b, int d0, int dim, int t0, int seqlen,
+                                          int staging) {
+  if (staging == kChannelVec) {
+    return stage_channel_vec<Row, kThreads, kChannels>(tile, src, st, b, d0, dim, t0, seqlen);
   }
-  store_codes<kItems, kThreads, kTileRows>(u_tile, u, a.u, a.u_st);
-  store_codes<kItems, kThreads, kTileRows>(dt_tile, dt, a.dt, a.dt_st);
-  if (z_tile != nullptr) store_codes<kItems, kThreads, kTileRows>(z_tile, z, a.z, a.z_st);
+  stage_time_vec<Row, kThreads, kChannels>(tile, src, st, b, d0, dim, t0, seqlen);
 }
 
 constexpr int kPrepareThreads = 256;
 
 // B and C of chunk blockIdx.x of sequence blockIdx.y as fp32 tiles in shared-memory order
 // (pitch = chunk length), so every scan block copies them instead of converting them again.
-template <int kItems>
+template <typename Row>
 __global__ void __launch_bounds__(kPrepareThreads) prepare_bc_kernel(const ScanArgs a) {
-  using Row = ChunkRow<kItems>;
   const int chunk = blockIdx.x, b = blockIdx.y;
   float* tile = a.bc + (static_cast<int64_t>(b) * a.chunks + chunk) * 2 * a.dstate * Row::kLen;
   const int t0 = chunk * Row::kLen;
-  stage_rows<kItems, Row::kLen, kPrepareThreads>(tile, a.B, a.B_st, b, 0, a.dstate, a.dstate, t0,
-                                                 a.seqlen);
-  stage_rows<kItems, Row::kLen, kPrepareThreads>(tile + a.dstate * Row::kLen, a.C, a.C_st, b, 0,
-                                                 a.dstate, a.dstate, t0, a.seqlen);
+  stage_rows<Row, Row::kLen, kPrepareThreads>(tile, a.B, a.B_st, b, 0, a.dstate, a.dstate, t0,
+                                              a.seqlen);
+  stage_rows<Row, Row::kLen, kPrepareThreads>(tile + a.dstate * Row::kLen, a.C, a.C_st, b, 0,
+                                              a.dstate, a.dstate, t0, a.seqlen);
 }
 
-template <int kItems>
-__device__ __forceinline__ void load_items(const float* row, int lane, float (&v)[kItems]) {
+// The kItems values of lane `sub` of its group from a tile row.
+template <typename Row, int kItems>
+__device__ __forceinline__ void load_items(const float* row, int sub, float (&v)[kItems]) {
 #pragma unroll
   for (int q = 0; q < kItems / 4; ++q) {
-    const float4 g = *reinterpret_cast<const float4*>(row + q * 128 + lane * 4);
+    const float4 g = *reinterpret_cast<const float4*>(row + q * 4 * (Row::kLen / kItems) + sub * 4);
     v[4 * q] = g.x, v[4 * q + 1] = g.y, v[4 * q + 2] = g.z, v[4 * q + 3] = g.w;
   }
 }
 
-template <int kItems>
-__device__ __forceinline__ void store_items(float* row, int lane, const float (&v)[kItems]) {
+template <typename Row, int kItems>
+__device__ __forceinline__ void store_items(float* row, int sub, const float (&v)[kItems]) {
 #pragma unroll
   for (int q = 0; q < kItems / 4; ++q) {
-    *reinterpret_cast<float4*>(row + q * 128 + lane * 4) =
+    *reinterpret_cast<float4*>(row + q * 4 * (Row::kLen / kItems) + sub * 4) =
         make_float4(v[4 * q], v[4 * q + 1], v[4 * q + 2], v[4 * q + 3]);
   }
 }
 
-// Inclusive scan over the warp of segment pairs (decay, end state): after it, lane l holds the
-// state at the end of its steps given everything before it.
-__device__ __forceinline__ float warp_scan_state(float decay, float state, int lane) {
-#pragma unroll
-  for (int offset = 1; offset < 32; offset *= 2) {
-    const float prev_decay = __shfl_up_sync(kFullMask, decay, offset);
-    const float prev_state = __shfl_up_sync(kFullMask, state, offset);
-    const bool has_prev = lane >= offset;  // selects, not branches: no divergence
-    state = has_prev ? fmaf(decay, prev_state, state) : state;
-    decay = has_prev ? decay * prev_decay : decay;
+// One step of the inclusive scan over a group of kLanes lanes of segment pairs (decay, end
+// state): the lane offset lanes below (if it lies in the group) is folded in. The shuffle's own
+// in-range predicate guards the update, so no lane-index compare is needed. kWithDecay: also
+// combine the decays (not needed after the last step).
+template <int kLanes, bool kWithDecay>
+__device__ __forceinline__ void scan_step(float& decay, float& state, int offset) {
+  constexpr int kSegment = (32 - kLanes) << 8;
+  if (kWithDecay) {
+    asm("{\n\t.reg .pred p;\n\t.reg .f32 ps, pd;\n\t"
+        "shfl.sync.up.b32 ps|p, %1, %2, %3, -1;\n\t"
+        "shfl.sync.up.b32 pd, %0, %2, %3, -1;\n\t"
+        "@p fma.rn.f32 %1, %0, ps, %1;\n\t"
+        "@p mul.rn.f32 %0, %0, pd;\n\t}"
+        : "+f"(decay), "+f"(state)
+        : "r"(offset), "n"(kSegment));
+  } else {
+    asm("{\n\t.reg .pred p;\n\t.reg .f32 ps;\n\t"
+        "shfl.sync.up.b32 ps|p, %0, %2, %3, -1;\n\t"
+        "@p fma.rn.f32 %0, %1, ps, %0;\n\t}"
+        : "+f"(state)
+        : "f"(decay), "r"(offset), "n"(kSegment));
   }
-  return state;
 }
 
-// One warp's work on one chunk: kRows channels (tile rows row0 ...), kItems steps per lane.
-// carry[r] in lane n is the state n of row r at the chunk start, and at return its end.
+// The end state of the lane below in the group, or `first` in the group's first lane.
+template <int kLanes>
+__device__ __forceinline__ float state_before(float end_state, float first) {
+  constexpr int kSegment = (32 - kLanes) << 8;
+  float h;
+  asm("{\n\t.reg .pred p;\n\t"
+      "shfl.sync.up.b32 %0|p, %1, 1, %3, -1;\n\t"
+      "@!p mov.b32 %0, %2;\n\t}"
+      : "=&f"(h)
+      : "f"(end_state), "f"(first), "n"(kSegment));
+  return h;
+}
+
+// The work of one group of kLanes lanes on one chunk: tile row `row`, kItems steps per lane.
+// carry_in / carry_out ([rows, dstate]) hold the states at the chunk's start and end.
 // Leaves y = (C · h + D u) ⊙ silu(z) in the u tile.
-template <int kRows, int kItems, int kUnrollStates>
+template <typename Row, int kLanes, int kItems>
 __device__ __forceinline__ void scan_chunk(float* u_tile, const float* dt_tile,
                                            const float* z_tile, const float* B_tile,
                                            const float* C_tile, const float* A2_tile,
-                                           const ScanArgs& a, int row0, int d0, int t0,
-                                           const float (&bias)[kRows], const float (&skip)[kRows],
-                                           float (&carry)[kRows]) {
-  using Row = ChunkRow<kItems>;
-  const int lane = threadIdx.x % 32;
-  float delta[kRows][kItems], drive_base[kRows][kItems], acc[kRows][kItems], delta_sum[kRows];
-#pragma unroll
-  for (int r = 0; r < kRows; ++r) {
+                                           const float* carry_in, float* carry_out,
+                                           const ScanArgs& a, int row, int d0, int t0,
+                                           float bias, float skip) {
+  const int sub = threadIdx.x % kLanes;
+  float delta[kItems], drive_base[kItems], acc[kItems], delta_sum = 0.f;
+  {
     float dt[kItems], u[kItems];
-    load_items(dt_tile + (row0 + r) * Row::kPitch, lane, dt);
-    load_items(u_tile + (row0 + r) * Row::kPitch, lane, u);
-    const bool row_valid = d0 + row0 + r < a.dim;
-    delta_sum[r] = 0.f;
+    load_items<Row>(dt_tile + row * Row::kPitch, sub, dt);
+    load_items<Row>(u_tile + row * Row::kPitch, sub, u);
+    const bool row_valid = d0 + row < a.dim;
 #pragma unroll
     for (int i = 0; i < kItems; ++i) {
-      const bool valid = row_valid && t0 + lane * kItems + i < a.seqlen;
+      const bool valid = row_valid && t0 + sub * kItems + i < a.seqlen;
       // Padding steps get Δ = 0: decay 1, drive 0, so the carried state passes through.
-      delta[r][i] = valid ? softplus_fast_exp(__fadd_rn(dt[i], bias[r])) : 0.f;
-      drive_base[r][i] = __fmul_rn(delta[r][i], u[i]);
-      delta_sum[r] += delta[r][i];
-      acc[r][i] = 0.f;
+      delta[i] = valid ? softplus_fast(__fadd_rn(dt[i], bias)) : 0.f;
+      drive_base[i] = __fmul_rn(delta[i], u[i]);
+      delta_sum += delta[i];
+      acc[i] = 0.f;
     }
     // Opaque to the compiler, which otherwise re-adds the kItems deltas for every state.
-    asm volatile("" : "+f"(delta_sum[r]));
+    asm volatile("" : "+f"(delta_sum));
   }
-#pragma unroll kUnrollStates
+  const float* A2_row = A2_tile + row * a.dstate;
+  const float* carry_in_row = carry_in + row * a.dstate;
+  float* carry_out_row = carry_out + row * a.dstate;
+#pragma unroll 1
   for (int n = 0; n < a.dstate; ++n) {
-    float B[kItems], C[kItems];
-    load_items(B_tile + n * Row::kLen, lane, B);
-    load_items(C_tile + n * Row::kLen, lane, C);
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      const float A2 = A2_tile[(row0 + r) * a.dstate + n];
-      float decay[kItems], drive[kItems];
-      float end_state = 0.f;
+    const float A2 = A2_row[n];
+    const float chunk_start = carry_in_row[n];
+    float decay[kItems], drive[kItems];
+    float end_state = 0.f;
+    {
+      float B[kItems];
+      load_items<Row>(B_tile + n * Row::kLen, sub, B);
 #pragma unroll
       for (int i = 0; i < kItems; ++i) {
-        decay[i] = exp2_approx(delta[r][i] * A2);
-        drive[i] = drive_base[r][i] * B[i];
+        decay[i] = exp2_approx(delta[i] * A2);
+        drive[i] = drive_base[i] * B[i];
         end_state = fmaf(decay[i], end_state, drive[i]);
       }
-      // The product of the lane's decays is exp(A Σ Δ): one exponential instead of kItems products.
-      const float lane_decay = exp2_approx(delta_sum[r] * A2);
-      const float chunk_start = __shfl_sync(kFullMask, carry[r], n);
-      end_state = lane == 0 ? fmaf(lane_decay, chunk_start, end_state) : end_state;
-      end_state = warp_scan_state(lane_decay, end_state, lane);
-      const float prev_end = __shfl_up_sync(kFullMask, end_state, 1);
-      float h = lane == 0 ? chunk_start : prev_end;
-      const float chunk_end = __shfl_sync(kFullMask, end_state, 31);
-      carry[r] = lane == n ? chunk_end : carry[r];
-#pragma unroll
-      for (int i = 0; i < kItems; ++i) {
-        h = fmaf(decay[i], h, drive[i]);
-        acc[r][i] = fmaf(C[i], h, acc[r][i]);
-      }
     }
-  }
+    // The product of the lane's decays is exp(A Σ Δ): one exponential instead of kItems products.
+    float lane_decay = exp2_approx(delta_sum * A2);
+    if (sub == 0) end_state = fmaf(lane_decay, chunk_start, end_state);
 #pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    float* u_row = u_tile + (row0 + r) * Row::kPitch;
-    float u[kItems], gate[kItems];
-    load_items(u_row, lane, u);
-    if (z_tile != nullptr) {
-      load_items(z_tile + (row0 + r) * Row::kPitch, lane, gate);
-#pragma unroll
-      for (int i = 0; i < kItems; ++i) gate[i] = silu_fast(gate[i]);
+    for (int offset = 1; offset < kLanes / 2; offset *= 2) {
+      scan_step<kLanes, true>(lane_decay, end_state, offset);
     }
+    scan_step<kLanes, false>(lane_decay, end_state, kLanes / 2);
+    float h = state_before<kLanes>(end_state, chunk_start);
+    if (sub == kLanes - 1) carry_out_row[n] = end_state;
+    float C[kItems];
+    load_items<Row>(C_tile + n * Row::kLen, sub, C);
 #pragma unroll
     for (int i = 0; i < kItems; ++i) {
-      const float y = __fadd_rn(acc[r][i], __fmul_rn(u[i], skip[r]));
-      acc[r][i] = z_tile != nullptr ? __fmul_rn(y, gate[i]) : y;
+      h = fmaf(decay[i], h, drive[i]);
+      acc[i] = fmaf(C[i], h, acc[i]);
     }
-    store_items(u_row, lane, acc[r]);
   }
+  float* u_row = u_tile + row * Row::kPitch;
+  float u[kItems], gate[kItems];
+  load_items<Row>(u_row, sub, u);
+  if (z_tile != nullptr) {
+    load_items<Row>(z_tile + row * Row::kPitch, sub, gate);
+#pragma unroll
+    for (int i = 0; i < kItems; ++i) gate[i] = silu_fast(gate[i]);
+  }
+#pragma unroll
+  for (int i = 0; i < kItems; ++i) {
+    const float y = __fadd_rn(acc[i], __fmul_rn(u[i], skip));
+    acc[i] = z_tile != nullptr ? __fmul_rn(y, gate[i]) : y;
+  }
+  store_items<Row>(u_row, sub, acc);
 }
 
 // Writes the chunk's y (in the u tile) to global memory, coalesced along y's stride-1 dimension.
-template <int kItems, int kThreads, typename Out>
+template <typename Row, int kThreads, typename Out>
 __device__ __forceinline__ void store_y(const float* y_tile, const ScanArgs& a, int b, int d0,
                                         int rows, int t0) {
-  using Row = ChunkRow<kItems>;
   const Strides3& st = a.y_st;
   const bool row_fast = st.dim == 1 && st.time != 1;
   Out* y = static_cast<Out*>(a.y) + b * st.batch + d0 * st.dim + t0 * st.time;
@@ -331,18 +398,86 @@ __device__ __forceinline__ void store_y(const float* y_tile, const ScanArgs& a, 
   }
 }
 
-// Shared memory of a scan block, in floats: the u, dt, z tiles, the B and C tiles, A · log2(e).
-template <int kChannels, int kItems>
-int scan_smem_floats(int dstate) {
-  using Row = ChunkRow<kItems>;
-  return 3 * kChannels * Row::kPitch + 2 * dstate * Row::kLen + kChannels * dstate;
+// 16 bytes of y: the kVec = 16 / sizeof(Out) values in Out.
+template <typename Out>
+__device__ __forceinline__ uint4 pack_y(const float* v);
+template <>
+__device__ __forceinline__ uint4 pack_y<float>(const float* v) {
+  return make_uint4(__float_as_uint(v[0]), __float_as_uint(v[1]), __float_as_uint(v[2]),
+                    __float_as_uint(v[3]));
+}
+template <typename Half2>
+__device__ __forceinline__ unsigned pack_pair(float lo, float hi);
+template <>
+__device__ __forceinline__ unsigned pack_pair<__half>(float lo, float hi) {
+  const __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const unsigned*>(&h);
+}
+template <>
+__device__ __forceinline__ unsigned pack_pair<__nv_bfloat16>(float lo, float hi) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const unsigned*>(&h);
+}
+template <>
+__device__ __forceinline__ uint4 pack_y<__half>(const float* v) {
+  return make_uint4(pack_pair<__half>(v[0], v[1]), pack_pair<__half>(v[2], v[3]),
+                    pack_pair<__half>(v[4], v[5]), pack_pair<__half>(v[6], v[7]));
+}
+template <>
+__device__ __forceinline__ uint4 pack_y<__nv_bfloat16>(const float* v) {
+  return make_uint4(pack_pair<__nv_bfloat16>(v[0], v[1]), pack_pair<__nv_bfloat16>(v[2], v[3]),
+                    pack_pair<__nv_bfloat16>(v[4], v[5]), pack_pair<__nv_bfloat16>(v[6], v[7]));
 }
 
-template <int kWarps, int kRows, int kItems, bool kFusedStaging, int kUnrollStates, typename Out>
-__global__ void __launch_bounds__(kWarps * 32)
+// The chunk's y (in the u tile) with 16-byte stores along y's stride-1 dimension (staging modes
+// kChannelVec and kTimeVec).
+template <typename Row, int kThreads, int kChannels, typename Out>
+__device__ __forceinline__ void store_y_vec(const float* y_tile, const ScanArgs& a, int b, int d0,
+                                            int t0, int staging) {
+  constexpr int kVec = 16 / sizeof(Out);
+  const Strides3& st = a.y_st;
+  Out* y = static_cast<Out*>(a.y) + b * st.batch + d0 * st.dim + t0 * st.time;
+  float v[kVec];
+  static_assert(kChannels % kVec == 0, "whole vectors of channels");
+  if (staging == kChannelVec) {
+#pragma unroll 1
+    for (int item = threadIdx.x; item < kChannels / kVec * Row::kLen; item += kThreads) {
+      const int g = item / Row::kLen, t = conflict_free_step<Row>(item % Row::kLen);
+      if (d0 + kVec * g >= a.dim || t0 + t >= a.seqlen) continue;
+      const float* src = y_tile + kVec * g * Row::kPitch + Row::pos(t);
+#pragma unroll
+      for (int c = 0; c < kVec; ++c) v[c] = src[c * Row::kPitch];
+      *reinterpret_cast<uint4*>(y + kVec * g + t * st.time) = pack_y<Out>(v);
+    }
+  } else {
+    constexpr int kVecs = Row::kLen / kVec;
+#pragma unroll 1
+    for (int item = threadIdx.x; item < kChannels * kVecs; item += kThreads) {
+      const int r = item / kVecs, t = item % kVecs * kVec;
+      if (d0 + r >= a.dim || t0 + t >= a.seqlen) continue;
+#pragma unroll
+      for (int h = 0; h < kVec / 4; ++h) {
+        const float4 q = *reinterpret_cast<const float4*>(y_tile + r * Row::kPitch +
+                                                          Row::pos(t + 4 * h));
+        v[4 * h] = q.x, v[4 * h + 1] = q.y, v[4 * h + 2] = q.z, v[4 * h + 3] = q.w;
+      }
+      *reinterpret_cast<uint4*>(y + r * st.dim + t) = pack_y<Out>(v);
+    }
+  }
+}
+
+// Shared memory of a scan block, in floats: the u, dt, z tiles, the B and C tiles, A · log2(e),
+// and the two carry buffers (chunk start, chunk end; they swap every chunk).
+template <typename Row, int kChannels>
+int scan_smem_floats(int dstate) {
+  return 3 * kChannels * Row::kPitch + 2 * dstate * Row::kLen + 3 * kChannels * dstate;
+}
+
+template <int kWarps, int kLanes, int kItems, int kMinBlocks, typename Out>
+__global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
 qsscan_kernel(const ScanArgs a) {
-  using Row = ChunkRow<kItems>;
-  constexpr int kChannels = kWarps * kRows, kThreads = kWarps * 32;
+  using Row = ChunkRow<kLanes, kItems>;
+  constexpr int kChannels = kWarps * 32 / kLanes, kThreads = kWarps * 32;
   extern __shared__ float4 smem_vec[];
   float* u_tile = reinterpret_cast<float*>(smem_vec);
   float* dt_tile = u_tile + kChannels * Row::kPitch;
@@ -350,29 +485,27 @@ qsscan_kernel(const ScanArgs a) {
   float* B_tile = z_tile + kChannels * Row::kPitch;  // then the C tile: dstate rows each
   float* C_tile = B_tile + a.dstate * Row::kLen;
   float* A2_tile = C_tile + a.dstate * Row::kLen;  // [kChannels, dstate]: A · log2(e)
+  float* carry_tiles = A2_tile + kChannels * a.dstate;  // 2 × [kChannels, dstate]
 
   const int b = blockIdx.y;
   const int d0 = blockIdx.x * kChannels;
-  const int row0 = threadIdx.x / 32 * kRows;
+  const int row = threadIdx.x / kLanes;
   const bool has_z = a.z.data != nullptr;
-  const bool all_int8 = a.u.kind == InKind::kInt8 && a.dt.kind == InKind::kInt8 &&
-                        (!has_z || a.z.kind == InKind::kInt8);
   const int tile_bc = a.dstate * Row::kLen;  // floats in the B tile, and in the C tile
+  static_assert(kChannels % 8 == 0, "the channel-fast vector path moves groups of 8 or 16");
+  const int staging = a.staging;
+  const int carry_floats = kChannels * a.dstate;
 
   for (int e = threadIdx.x; e < kChannels * a.dstate; e += kThreads) {
     const int d = d0 + e / a.dstate;
     const float A_log =
         d < a.dim ? dequantize(a.A_log[d * a.dstate + e % a.dstate], a.A_log_scale) : 0.f;
     A2_tile[e] = d < a.dim ? __fmul_rn(-expf(A_log), kLog2e) : 0.f;
+    carry_tiles[e] = 0.f;  // the zero initial state
   }
-  float bias[kRows], skip[kRows], carry[kRows];
-#pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    const int d = d0 + row0 + r;
-    bias[r] = d < a.dim ? dequantize(a.dt_bias[d], a.dt_bias_scale) : 0.f;
-    skip[r] = d < a.dim ? dequantize(a.D[d], a.D_scale) : 0.f;
-    carry[r] = 0.f;
-  }
+  const int d = d0 + row;
+  const float bias = d < a.dim ? dequantize(a.dt_bias[d], a.dt_bias_scale) : 0.f;
+  const float skip = d < a.dim ? dequantize(a.D[d], a.D_scale) : 0.f;
 
   for (int chunk = 0; chunk < a.chunks; ++chunk) {
     const int t0 = chunk * Row::kLen;
@@ -381,79 +514,87 @@ qsscan_kernel(const ScanArgs a) {
     for (int i = threadIdx.x; i < tile_bc / 2; i += kThreads) {
       cp_async16(B_tile + 4 * i, bc + 4 * i);
     }
-    if (kFusedStaging && all_int8) {
-      stage_int8_tiles<kItems, kThreads, kChannels>(u_tile, dt_tile, has_z ? z_tile : nullptr, a,
-                                                    b, d0, t0);
-    } else {
-      stage_rows<kItems, Row::kPitch, kThreads>(u_tile, a.u, a.u_st, b, d0, kChannels, a.dim, t0,
-                                                a.seqlen);
-      stage_rows<kItems, Row::kPitch, kThreads>(dt_tile, a.dt, a.dt_st, b, d0, kChannels, a.dim,
-                                                t0, a.seqlen);
+    if (staging != kGeneric) {
+      stage_vec<Row, kThreads, kChannels>(u_tile, a.u, a.u_st, b, d0, a.dim, t0, a.seqlen,
+                                          staging);
+      stage_vec<Row, kThreads, kChannels>(dt_tile, a.dt, a.dt_st, b, d0, a.dim, t0, a.seqlen,
+                                          staging);
       if (has_z) {
-        stage_rows<kItems, Row::kPitch, kThreads>(z_tile, a.z, a.z_st, b, d0, kChannels, a.dim,
-                                                  t0, a.seqlen);
+        stage_vec<Row, kThreads, kChannels>(z_tile, a.z, a.z_st, b, d0, a.dim, t0, a.seqlen,
+                                            staging);
+      }
+    } else {
+      stage_rows<Row, Row::kPitch, kThreads>(u_tile, a.u, a.u_st, b, d0, kChannels, a.dim, t0,
+                                             a.seqlen);
+      stage_rows<Row, Row::kPitch, kThreads>(dt_tile, a.dt, a.dt_st, b, d0, kChannels, a.dim, t0,
+                                             a.seqlen);
+      if (has_z) {
+        stage_rows<Row, Row::kPitch, kThreads>(z_tile, a.z, a.z_st, b, d0, kChannels, a.dim, t0,
+                                               a.seqlen);
       }
     }
     cp_async_wait_all();
     __syncthreads();
-    scan_chunk<kRows, kItems, kUnrollStates>(u_tile, dt_tile, has_z ? z_tile : nullptr, B_tile,
-                                             C_tile, A2_tile, a, row0, d0, t0, bias, skip, carry);
+    const float* carry_in = carry_tiles + (chunk % 2) * carry_floats;
+    float* carry_out = carry_tiles + (1 - chunk % 2) * carry_floats;
+    scan_chunk<Row, kLanes, kItems>(u_tile, dt_tile, has_z ? z_tile : nullptr, B_tile, C_tile,
+                                    A2_tile, carry_in, carry_out, a, row, d0, t0, bias, skip);
     __syncthreads();
-    store_y<kItems, kThreads, Out>(u_tile, a, b, d0, kChannels, t0);
+    if (staging != kGeneric) {
+      store_y_vec<Row, kThreads, kChannels, Out>(u_tile, a, b, d0, t0, staging);
+    } else {
+      store_y<Row, kThreads, Out>(u_tile, a, b, d0, kChannels, t0);
+    }
   }
 
-  const int lane = threadIdx.x % 32;
-  if (lane < a.dstate) {
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      const int d = d0 + row0 + r;
-      if (d >= a.dim) continue;
-      const int64_t offset = (static_cast<int64_t>(b) * a.dim + d) * a.dstate + lane;
-      if (a.state_int8) {
-        static_cast<int8_t*>(a.state)[offset] = quantize_rn(carry[r], a.state_inv_scale);
-      } else {
-        static_cast<float*>(a.state)[offset] = carry[r];
-      }
+  const float* last = carry_tiles + (a.chunks % 2) * carry_floats;
+  for (int e = threadIdx.x; e < kChannels * a.dstate; e += kThreads) {
+    if (d0 + e / a.dstate >= a.dim) continue;
+    const int64_t offset = (static_cast<int64_t>(b) * a.dim + d0) * a.dstate + e;
+    if (a.state_int8) {
+      static_cast<int8_t*>(a.state)[offset] = quantize_rn(last[e], a.state_inv_scale);
+    } else {
+      static_cast<float*>(a.state)[offset] = last[e];
     }
   }
 }
 
-template <int kWarps, int kRows, int kItems, bool kFusedStaging, int kUnrollStates, typename Out>
+template <int kWarps, int kLanes, int kItems, int kMinBlocks, typename Out>
 void launch_scan_config(ScanArgs args, const at::Tensor& u) {
-  using Row = ChunkRow<kItems>;
+  using Row = ChunkRow<kLanes, kItems>;
+  constexpr int kChannels = kWarps * 32 / kLanes;
   const int batch = u.size(0);
   args.chunks = ceil_div(args.seqlen, Row::kLen);
   const at::Tensor bc =
       at::empty({batch, args.chunks, 2, args.dstate, Row::kLen}, u.options().dtype(at::kFloat));
   args.bc = bc.data_ptr<float>();
 
-  auto prepare = prepare_bc_kernel<kItems>;
+  auto prepare = prepare_bc_kernel<Row>;
   check_kernel_image(prepare, "qsscan");
   prepare<<<dim3(args.chunks, batch), kPrepareThreads, 0, current_stream()>>>(args);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 
-  auto kernel = qsscan_kernel<kWarps, kRows, kItems, kFusedStaging, kUnrollStates, Out>;
+  auto kernel = qsscan_kernel<kWarps, kLanes, kItems, kMinBlocks, Out>;
   check_kernel_image(kernel, "qsscan");
-  const int smem = scan_smem_floats<kWarps * kRows, kItems>(args.dstate) * sizeof(float);
+  const int smem = scan_smem_floats<Row, kChannels>(args.dstate) * sizeof(float);
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  const dim3 grid(ceil_div(args.dim, kWarps * kRows), batch);
+  const dim3 grid(ceil_div(args.dim, kChannels), batch);
   kernel<<<grid, kWarps * 32, smem, current_stream()>>>(args);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// Launch configurations <warps, rows per warp, steps per lane, fused int8 staging, states per
-// unrolled step>, timed against each other by benchmarks/bench_ssm.py --configs. On the H200
-// (batch 1, d_inner 5120, L 1024 / 2048): config 0 188 / 348 µs (71 registers, 3 blocks per SM),
-// config 1 145 / 264 µs (124 registers, 2 blocks per SM), config 2 144 / 259 µs (the same with two
-// states in flight, within noise of config 1). The schema's default is config 1.
-constexpr int kScanConfigs = 3;
+// Launch configurations <warps, lanes per channel, steps per lane, blocks per SM>, timed against
+// each other by benchmarks/bench_ssm.py --configs (benchmarks/notes_ssm_perf.md). Config 0, the
+// default: 2 channels per warp, 16 channels per block, 2 blocks per SM (128 registers), chunks
+// of 256 steps. Config 1: 4 channels per warp, 8 per block, up to 8 blocks per SM, chunks of 128
+// steps; its grid for 5120 channels (640 blocks) fits the 132 SMs in one wave.
+constexpr int kScanConfigs = 2;
 
 template <typename Out>
 void launch_scan(const ScanArgs& args, const at::Tensor& u, int64_t config) {
   switch (config) {
-    case 0: return launch_scan_config<8, 1, 8, false, 1, Out>(args, u);
-    case 1: return launch_scan_config<8, 1, 8, true, 1, Out>(args, u);
-    default: return launch_scan_config<8, 1, 8, true, 2, Out>(args, u);
+    case 0: return launch_scan_config<8, 16, 16, 2, Out>(args, u);
+    default: return launch_scan_config<2, 8, 16, 8, Out>(args, u);
   }
 }
 
@@ -488,6 +629,26 @@ void check_ssm_params(const at::Tensor& ref, const at::Tensor& A_log, double A_l
 void check_out_dtype(at::ScalarType out_dtype) {
   TORCH_CHECK(out_dtype == at::kHalf || out_dtype == at::kBFloat16 || out_dtype == at::kFloat,
               "out_dtype must be float16, bfloat16 or float32, got ", out_dtype);
+}
+
+bool aligned_runs(const at::Tensor& t, bool channel_fast) {
+  if (reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 != 0) return false;
+  const int64_t fast = channel_fast ? 1 : 2, other = channel_fast ? 2 : 1;
+  const int64_t bytes = t.element_size();
+  return t.stride(fast) == 1 && t.size(fast) * bytes % 16 == 0 &&
+         t.stride(0) * bytes % 16 == 0 && t.stride(other) * bytes % 16 == 0;
+}
+
+// The vector staging mode of the scan kernel for these tensors (Staging).
+int staging_mode(const at::Tensor& u, const at::Tensor& dt, const c10::optional<at::Tensor>& z,
+                 const at::Tensor& y, bool channel_fast) {
+  const bool int8 = u.scalar_type() == at::kChar && dt.scalar_type() == at::kChar &&
+                    (!z.has_value() || z->scalar_type() == at::kChar);
+  if (!int8 || !aligned_runs(u, channel_fast) || !aligned_runs(dt, channel_fast) ||
+      (z.has_value() && !aligned_runs(*z, channel_fast)) || !aligned_runs(y, channel_fast)) {
+    return kGeneric;
+  }
+  return channel_fast ? kChannelVec : kTimeVec;
 }
 
 // u, dt, z: [batch, dim, seqlen]; B, C: [batch, dstate, seqlen]; any strides, each int8 codes
@@ -561,6 +722,7 @@ std::tuple<at::Tensor, at::Tensor> qsscan(
   args.dim = dim;
   args.dstate = dstate;
   args.seqlen = seqlen;
+  args.staging = staging_mode(u, dt, z, y, channel_fast);
 
   if (batch == 0 || dim == 0) return {y, state};
   if (seqlen == 0) {
@@ -621,6 +783,7 @@ __device__ __forceinline__ float step_state(const StepArgs& a, int b, int d, int
 // group sums C · h with shuffles.
 template <int kGroup, typename Out>
 __global__ void __launch_bounds__(kStepThreads) qsscan_update_kernel(const StepArgs a) {
+  quamba::pdl_launch_dependents();  // the Hadamard kernel after it may launch (pdl.cuh)
   const int group = (blockIdx.x * kStepThreads + threadIdx.x) / kGroup;
   const int n = threadIdx.x % kGroup;
   // Lanes past the end stay for the shuffles below (they need the whole warp).
@@ -746,7 +909,7 @@ TORCH_LIBRARY_FRAGMENT(quamba, m) {
       "qsscan(Tensor u, float u_scale, Tensor dt, float dt_scale, Tensor B, float B_scale, "
       "Tensor C, float C_scale, Tensor? z, float z_scale, Tensor A_log, float A_log_scale, "
       "Tensor D, float D_scale, Tensor dt_bias, float dt_bias_scale, float? state_inv_scale, "
-      "ScalarType out_dtype, int config=1) -> (Tensor, Tensor)");
+      "ScalarType out_dtype, int config=0) -> (Tensor, Tensor)");
   m.def(
       "qsscan_update(Tensor(a!) state, float state_scale, Tensor u, float u_scale, Tensor dt, "
       "float dt_scale, Tensor B, float B_scale, Tensor C, float C_scale, Tensor? z, "
