@@ -27,8 +27,8 @@ FP_MODE = "fp16"  # the SSM mode name of the unquantized model
 @dataclass
 class ModelRequest:
     """What a run asks for. ``None`` leaves a choice to the defaults: device cuda when present,
-    fp16 on cuda and fp32 on cpu, SSM mode int8 for a fresh quantization or the recorded mode
-    of a saved one, QuantConfig's calibration source."""
+    fp16 on cuda and fp32 on cpu, SSM mode and Hadamard rotation the recipe's (QuantConfig) for a
+    fresh quantization or the recorded ones of a saved model, QuantConfig's calibration source."""
 
     model: str
     quantize: bool = False
@@ -40,7 +40,7 @@ class ModelRequest:
     gptq_num_samples: int = 128
     gptq_seqlen: int = 1024
     act_order: bool = False
-    hadamard: bool = True
+    hadamard: bool | None = None
     ssm_mode: str | None = None
     percentile_alpha: float | None = 0.9995
     calib_source: str | None = None
@@ -62,7 +62,7 @@ class ModelRequest:
                            apply_gptq=self.apply_gptq, gptq_num_samples=self.gptq_num_samples,
                            gptq_seqlen=self.gptq_seqlen, gptq_act_order=self.act_order,
                            hadamard=self.hadamard,
-                           ssm_mode=self.ssm_mode or "int8", percentile_alpha=self.percentile_alpha,
+                           ssm_mode=self.ssm_mode, percentile_alpha=self.percentile_alpha,
                            calib_num_samples=self.calib_num_samples, calib_seqlen=self.calib_seqlen,
                            seed=self.seed, backend=self.backend, **optional)
 

@@ -1,10 +1,14 @@
-"""Held-out perplexity of FP, W8A8 with the Quamba recipe, and a naive W8A8, side by side.
+"""Held-out perplexity of FP, W8A8 (Quamba recipe and naive), W4A8 and W4A16, side by side.
 
-Naive W8A8 = absmax observers everywhere and no Hadamard rotation. Example (offline, test model):
+Naive W8A8 = absmax observers everywhere and no Hadamard rotation. W4A8 and W4A16 quantize
+in_proj, x_proj and out_proj to 4-bit groups of --group_size with round-to-nearest, and with
+GPTQ too when --gptq_data is given. Every recipe is calibrated on the same samples (W4A16
+calibrates nothing). Example (offline, test model, the README's table):
 
     python scripts/compare_ppl.py tests/fixtures/tiny-mamba \
         --calib_data ../shared/data/text/c4_sample.jsonl \
-        --text ../shared/data/eval/wikitext2_test_docs.jsonl
+        --text ../shared/data/eval/wikitext2_test_docs.jsonl \
+        --group_size 64 --gptq_data ../shared/data/text/c4_sample.jsonl
 """
 from __future__ import annotations
 
@@ -29,10 +33,46 @@ def parse_args(argv=None):
     parser.add_argument("--task_data", default=None, help="directory with wikitext2_test_docs.jsonl")
     parser.add_argument("--window", type=int, default=2048)
     parser.add_argument("--percentile_alpha", type=float, default=0.9995)
+    parser.add_argument("--group_size", type=int, default=128, help="4-bit weight group size")
+    parser.add_argument("--gptq_data", default=None,
+                        help="GPTQ Hessian text (file or hub id); adds the GPTQ rows")
+    parser.add_argument("--gptq_data_num", type=int, default=128)
+    parser.add_argument("--gptq_seqlen", type=int, default=1024)
+    parser.add_argument("--act_order", action="store_true", help="GPTQ in act-order")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default=None, help="write the numbers as JSON here")
     return parser.parse_args(argv)
+
+
+def _recipes(args) -> dict:
+    """Row name → QuantConfig, in the order of the table."""
+    common = dict(seed=args.seed, percentile_alpha=args.percentile_alpha)
+    four_bit = dict(common, w_bits=4, group_size=args.group_size)
+    gptq = dict(apply_gptq=True, gptq_source=args.gptq_data, gptq_num_samples=args.gptq_data_num,
+                gptq_seqlen=args.gptq_seqlen, gptq_act_order=args.act_order)
+    recipes = {
+        "W8A8 Quamba recipe": quamba.QuantConfig(**common),
+        "W8A8 naive (absmax, no rotation)": quamba.QuantConfig(seed=args.seed, percentile_alpha=None,
+                                                               hadamard=False),
+    }
+    for a_bits in (8, 16):
+        recipes[f"W4A{a_bits} RTN"] = quamba.QuantConfig(**four_bit, a_bits=a_bits)
+        if args.gptq_data:
+            recipes[f"W4A{a_bits} GPTQ"] = quamba.QuantConfig(**four_bit, **gptq, a_bits=a_bits)
+    return recipes
+
+
+def _protocol(args, calib, fp_result) -> str:
+    """One line saying how the numbers were measured."""
+    line = (f"held-out perplexity ({fp_result['source']}, {fp_result['tokens']} tokens, window "
+            f"{args.window}); calibration: {calib.num_samples} x {calib.seqlen} tokens of "
+            f"{calib.source}, percentile alpha {args.percentile_alpha}; 4-bit groups of "
+            f"{args.group_size}")
+    if args.gptq_data:
+        line += (f"; GPTQ Hessians from {args.gptq_data_num} x {args.gptq_seqlen} tokens of "
+                 f"{args.gptq_data}{', act-order' if args.act_order else ''}")
+    return line
 
 
 def main(argv=None):
@@ -40,11 +80,7 @@ def main(argv=None):
     model, tokenizer = quamba.load_model(args.model, dtype="fp32", device=args.device)
     calib = load_calibration_set(args.calib_data, tokenizer, args.calib_data_num, args.calib_seqlen,
                                  args.seed)
-    recipes = {
-        "W8A8 Quamba recipe": quamba.QuantConfig(percentile_alpha=args.percentile_alpha, seed=args.seed),
-        "W8A8 naive (absmax, no rotation)": quamba.QuantConfig(percentile_alpha=None,
-                                                               hadamard=False, seed=args.seed),
-    }
+    recipes = _recipes(args)
     rows = {"FP32": model}
     for name, config in recipes.items():
         rows[name] = quamba.quantize(model, tokenizer, config, calib_data=calib)
@@ -52,9 +88,7 @@ def main(argv=None):
                                          window=args.window)
                for name, candidate in rows.items()}
     fp_ppl = results["FP32"]["perplexity"]
-    print(f"\nheld-out perplexity ({results['FP32']['source']}, {results['FP32']['tokens']} tokens, "
-          f"window {args.window}); calibration: {calib.num_samples} x {calib.seqlen} tokens of "
-          f"{calib.source}, percentile alpha {args.percentile_alpha}")
+    print("\n" + _protocol(args, calib, results["FP32"]))
     print("| model | perplexity | vs FP |\n|---|---|---|")
     for name, ppl in results.items():
         print(f"| {name} | {ppl['perplexity']:.3f} | {100 * (ppl['perplexity'] / fp_ppl - 1):+.2f}% |")

@@ -88,7 +88,8 @@ def test_flags_map_onto_the_library():
                             "--float-sim-asic-int8"])
     request, plan = main.model_request(args), main.eval_plan(args)
     assert request.quantize and request.calib_source == "c.txt" and request.calib_num_samples == 16
-    assert request.ssm_mode == "float-sim-asic-int8" and request.hadamard
+    assert request.ssm_mode == "float-sim-asic-int8" and request.hadamard is None  # recipe's default
+    assert main.model_request(main.parse_args(["m", "--eval_ppl", "--no-hadamard"])).hadamard is False
     assert plan.few_shot == main.DEFAULT_FEWSHOT and not plan.zero_shot
     assert plan.limit == 100  # --testing
     assert plan.tasks == main.DEFAULT_TASKS
@@ -215,3 +216,40 @@ def test_gptq_flags_reach_the_recipe(model_dir, tmp_path, capsys):
                                        "--pretrained_dir", pretrained, *calibration, *gptq]]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == \
         "error: GPTQ applies to 4-bit weights; use it with w_bits=4"
+
+
+def test_w4a16_from_the_command_line_and_reuse(model_dir, tmp_path, capsys, caplog):
+    """No calibration (the default calibration source is on the Hub, so reading it offline
+    would fail), GPTQ with act-order, then reuse by recipe; SSM mode flags are errors."""
+    pretrained = tmp_path / "pretrained"
+    text = tmp_path / "text.txt"
+    text.write_text("To be, or not to be, that is the question. " * 5)
+    w4a16 = [model_dir, "--tokenizer", TOKENIZER, "--quantize", "--w_bits", "4", "--a_bits", "16",
+             "--group_size", "32", "--pretrained_dir", pretrained, "--apply_gptq", "--gptq_data",
+             SHARED_DATA / "text" / "tinyshakespeare.txt", "--gptq_data_num", "4",
+             "--gptq_seqlen", "64", "--act_order", "--eval_ppl", "--ppl_dataset", text,
+             "--ppl_window", "32"]
+    caplog.set_level(logging.INFO, logger="quamba")
+    assert main.main([str(a) for a in [*w4a16, "--log_dir", tmp_path / "first"]]) == 0
+    recorded = json.loads((pretrained / "quamba-tiny-random-w4a16" / "config.json").read_text())
+    recorded = recorded["quantization_config"]
+    assert (recorded["w_bits"], recorded["a_bits"], recorded["group_size"]) == (4, 16, 32)
+    assert recorded["apply_gptq"] and recorded["gptq_act_order"] and not recorded["hadamard"]
+    assert recorded["ssm_mode"] == "fp16" and recorded["format_version"] == 3
+    assert "W4A16 (no hadamard), SSM mode fp16" in caplog.text
+    # calibration flags do not belong to a W4A16 recipe; the default mode may be named
+    assert main.main([str(a) for a in [*w4a16, "--calib_data_num", "8", "--ssm_mode", "fp16",
+                                       "--log_dir", tmp_path / "second"]]) == 0
+    first, second = (json.loads(next((tmp_path / run).iterdir()).read_text())
+                     for run in ("first", "second"))
+    assert second["model"]["how"] == "reused saved quantized model"
+    assert second["perplexity"]["perplexity"] == first["perplexity"]["perplexity"]
+    capsys.readouterr()
+    assert main.main([str(a) for a in [*w4a16, "--fp32-ssm-input", "--log_dir", tmp_path]]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "error: SSM mode 'fp32-ssm-input' needs 8-bit activations; a W4A16 model runs conv1d "
+        "and the scan in its float dtype, so its only SSM mode is fp16")
+    assert main.main([str(a) for a in ["quamba-tiny-random-w4a16", "--pretrained_dir", pretrained,
+                                       "--ssm_mode", "int8", "--eval_ppl", "--ppl_dataset", text,
+                                       "--log_dir", tmp_path]]) == 2
+    assert "error: SSM mode 'int8' needs 8-bit activations" in capsys.readouterr().err

@@ -1,14 +1,16 @@
-"""Quantized linear layers: W8A8 (int8 weights, per-tensor scale) and W4A8 (4-bit grouped weights)."""
+"""Quantized linear layers: W8A8 (int8 weights, per-tensor scale), W4A8 (4-bit grouped weights,
+int8 activations) and W4A16 (4-bit grouped weights, float activations)."""
 from __future__ import annotations
 
 import torch
+import torch.nn as nn
 
 from quamba.layers.base import QuantModule
 from quamba.ops.qlinear import w8a8_linear
-from quamba.ops.qlinear4 import w4a8_linear
+from quamba.ops.qlinear4 import w4a8_linear, w4a16_linear
 from quamba.ops.quant import dequantize, fake_quantize, quantize_weight
 from quamba.ops.quant4 import (dequantize_int4, effective_scales, group_size_for, pack_int4,
-                               quantize_weight_w4a8)
+                               quantize_weight_w4a8, quantize_weight_w4a16)
 
 
 class W8A8Linear(QuantModule):
@@ -94,3 +96,36 @@ class W4A8Linear(QuantModule):
     def extra_repr(self) -> str:
         return (f"in={self.weight.shape[1] * 2}, out={self.weight.shape[0]}, "
                 f"group={self.group_size}, output={'int8' if self.int8_out else self.out_dtype}")
+
+
+class W4A16Linear(nn.Module):
+    """Weight-only y = x · Wᵀ: float x [..., K], 4-bit W in groups along the input with fp16
+    group scales (quamba.ops.quant4), fp32 accumulation, y in x's dtype. It has no activation
+    scales and no SSM mode; ``backend`` picks the op implementation (None: the default)."""
+
+    def __init__(self, in_features: int, out_features: int, group_size: int = 128, device=None):
+        super().__init__()
+        self.group_size = group_size_for(in_features, group_size)
+        groups = in_features // self.group_size
+        self.register_buffer("weight", torch.zeros(out_features, in_features // 2,
+                                                   dtype=torch.uint8, device=device))
+        self.register_buffer("scales", torch.ones(out_features, groups, dtype=torch.float16,
+                                                  device=device))
+        self.backend: str | None = None
+
+    def load_float_weight(self, weight: torch.Tensor, codes: torch.Tensor | None = None) -> None:
+        """Quantize ``weight`` [out, in] with round-to-nearest, or store ``codes`` (e.g. from GPTQ,
+        taken against this weight's fp16 group scales)."""
+        packed, scales, _ = quantize_weight_w4a16(weight, self.group_size)
+        self.weight.copy_(packed if codes is None else pack_int4(codes))
+        self.scales.copy_(scales)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return dequantize_int4(self.weight, self.scales, self.group_size)
+
+    def forward(self, x):
+        return w4a16_linear(x.contiguous(), self.weight, self.scales, self.group_size,
+                            backend_name=self.backend)
+
+    def extra_repr(self) -> str:
+        return f"in={self.weight.shape[1] * 2}, out={self.weight.shape[0]}, group={self.group_size}"

@@ -1,7 +1,9 @@
-"""QuantizedMambaLM: the Mamba1 LM with quantized blocks (norm → int8, W8A8 mixer).
+"""QuantizedMambaLM: the Mamba1 LM with quantized blocks.
 
-It reuses MambaLMHeadModel's forward, decode step, cache and generate: only the blocks differ.
-The embedding, final norm and lm_head stay in the float dtype.
+W8A8 and W4A8 blocks are a QRMSNorm (→ int8) and a QMambaMixer; W4A16 (weight-only) blocks are
+the FP RMSNorm and the FP mixer with 4-bit in_proj, x_proj and out_proj
+(quamba.layers.weight_only). It reuses MambaLMHeadModel's forward, decode step, cache and
+generate: only the blocks differ. The embedding, final norm and lm_head stay in the float dtype.
 """
 from __future__ import annotations
 
@@ -12,9 +14,11 @@ import torch.nn as nn
 
 from quamba.errors import QuambaError
 from quamba.layers.base import QuantModule
-from quamba.layers.modes import check_mode
+from quamba.layers.modes import FP_MODE, check_mode, check_weight_only_mode
+from quamba.layers.qlinear import W4A16Linear
 from quamba.layers.qmixer import ACTIVATION_SCALES, QMambaMixer
 from quamba.layers.qnorm import QRMSNorm
+from quamba.layers.weight_only import weight_only_mixer
 from quamba.models.config import MambaConfig
 from quamba.models.mamba import Block, MambaLMHeadModel, RMSNorm
 
@@ -23,7 +27,8 @@ log = logging.getLogger("quamba")
 
 class QuantizedMambaLM(MambaLMHeadModel):
     """Built empty (all codes zero, scales one) with the shapes of ``config``; ``quantize`` or
-    ``from_pretrained`` fill it. ``set_ssm_mode`` switches the SSM mode without re-calibrating."""
+    ``from_pretrained`` fill it. ``set_ssm_mode`` switches the SSM mode without re-calibrating
+    (a W4A16 model has only the fp16 mode: its SSM is not quantized)."""
 
     def __init__(self, config: MambaConfig, quant_config, dtype=torch.float16, device=None):
         nn.Module.__init__(self)
@@ -32,18 +37,12 @@ class QuantizedMambaLM(MambaLMHeadModel):
         self.calibration: dict = {}
         self.base_model: str | None = None
         self.tokenizer = None
-        hadamard = quant_config.hadamard
         self.backbone = nn.Module()
         self.backbone.embedding = nn.Embedding(config.padded_vocab_size, config.d_model,
                                                device=device, dtype=dtype)
-        ones = {name: 1.0 for name in ACTIVATION_SCALES}
-        self.backbone.layers = nn.ModuleList(
-            Block(QRMSNorm(config.d_model, config.norm_epsilon, config.residual_in_fp32, 1.0,
-                           has_weight=not hadamard, device=device),
-                  QMambaMixer(config.d_model, config.d_inner, config.d_state, config.d_conv,
-                              config.dt_rank, ones, 1.0, hadamard, dtype, device,
-                              quant_config.w_bits, quant_config.group_size))
-            for _ in range(config.n_layer))
+        build_block = _weight_only_block if quant_config.weight_only else _int8_block
+        self.backbone.layers = nn.ModuleList(build_block(config, quant_config, dtype, device)
+                                             for _ in range(config.n_layer))
         self.backbone.norm_f = RMSNorm(config.d_model, config.norm_epsilon,
                                        config.residual_in_fp32, device, dtype)
         self.lm_head = nn.Linear(config.d_model, config.padded_vocab_size, bias=False,
@@ -52,17 +51,28 @@ class QuantizedMambaLM(MambaLMHeadModel):
             self.lm_head.weight = self.backbone.embedding.weight
         # The unquantized model for the fp16 mode; kept out of the module tree and state dict.
         self.__dict__["fp_model"] = None
-        self.ssm_mode = "int8"  # quantize / from_pretrained then set the recorded mode
+        # quantize / from_pretrained then set the recorded mode
+        self.ssm_mode = FP_MODE if quant_config.weight_only else "int8"
 
     @property
     def dtype(self) -> torch.dtype:
         return self.backbone.embedding.weight.dtype
 
+    @property
+    def weight_only(self) -> bool:
+        return self.quant_config.weight_only
+
     def set_ssm_mode(self, mode: str, backend: str | None = None) -> "QuantizedMambaLM":
         """Run the quantized blocks in ``mode`` (see quamba.layers.modes); ``fp16`` runs the
-        unquantized model, loaded from the recorded base model if this one was reloaded."""
-        check_mode(mode)
-        if mode == "fp16":
+        unquantized model, loaded from the recorded base model if this one was reloaded. A W4A16
+        model accepts only ``fp16``, which keeps it as it is (an int8 mode is a QuambaError);
+        ``backend`` then applies to its 4-bit linear layers."""
+        if self.weight_only:
+            check_weight_only_mode(mode)
+            for module in self.modules():
+                if isinstance(module, W4A16Linear):
+                    module.backend = backend
+        elif check_mode(mode) == FP_MODE:
             self._fp()
         else:
             for module in self.modules():
@@ -82,13 +92,17 @@ class QuantizedMambaLM(MambaLMHeadModel):
                                                       device=device, tokenizer=False)
         return self.fp_model
 
+    @property
+    def _runs_fp_model(self) -> bool:
+        return self.ssm_mode == FP_MODE and not self.weight_only
+
     def forward(self, input_ids, cache=None, num_last_tokens: int = 0):
-        if self.ssm_mode == "fp16":
+        if self._runs_fp_model:
             return self._fp()(input_ids, cache=cache, num_last_tokens=num_last_tokens)
         return super().forward(input_ids, cache=cache, num_last_tokens=num_last_tokens)
 
     def allocate_cache(self, batch_size: int, device=None):
-        if self.ssm_mode == "fp16":
+        if self._runs_fp_model:
             return self._fp().allocate_cache(batch_size, device)
         return super().allocate_cache(batch_size, device)
 
@@ -96,3 +110,22 @@ class QuantizedMambaLM(MambaLMHeadModel):
         """Write the quantized checkpoint atomically (see quamba.quantization.checkpoint)."""
         from quamba.quantization.checkpoint import save_quantized
         return save_quantized(self, out_dir, tokenizer or self.tokenizer)
+
+
+def _int8_block(config: MambaConfig, quant_config, dtype, device) -> Block:
+    """An empty W8A8 or W4A8 block: QRMSNorm (→ int8) and QMambaMixer."""
+    hadamard = quant_config.hadamard
+    ones = {name: 1.0 for name in ACTIVATION_SCALES}
+    return Block(QRMSNorm(config.d_model, config.norm_epsilon, config.residual_in_fp32, 1.0,
+                          has_weight=not hadamard, device=device),
+                 QMambaMixer(config.d_model, config.d_inner, config.d_state, config.d_conv,
+                             config.dt_rank, ones, 1.0, hadamard, dtype, device,
+                             quant_config.w_bits, quant_config.group_size))
+
+
+def _weight_only_block(config: MambaConfig, quant_config, dtype, device) -> Block:
+    """An empty W4A16 block: the FP RMSNorm and the weight-only mixer."""
+    return Block(RMSNorm(config.d_model, config.norm_epsilon, config.residual_in_fp32, device,
+                         dtype),
+                 weight_only_mixer(config, quant_config.group_size, quant_config.hadamard, dtype,
+                                   device))

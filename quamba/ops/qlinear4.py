@@ -13,14 +13,15 @@ def w4a8_linear(x, x_scale, weight_packed, group_multiplier, channel_scale, grou
                 out_scale=None, out_dtype=torch.float16, backend_name=None):
     """y = x · Wᵀ with int8 x and 4-bit W on an exact integer accumulator.
 
-    x: int8 [..., K]; weight_packed: uint8 [N, K/2]; group_multiplier: int8 [N, K/G] (1…127);
-    channel_scale: fp32 [N].
+    x: int8 [..., K]; weight_packed: uint8 [N, K/2]; group_multiplier: int8 [N, K/G] (1…18, or
+    up to 127 in checkpoints written before the cap); channel_scale: fp32 [N].
 
-        acc[n] = Σ_groups group_multiplier[n, g] · Σ_{k in g} x[k] · code[n, k]     (int32, exact)
-        out    = requantize(acc, requant_multiplier(x_scale, channel_scale, out_scale))  (int8)
-           or  = fp32(acc) · requant_multiplier(x_scale, channel_scale)               (float)
+        w[n, k] = code[n, k] · group_multiplier[n, k // G]      (int8: |w| ≤ 7 · 18 = 126)
+        acc[n]  = Σ_k x[k] · w[n, k]                               (int32, exact)
+        out     = requantize(acc, requant_multiplier(x_scale, channel_scale, out_scale))  (int8)
+           or   = fp32(acc) · requant_multiplier(x_scale, channel_scale)               (float)
 
-    |acc| ≤ K · 127 · 7 · 127, within int32 for K up to 19k.
+    |acc| ≤ K · 127 · 126, within int32 for K up to 134k (K up to 19k with multipliers of 127).
     """
     impl = backend.select("w4a8_linear", x.device, backend_name)
     return impl(x, x_scale, weight_packed, group_multiplier, channel_scale, group_size, out_scale,

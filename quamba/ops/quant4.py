@@ -4,11 +4,15 @@
   (default 128; one group when K ≤ group_size; otherwise K must be a multiple of it).
 * **codes**: ``q = clamp(rne(w · fp32(1 / s)), -7, 7)`` with s the group's fp32 scale
   ``absmax / 7`` — the int8 rule of quamba.ops.quant with 7 in place of 127 (-8 is never used).
-* **W4A8 two-level scales**: per output channel an fp32 ``channel_scale = max group scale / 127``
-  and per group an int8 ``group_multiplier = clamp(rne(s / channel_scale), 1, 127)``; the codes
-  are taken against ``channel_scale · group_multiplier``. The GEMM then expands codes to int8,
-  multiplies each group's int32 partial sum by its integer multiplier (still exact int32) and
-  scales once per channel in the epilogue, so it runs on int8 tensor cores.
+* **W4A8 two-level scales**: per output channel an fp32 ``channel_scale = max group scale / 18``
+  and per group an int8 ``group_multiplier = clamp(rne(s / channel_scale), 1, 18)``; the codes
+  are taken against ``channel_scale · group_multiplier``. 18 = 127 // 7 (W4A8_MAX_MULTIPLIER)
+  is the largest multiplier for which every expanded weight ``code · group_multiplier`` stays
+  within int8 ([-126, 126]): the GEMM expands the 4-bit codes to these int8 weights once (as
+  QQQ and Quamba2 do), runs a plain int8 × int8 → int32 GEMM on int8 tensor cores, and scales
+  once per output channel in the epilogue, so it stays exact. (Checkpoints written before this
+  cap hold multipliers up to 127; the torch reference op still runs them.)
+* **W4A16 scales**: fp16 group scales ``absmax / 7``, rounded to fp16 before the codes are taken.
 * **packing**: two codes per byte along K, the even k in the low nibble and the odd k in the high
   nibble, each as 4-bit two's complement: ``byte = (q[2i] & 0xF) | (q[2i+1] & 0xF) << 4``.
   Kernels may repack at load; checkpoints hold this layout.
@@ -21,6 +25,7 @@ from quamba.errors import QuambaError
 from quamba.ops.quant import INT8_MAX, SCALE_FLOOR, reciprocal
 
 INT4_MAX = 7
+W4A8_MAX_MULTIPLIER = INT8_MAX // INT4_MAX  # 18: code · multiplier stays an int8
 DEFAULT_GROUP_SIZE = 128
 
 
@@ -52,9 +57,10 @@ def quantize_int4(weight: torch.Tensor, scales: torch.Tensor, group_size: int) -
 
 
 def two_level_scales(scales: torch.Tensor):
-    """(channel_scale fp32 [N], group_multiplier int8 [N, K / G]) approximating ``scales``."""
-    channel_scale = scales.float().amax(dim=1).clamp(min=SCALE_FLOOR) / INT8_MAX
-    multiplier = torch.round(scales.float() / channel_scale[:, None]).clamp_(1, INT8_MAX)
+    """(channel_scale fp32 [N], group_multiplier int8 [N, K / G] in [1, 18]) approximating
+    ``scales``."""
+    channel_scale = scales.float().amax(dim=1).clamp(min=SCALE_FLOOR) / W4A8_MAX_MULTIPLIER
+    multiplier = torch.round(scales.float() / channel_scale[:, None]).clamp_(1, W4A8_MAX_MULTIPLIER)
     return channel_scale, multiplier.to(torch.int8)
 
 
@@ -88,11 +94,16 @@ def quantize_weight_w4a8(weight: torch.Tensor, group_size: int = DEFAULT_GROUP_S
     return pack_int4(codes), multiplier, channel_scale, size
 
 
+def w4a16_scales(weight: torch.Tensor, group_size: int) -> torch.Tensor:
+    """fp16 [N, K / G]: W4A16's group scales, absmax / 7 rounded to fp16."""
+    return group_scales(weight, group_size).half()
+
+
 def quantize_weight_w4a16(weight: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE):
     """RTN W4A16 weight: (packed uint8 [N, K/2], fp16 group scales [N, K/G], the group size).
     The fp16-rounded scales are the ones the codes are taken against."""
     size = group_size_for(weight.shape[1], group_size)
-    scales = group_scales(weight, size).half()
+    scales = w4a16_scales(weight, size)
     return pack_int4(quantize_int4(weight, scales.float(), size)), scales, size
 
 

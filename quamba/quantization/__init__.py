@@ -1,4 +1,4 @@
-"""The W8A8 quantization pipeline: recipe config, rotation, quantize(), checkpoints."""
+"""The quantization pipeline (W8A8, W4A8, W4A16): recipe, rotation, quantize(), checkpoints."""
 from quamba.quantization.checkpoint import from_pretrained, save_quantized
 from quamba.quantization.config import QuantConfig
 from quamba.quantization.quantize import build_quantized_model, quantize

@@ -1,5 +1,8 @@
 """Quantized checkpoints: safetensors of int8 codes and fp32 scales + config.json + tokenizer.
 
+W4A16 checkpoints (format 3) hold packed 4-bit codes with fp16 group scales for in_proj, x_proj
+and out_proj, and every other tensor of the FP model in its float dtype.
+
 config.json holds the model config (``"model"``), the format version and the quantization
 recipe with its calibration record (``"quantization_config"``). Tensors are stored in a
 layout-independent form (weights [out, in] row-major, conv weight [d_inner, width]); kernels may
@@ -8,7 +11,6 @@ repack them at load.
 from __future__ import annotations
 
 import json
-import logging
 
 import torch
 
@@ -22,7 +24,8 @@ from quamba.utils.io import atomic_directory
 from quamba.version import __version__
 
 FORMAT_NAME = "quamba"
-FORMAT_VERSION = 2  # 2: 4-bit weights (W4A8); version 1 checkpoints (W8A8) load unchanged
+# 2: 4-bit weights (W4A8); 3: weight-only W4A16. Versions 1 (W8A8) and 2 load unchanged.
+FORMAT_VERSION = 3
 WEIGHTS_FILE = "model.safetensors"
 
 
@@ -127,8 +130,13 @@ def load_checked(model: QuantizedMambaLM, weights_path) -> None:
 
 
 def _cast_float_parts(model: QuantizedMambaLM, dtype: torch.dtype) -> None:
+    """Cast what runs in the float dtype; codes, scales, A_log and D keep theirs."""
     for module in (model.backbone.embedding, model.backbone.norm_f, model.lm_head):
         module.to(dtype)
     for block in model.backbone.layers:
-        block.mixer.out_dtype = dtype
-        block.mixer.out_proj.out_dtype = dtype
+        if model.weight_only:
+            for module in (block.norm, block.mixer.conv1d, block.mixer.dt_proj):
+                module.to(dtype)
+        else:
+            block.mixer.out_dtype = dtype
+            block.mixer.out_proj.out_dtype = dtype

@@ -5,20 +5,30 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from quamba.errors import QuambaError
-from quamba.layers.modes import check_mode
+from quamba.layers.modes import FP_MODE, check_mode, check_weight_only_mode
 
 # Tensor kinds observed per layer during calibration (see quamba.calibrate.calibrate).
 PERCENTILE_KINDS = ("x_proj.input", "ssm_state")
-SUPPORTED_BITS = {(8, 8), (4, 8)}
+SUPPORTED_BITS = {(8, 8), (4, 8), (4, 16)}
 
 # Fields that change how a run executes but not what the quantized model holds.
 _RUNTIME_FIELDS = ("ssm_mode", "backend", "calib_batch_size")
+# Fields of the activation calibration, which weight-only recipes do not run.
+_CALIBRATION_FIELDS = ("percentile_alpha", "observers", "calib_source", "calib_num_samples",
+                       "calib_seqlen")
 
 
 @dataclass
 class QuantConfig:
     """Quamba recipe (defaults as the W8A8 paper); W4A8 quantizes in_proj, x_proj and out_proj
-    to 4-bit groups of ``group_size`` (quamba.ops.quant4) and keeps the rest as W8A8.
+    to 4-bit groups of ``group_size`` (quamba.ops.quant4) and keeps the rest as W8A8. W4A16
+    (weight-only, ``a_bits=16``) quantizes the same three weights to 4 bits with fp16 group
+    scales and leaves everything else in the float dtype: no activation calibration, and the
+    calibration fields are not part of its recipe.
+
+    hadamard: rotate the residual stream (None = the recipe's default: on for 8-bit
+      activations, off for W4A16). ssm_mode: None = int8 for 8-bit activations, fp16 (the only
+      mode) for W4A16.
 
     percentile_alpha: α of the percentile observer used for the SSM input u and the SSM state
       (None = absmax for them too: the naive recipe). ``observers`` overrides any tensor kind:
@@ -28,8 +38,8 @@ class QuantConfig:
     w_bits: int = 8
     a_bits: int = 8
     group_size: int = 128  # 4-bit weights: input channels per scale group
-    hadamard: bool = True
-    ssm_mode: str = "int8"
+    hadamard: bool | None = None
+    ssm_mode: str | None = None
     percentile_alpha: float | None = 0.9995
     observers: dict = field(default_factory=dict)
     calib_source: str = "monology/pile-uncopyrighted"
@@ -49,10 +59,10 @@ class QuantConfig:
     gptq_act_order: bool = False
 
     def __post_init__(self):
-        check_mode(self.ssm_mode)
         if (self.w_bits, self.a_bits) not in SUPPORTED_BITS:
             raise QuambaError(f"w_bits={self.w_bits} a_bits={self.a_bits} is not supported; "
                               f"supported: {', '.join(f'W{w}A{a}' for w, a in sorted(SUPPORTED_BITS))}")
+        self._resolve_defaults()
         alpha = self.percentile_alpha
         if alpha is not None and not 0.5 < alpha <= 1.0:
             raise QuambaError(f"percentile_alpha must be in (0.5, 1], got {alpha}")
@@ -67,9 +77,27 @@ class QuantConfig:
             if getattr(self, kind) <= 0:
                 raise QuambaError(f"{kind} must be positive, got {getattr(self, kind)}")
 
+    def _resolve_defaults(self) -> None:
+        """Fill hadamard and ssm_mode left at None with the recipe's defaults; check the mode."""
+        if self.hadamard is None:
+            self.hadamard = not self.weight_only
+        if self.ssm_mode is None:
+            self.ssm_mode = FP_MODE if self.weight_only else "int8"
+        if self.weight_only:
+            check_weight_only_mode(self.ssm_mode)
+        else:
+            check_mode(self.ssm_mode)
+
+    @property
+    def weight_only(self) -> bool:
+        """True for W4A16: activations stay in the float dtype."""
+        return self.a_bits == 16
+
     def observer_specs(self) -> dict:
-        """ObserverSpec per tensor kind for quamba.calibrate.calibrate."""
+        """ObserverSpec per tensor kind for quamba.calibrate.calibrate (none for W4A16)."""
         from quamba.calibrate import DEFAULT_OBSERVERS, ObserverSpec
+        if self.weight_only:
+            return {}
         specs = {}
         for kind in DEFAULT_OBSERVERS:
             choice = self.observers.get(kind)
@@ -91,7 +119,8 @@ class QuantConfig:
 
     def recipe(self) -> dict:
         """The fields that determine the quantized weights and scales (not how they are run)."""
-        return {k: v for k, v in self.to_dict().items() if k not in _RUNTIME_FIELDS}
+        ignored = _RUNTIME_FIELDS + (_CALIBRATION_FIELDS if self.weight_only else ())
+        return {k: v for k, v in self.to_dict().items() if k not in ignored}
 
     def same_recipe(self, other: "QuantConfig") -> bool:
         return self.recipe() == other.recipe()

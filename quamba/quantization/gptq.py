@@ -6,8 +6,9 @@ column, moves the rounding error onto the columns not yet quantized so as to min
 Hessian H = (2 / n) Σ xᵀx [K, K] of that objective.
 
 The per-group scales are **static**: they are given (computed beforehand from the original
-weights, as W4A8's two-level scales must be) and each column is quantized with its group's
-scale by exactly quamba.ops.quant4's rule, so GPTQ only changes which codes are chosen.
+weights, as W4A8's two-level scales with multipliers in [1, 18] and W4A16's fp16 scales must be)
+and each column is quantized with its group's scale by exactly quamba.ops.quant4's rule, so GPTQ
+only changes which codes are chosen.
 """
 from __future__ import annotations
 

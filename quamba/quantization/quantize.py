@@ -1,4 +1,7 @@
-"""quantize(): FP Mamba1 LM → QuantizedMambaLM (rotate, calibrate, quantize every block)."""
+"""quantize(): FP Mamba1 LM → QuantizedMambaLM (rotate, calibrate, quantize every block).
+
+W4A16 is weight-only: no rotation by default and no calibration, only the 4-bit weights (RTN or
+GPTQ) of in_proj, x_proj and out_proj."""
 from __future__ import annotations
 
 import copy
@@ -11,6 +14,7 @@ from tqdm.auto import tqdm
 from quamba.errors import QuambaError
 from quamba.layers.qmixer import QMambaMixer
 from quamba.layers.qnorm import QRMSNorm
+from quamba.layers.weight_only import weight_only_mixer_from_float
 from quamba.models.mamba import MambaLMHeadModel
 from quamba.models.quantized import QuantizedMambaLM
 from quamba.ops.quant import scale_from_range
@@ -31,36 +35,29 @@ _SCALE_OF_KIND = {
 
 def quantize(model: MambaLMHeadModel, tokenizer=None, config: QuantConfig | None = None,
              calib_data=None, progress: bool = True) -> QuantizedMambaLM:
-    """Quantize an FP Mamba1 LM with the Quamba recipe (W8A8 or W4A8); ``model`` itself is not
-    modified.
+    """Quantize an FP Mamba1 LM with the Quamba recipe (W8A8, W4A8, or weight-only W4A16);
+    ``model`` itself is not modified.
 
     calib_data: a CalibrationSet, a LongTensor of token ids [samples, seqlen], or any source
     ``quamba.calibrate.load_calibration_set`` accepts (hub id, datasets.Dataset, list of
-    strings, .txt/.jsonl path); None → ``config.calib_source``. The FP model is kept for the fp16
-    mode. Same model, data and seed → bit-identical scales.
+    strings, .txt/.jsonl path); None → ``config.calib_source``. W4A16 calibrates nothing and
+    ignores it (GPTQ reads ``config.gptq_source``). The FP model is kept for the fp16 mode.
+    Same model, data and seed → bit-identical scales.
     """
-    from quamba.calibrate import CalibrationSet, calibrate, load_calibration_set
     from quamba.quantization.rotation import rotate_model_
 
     config = config or QuantConfig()
-    if isinstance(model, QuantizedMambaLM) or type(model) is not MambaLMHeadModel:
-        raise QuambaError(f"quantize needs an FP MambaLMHeadModel, got {type(model).__name__}")
-    if not model.config.conv_bias:
-        raise QuambaError("models without a conv1d bias are not supported by the W8A8 recipe")
+    _check_quantizable(model, config)
     work = copy.deepcopy(model)
     if config.hadamard:
         rotate_model_(work)
-    calib = calib_data
-    if not isinstance(calib, (CalibrationSet, torch.Tensor)):
-        if calib is None and tokenizer is None:
-            raise QuambaError("quantize needs a tokenizer to build the calibration set")
-        calib = load_calibration_set(config.calib_source if calib is None else calib, tokenizer,
-                                     config.calib_num_samples, config.calib_seqlen, config.seed)
-    ranges = calibrate(work, calib, observers=config.observer_specs(),
-                       batch_size=config.calib_batch_size, progress=progress)
+    if config.weight_only:
+        ranges, record = None, {}
+    else:
+        ranges, record = _calibrate(work, tokenizer, config, calib_data, progress)
     weight_codes = _gptq_codes(work, tokenizer, config, progress) if config.apply_gptq else {}
     qmodel = build_quantized_model(work, ranges, config, weight_codes)
-    qmodel.calibration = _calibration_record(calib, config)
+    qmodel.calibration = record
     qmodel.base_model = getattr(model, "source", {}).get("name_or_path")
     qmodel.tokenizer = tokenizer
     qmodel.__dict__["fp_model"] = model
@@ -70,11 +67,37 @@ def quantize(model: MambaLMHeadModel, tokenizer=None, config: QuantConfig | None
     return qmodel
 
 
+def _check_quantizable(model, config: QuantConfig) -> None:
+    if isinstance(model, QuantizedMambaLM) or type(model) is not MambaLMHeadModel:
+        raise QuambaError(f"quantize needs an FP MambaLMHeadModel, got {type(model).__name__}")
+    if not model.config.conv_bias and not config.weight_only:
+        raise QuambaError("models without a conv1d bias are not supported by the W8A8 and W4A8 "
+                          "recipes")
+    if model.config.bias:
+        raise QuambaError("models with biases in in_proj and out_proj are not supported by the "
+                          "quantized layers")
+
+
+def _calibrate(fp_model, tokenizer, config: QuantConfig, calib_data, progress: bool):
+    """(clipping ranges ranges[layer][kind], the calibration record) of the activations."""
+    from quamba.calibrate import CalibrationSet, calibrate, load_calibration_set
+    calib = calib_data
+    if not isinstance(calib, (CalibrationSet, torch.Tensor)):
+        if calib is None and tokenizer is None:
+            raise QuambaError("quantize needs a tokenizer to build the calibration set")
+        calib = load_calibration_set(config.calib_source if calib is None else calib, tokenizer,
+                                     config.calib_num_samples, config.calib_seqlen, config.seed)
+    ranges = calibrate(fp_model, calib, observers=config.observer_specs(),
+                       batch_size=config.calib_batch_size, progress=progress)
+    return ranges, _calibration_record(calib, config)
+
+
 @torch.no_grad()
 def build_quantized_model(fp_model: MambaLMHeadModel, ranges: dict, config: QuantConfig,
                           weight_codes: dict | None = None):
     """QuantizedMambaLM from an FP model (rotated when ``config.hadamard``) and its calibrated
-    clipping ranges ``ranges[layer][kind]``; ``weight_codes[layer][name]``: GPTQ's 4-bit codes."""
+    clipping ranges ``ranges[layer][kind]`` (None for W4A16); ``weight_codes[layer][name]``:
+    GPTQ's 4-bit codes."""
     weight = fp_model.backbone.embedding.weight
     qmodel = QuantizedMambaLM(copy.deepcopy(fp_model.config), config, dtype=weight.dtype,
                               device=weight.device)
@@ -83,21 +106,27 @@ def build_quantized_model(fp_model: MambaLMHeadModel, ranges: dict, config: Quan
     if not qmodel.config.tie_embeddings:
         qmodel.lm_head.load_state_dict(fp_model.lm_head.state_dict())
     for i, (block, fp_block) in enumerate(zip(qmodel.backbone.layers, fp_model.backbone.layers)):
+        layer_codes = (weight_codes or {}).get(i)
+        if config.weight_only:
+            block.norm = copy.deepcopy(fp_block.norm)
+            block.mixer = weight_only_mixer_from_float(fp_block.mixer, config.group_size,
+                                                       layer_codes)
+            continue
         layer_ranges = ranges[i]
         h_scale = scale_from_range(layer_ranges["in_proj.input"])
         scales = {name: scale_from_range(layer_ranges[kind]) for kind, name in _SCALE_OF_KIND.items()}
         block.norm = _quantized_norm(fp_block.norm, h_scale, keep_weight=not config.hadamard)
         block.mixer = QMambaMixer.from_float(fp_block.mixer, h_scale, scales, config.hadamard,
-                                             config.w_bits, config.group_size,
-                                             (weight_codes or {}).get(i))
+                                             config.w_bits, config.group_size, layer_codes)
     return qmodel
 
 
 def _gptq_codes(fp_model: MambaLMHeadModel, tokenizer, config: QuantConfig, progress: bool):
     """GPTQ's 4-bit codes of ``config.gptq_layers`` of every layer, ``codes[layer][name]``, taken
-    against the same two-level scales round-to-nearest would use."""
+    against the same static group scales round-to-nearest uses (W4A8: the two-level scales;
+    W4A16: the fp16 scales)."""
     from quamba.calibrate import load_calibration_set
-    from quamba.ops.quant4 import effective_scales, group_scales, group_size_for, two_level_scales
+    from quamba.ops.quant4 import group_size_for
     from quamba.quantization.gptq import collect_hessians, gptq_quantize
     tokens = load_calibration_set(config.gptq_source, tokenizer, config.gptq_num_samples,
                                   config.gptq_seqlen, config.seed).tokens
@@ -107,11 +136,18 @@ def _gptq_codes(fp_model: MambaLMHeadModel, tokenizer, config: QuantConfig, prog
     for (layer, name), hessian in tqdm(sorted(hessians.items()), desc="GPTQ", disable=not progress):
         weight = getattr(fp_model.backbone.layers[layer].mixer, name).weight.float()
         size = group_size_for(weight.shape[1], config.group_size)
-        scales = effective_scales(*two_level_scales(group_scales(weight, size)))
         codes.setdefault(layer, {})[name] = gptq_quantize(
-            weight, hessian, scales, size, damp=config.gptq_damp,
+            weight, hessian, _static_scales(weight, size, config), size, damp=config.gptq_damp,
             block_size=config.gptq_block_size, act_order=config.gptq_act_order)
     return codes
+
+
+def _static_scales(weight: torch.Tensor, group_size: int, config: QuantConfig) -> torch.Tensor:
+    """fp32 [N, K / G]: the group scales a 4-bit layer of ``config``'s recipe holds for ``weight``."""
+    from quamba.ops.quant4 import effective_scales, group_scales, two_level_scales, w4a16_scales
+    if config.weight_only:
+        return w4a16_scales(weight, group_size).float()
+    return effective_scales(*two_level_scales(group_scales(weight, group_size)))
 
 
 def _quantized_norm(fp_norm, out_scale: float, keep_weight: bool) -> QRMSNorm:

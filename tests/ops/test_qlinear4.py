@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from quamba.ops.qlinear4 import w4a8_linear, w4a16_linear
-from quamba.ops.quant4 import (dequantize_int4, effective_scales, quantize_weight_w4a8,
-                               quantize_weight_w4a16)
+from quamba.ops.quant4 import (dequantize_int4, effective_scales, expand_groups, pack_int4,
+                               quantize_weight_w4a8, quantize_weight_w4a16)
 
 
 def random_weight(n, k, seed):
@@ -31,6 +31,23 @@ def test_w4a8_linear_matches_fp64(lead, n, k, int8_out):
         assert diff.max() <= 1 and (diff > 0).double().mean() < 1e-2
     else:
         torch.testing.assert_close(out.double(), exact, rtol=1e-5, atol=1e-6)
+
+
+def test_w4a8_linear_runs_multipliers_of_old_checkpoints():
+    """Checkpoints written before the cap of 18 hold multipliers up to 127: the reference op
+    stays exact for them."""
+    gen = torch.Generator().manual_seed(4)
+    n, k, size = 16, 256, 64
+    x = torch.randint(-127, 128, (5, k), generator=gen, dtype=torch.int8)
+    codes = torch.randint(-7, 8, (n, k), generator=gen, dtype=torch.int8)
+    multiplier = torch.randint(1, 128, (n, k // size), generator=gen, dtype=torch.int8)
+    channel_scale = torch.rand(n, generator=gen) * 1e-3
+    out = w4a8_linear(x, 0.02, pack_int4(codes), multiplier, channel_scale, size,
+                      out_dtype=torch.float32)
+    weight = codes.double() * expand_groups(multiplier.double(), size)
+    exact = (x.double() @ weight.t()) * 0.02 * channel_scale.double()
+    assert multiplier.max() > 18
+    torch.testing.assert_close(out.double(), exact, rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

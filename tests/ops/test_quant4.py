@@ -3,9 +3,10 @@ import pytest
 import torch
 
 from quamba.errors import QuambaError
-from quamba.ops.quant4 import (dequantize_int4, effective_scales, group_scales, group_size_for,
-                               pack_int4, quantize_int4, quantize_weight_w4a8,
-                               quantize_weight_w4a16, two_level_scales, unpack_int4)
+from quamba.ops.quant4 import (W4A8_MAX_MULTIPLIER, dequantize_int4, effective_scales,
+                               expand_groups, group_scales, group_size_for, pack_int4,
+                               quantize_int4, quantize_weight_w4a8, quantize_weight_w4a16,
+                               two_level_scales, unpack_int4)
 
 
 def test_pack_unpack_roundtrip_and_byte_layout():
@@ -40,7 +41,7 @@ def test_w4a8_two_level_scales_stay_close(shape):
     weight = torch.randn(shape, generator=gen) * torch.rand(shape[0], 1, generator=gen)
     packed, multiplier, channel_scale, size = quantize_weight_w4a8(weight)
     scales = effective_scales(channel_scale, multiplier)
-    assert multiplier.min() >= 1 and multiplier.max() <= 127
+    assert multiplier.min() >= 1 and multiplier.max() <= 18
     exact = group_scales(weight, size)
     unclamped = multiplier > 1
     half_step = 0.5 * channel_scale[:, None].expand_as(exact)
@@ -62,5 +63,25 @@ def test_w4a16_codes_use_the_fp16_scales():
 def test_two_level_scales_of_equal_groups_are_exact():
     scales = torch.full((3, 4), 0.25)
     channel, multiplier = two_level_scales(scales)
-    assert multiplier.eq(127).all()
+    assert multiplier.eq(18).all()
     torch.testing.assert_close(effective_scales(channel, multiplier), scales)
+
+
+def test_multiplier_cap_keeps_expanded_weights_in_int8():
+    """code · multiplier is the int8 weight the W4A8 GEMM runs on: it must lie in [-127, 127],
+    also for groups whose scales span orders of magnitude (multipliers clamp to 1 and 18)."""
+    assert W4A8_MAX_MULTIPLIER == 18
+    gen = torch.Generator().manual_seed(3)
+    group_gains = 10.0 ** torch.empty(64, 8).uniform_(-3, 0, generator=gen)
+    weight = torch.randn(64, 8 * 32, generator=gen) * expand_groups(group_gains, 32)
+    packed, multiplier, _, size = quantize_weight_w4a8(weight, group_size=32)
+    assert multiplier.min() == 1 and multiplier.max() == 18
+    expanded = unpack_int4(packed).int() * expand_groups(multiplier.int(), size)
+    assert expanded.abs().max() <= 127
+    assert expanded.abs().max() == 7 * 18  # the largest group of a channel uses the full range
+
+
+def test_multiplier_rule():
+    channel, multiplier = two_level_scales(torch.tensor([[1.8, 0.94, 0.5, 0.01]]))
+    torch.testing.assert_close(channel, torch.tensor([0.1]))
+    assert multiplier.tolist() == [[18, 9, 5, 1]]  # channel scale = max / 18; tiny groups clamp to 1

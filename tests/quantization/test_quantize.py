@@ -1,6 +1,5 @@
-"""W8A8 pipeline on the trained test model: modes, determinism, checkpoints, backends."""
+"""W8A8 and W4A8 pipeline on the trained test model: modes, determinism, checkpoints, backends."""
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -211,12 +210,14 @@ def test_failed_save_keeps_the_previous_checkpoint(qmodel, tmp_path, monkeypatch
     assert sorted(p.name for p in tmp_path.iterdir()) == ["q"]
 
 
-def test_version_1_checkpoints_still_load(qmodel, held_out_ids, tmp_path):
-    directory = corrupt(tmp_path, qmodel, _edit_config(
-        lambda c: c["quantization_config"].update(format_version=1)))
+@pytest.mark.parametrize("recipe,version", [("qmodel", 1), ("qmodel", 2), ("w4a8_model", 2)])
+def test_older_format_versions_still_load(request, held_out_ids, tmp_path, recipe, version):
+    model = request.getfixturevalue(recipe)
+    directory = corrupt(tmp_path, model, _edit_config(
+        lambda c: c["quantization_config"].update(format_version=version)))
     reloaded, _ = quamba.from_pretrained(directory, tokenizer=False)
     assert torch.equal(logits_in_mode(reloaded, "int8", held_out_ids),
-                       logits_in_mode(qmodel, "int8", held_out_ids))
+                       logits_in_mode(model, "int8", held_out_ids))
 
 
 @pytest.fixture(scope="module")
@@ -245,8 +246,39 @@ def test_w4a8_runs_in_every_mode_and_reloads(w4a8_model, qmodel, fp_model, held_
     assert w4a8_size < w8a8_size
 
 
+def _requantize_with_uncapped_multipliers_(layer):
+    """Give a W4A8Linear the two-level scales of checkpoints written before the cap of 18:
+    channel scale = max group scale / 127, multipliers in [1, 127]."""
+    from quamba.ops.quant4 import effective_scales, group_scales, pack_int4, quantize_int4
+    weight = layer.dequantized_weight()
+    scales = group_scales(weight, layer.group_size)
+    channel_scale = scales.amax(dim=1) / 127
+    multiplier = torch.round(scales / channel_scale[:, None]).clamp(1, 127)
+    codes = quantize_int4(weight, effective_scales(channel_scale, multiplier), layer.group_size)
+    layer.weight.copy_(pack_int4(codes))
+    layer.group_multiplier.copy_(multiplier.to(torch.int8))
+    layer.channel_scale.copy_(channel_scale)
+
+
+def test_version_2_checkpoints_with_uncapped_multipliers_still_run(w4a8_model, held_out_ids,
+                                                                   tmp_path):
+    import copy
+    old = copy.deepcopy(w4a8_model)
+    for mixer in old.mixers():
+        for name in ("in_proj", "x_proj", "out_proj"):
+            _requantize_with_uncapped_multipliers_(getattr(mixer, name))
+    assert max(m.in_proj.group_multiplier.max().item() for m in old.mixers()) > 18
+    directory = corrupt(tmp_path, old, _edit_config(
+        lambda c: c["quantization_config"].update(format_version=2)))
+    reloaded, _ = quamba.from_pretrained(directory, tokenizer=False)
+    expected = logits_in_mode(old, "int8", held_out_ids)
+    assert torch.equal(logits_in_mode(reloaded, "int8", held_out_ids), expected)
+    assert top1_agreement(expected, logits_in_mode(w4a8_model, "int8", held_out_ids)) > 0.9
+
+
 def test_unsupported_recipes_are_rejected():
-    with pytest.raises(QuambaError, match="w_bits=8 a_bits=16"):
+    with pytest.raises(QuambaError, match="w_bits=8 a_bits=16 is not supported; supported: "
+                                          "W4A8, W4A16, W8A8"):
         quamba.QuantConfig(w_bits=8, a_bits=16)
     with pytest.raises(QuambaError, match="unknown SSM mode"):
         quamba.QuantConfig(ssm_mode="int4")
