@@ -52,59 +52,10 @@ def _spelling_key(flag: str) -> str:
 def build_parser() -> tuple[argparse.ArgumentParser, _Flags]:
     parser = argparse.ArgumentParser(
         prog="main.py", allow_abbrev=False,
-        description="Quantize Mamba language models (Quamba W8A8) and evaluate them with lm-eval "
-                    "tasks and perplexity. Dashes and underscores are interchangeable in flag names.")
-    flags = _Flags()
-    parser.add_argument("model", metavar="MODEL",
-                        help="model directory, Hub id, or the name of a saved quantized model under "
-                             "--pretrained_dir (e.g. quamba-mamba-130m-w8a8)")
-
-    group = parser.add_argument_group("model")
-    flags.add(group, "--device", help="torch device (default: cuda when present, else cpu)")
-    flags.add(group, "--dtype", choices=("fp16", "bf16", "fp32"),
-              help="float dtype (default: fp16 on cuda, fp32 on cpu)")
-    flags.add(group, "--tokenizer", help="tokenizer: Hub id, directory or tokenizer.json "
-                                         "(default: the model's own, else GPT-NeoX-20B)")
-    flags.add(group, "--backend", choices=("torch", "cuda", "auto"),
-              help="kernels for quantized ops (default auto; the environment variable "
-                   "QUAMBA_BACKEND takes precedence)")
-    flags.add(group, "--pretrained_dir", metavar="DIR",
-              help="where quantized models are saved (as quamba-<model>-w<W>a<A>) and looked up")
-    flags.add(group, "--seed", type=int, default=0, help="seed of calibration and lm-eval (default 0)")
-
-    group = parser.add_argument_group("quantization")
-    flags.add(group, "--quantize", action="store_true",
-              help="quantize MODEL; with --pretrained_dir the result is saved, and a saved model is "
-                   "reused when its recorded recipe equals the requested one")
-    flags.add(group, "--w_bits", type=int, default=8, help="weight bits (default 8)")
-    flags.add(group, "--a_bits", type=int, default=8, help="activation bits (default 8)")
-    flags.add(group, "--group_size", type=int, default=128,
-              help="input channels per scale group of 4-bit weights (default 128)")
-    flags.add(group, "--apply_gptq", action="store_true",
-              help="GPTQ instead of round-to-nearest for the 4-bit weights (in_proj, out_proj)")
-    flags.add(group, "--gptq_data", metavar="SOURCE",
-              help="text for GPTQ's Hessians (default: wikitext-2 train from the Hub)")
-    flags.add(group, "--gptq_data_num", type=int, default=128, help="GPTQ samples (default 128)")
-    flags.add(group, "--gptq_seqlen", type=int, default=1024,
-              help="tokens per GPTQ sample (default 1024)")
-    flags.add(group, "--act_order", action="store_true", help="GPTQ in decreasing Hessian-diagonal order")
-    flags.add(group, "--no_hadamard", action="store_true", help="do not rotate with Hadamard transforms")
-    flags.add(group, "--percentile_alpha", type=float, default=0.9995, metavar="A",
-              help="percentile of the SSM input and state scales (default 0.9995)")
-    flags.add(group, "--calib_data", metavar="SOURCE",
-              help="calibration text: Hub dataset id or .txt/.jsonl file "
-                   "(default: QuantConfig's, the Pile validation split)")
-    flags.add(group, "--calib_data_num", type=int, default=512, help="calibration samples (default 512)")
-    flags.add(group, "--calib_seqlen", type=int, default=512,
-              help="tokens per calibration sample (default 512)")
-    modes = group.add_mutually_exclusive_group()
-    flags.add(modes, "--ssm_mode", choices=SSM_MODES, metavar="MODE",
-              help=f"SSM dequantization mode, one of {', '.join(SSM_MODES)} (default: int8 for a "
-                   "fresh quantization, the recorded mode of a saved model; fp16 runs the FP model)")
-    flags.add(modes, "--fp32-ssm-input", dest="ssm_mode", action="store_const", const="fp32-ssm-input",
-              help="same as --ssm_mode fp32-ssm-input")
-    flags.add(modes, "--float-sim-asic-int8", dest="ssm_mode", action="store_const",
-              const="float-sim-asic-int8", help="same as --ssm_mode float-sim-asic-int8")
+        description="Quantize Mamba language models (Quamba W8A8, W4A8, W4A16) and evaluate them "
+                    "with lm-eval tasks and perplexity. Dashes and underscores are interchangeable "
+                    "in flag names.")
+    flags = add_model_arguments(parser)
 
     group = parser.add_argument_group("evaluation")
     flags.add(group, "--eval_zero_shot", action="store_true", help="run the lm-eval tasks zero-shot")
@@ -133,6 +84,71 @@ def build_parser() -> tuple[argparse.ArgumentParser, _Flags]:
     return parser, flags
 
 
+def add_model_arguments(parser: argparse.ArgumentParser) -> _Flags:
+    """MODEL and the model and quantization flags (shared with generate.py); returns the flag
+    spellings for ``_Flags.normalize``."""
+    flags = _Flags()
+    parser.add_argument("model", metavar="MODEL",
+                        help="model directory, Hub id, or the name of a saved quantized model under "
+                             "--pretrained_dir (e.g. quamba-mamba-130m-w8a8)")
+
+    group = parser.add_argument_group("model")
+    flags.add(group, "--device", help="torch device (default: cuda when present, else cpu)")
+    flags.add(group, "--dtype", choices=("fp16", "bf16", "fp32"),
+              help="float dtype (default: fp16 on cuda, fp32 on cpu)")
+    flags.add(group, "--tokenizer", help="tokenizer: Hub id, directory or tokenizer.json "
+                                         "(default: the model's own, else GPT-NeoX-20B)")
+    flags.add(group, "--backend", choices=("torch", "cuda", "auto"),
+              help="kernels for quantized ops (default auto; the environment variable "
+                   "QUAMBA_BACKEND takes precedence)")
+    flags.add(group, "--pretrained_dir", metavar="DIR",
+              help="where quantized models are saved (as quamba-<model>-w<W>a<A>) and looked up")
+    flags.add(group, "--seed", type=int, default=0, help="seed of calibration and lm-eval (default 0)")
+
+    group = parser.add_argument_group("quantization")
+    flags.add(group, "--quantize", action="store_true",
+              help="quantize MODEL; with --pretrained_dir the result is saved, and a saved model is "
+                   "reused when its recorded recipe equals the requested one")
+    flags.add(group, "--w_bits", type=int, default=8,
+              help="weight bits: 8 (W8A8) or 4 (W4A8, W4A16) (default 8)")
+    flags.add(group, "--a_bits", type=int, default=8,
+              help="activation bits: 8, or 16 for weight-only W4A16 (fp16 activations, conv1d and "
+                   "scan; no calibration, no Hadamard rotation, no SSM modes) (default 8)")
+    flags.add(group, "--group_size", type=int, default=128,
+              help="input channels per scale group of 4-bit weights (default 128)")
+    flags.add(group, "--apply_gptq", action="store_true",
+              help="GPTQ instead of round-to-nearest for the 4-bit weights (in_proj, out_proj; "
+                   "W4A8 and W4A16)")
+    flags.add(group, "--gptq_data", metavar="SOURCE",
+              help="text for GPTQ's Hessians (default: wikitext-2 train from the Hub)")
+    flags.add(group, "--gptq_data_num", type=int, default=128, help="GPTQ samples (default 128)")
+    flags.add(group, "--gptq_seqlen", type=int, default=1024,
+              help="tokens per GPTQ sample (default 1024)")
+    flags.add(group, "--act_order", action="store_true", help="GPTQ in decreasing Hessian-diagonal order")
+    flags.add(group, "--no_hadamard", action="store_true",
+              help="do not rotate with Hadamard transforms (W8A8 and W4A8 rotate by default; "
+                   "W4A16 does not rotate)")
+    flags.add(group, "--percentile_alpha", type=float, default=0.9995, metavar="A",
+              help="percentile of the SSM input and state scales (default 0.9995)")
+    flags.add(group, "--calib_data", metavar="SOURCE",
+              help="calibration text: Hub dataset id or .txt/.jsonl file "
+                   "(default: QuantConfig's, the Pile validation split)")
+    flags.add(group, "--calib_data_num", type=int, default=512, help="calibration samples (default 512)")
+    flags.add(group, "--calib_seqlen", type=int, default=512,
+              help="tokens per calibration sample (default 512)")
+    modes = group.add_mutually_exclusive_group()
+    flags.add(modes, "--ssm_mode", choices=SSM_MODES, metavar="MODE",
+              help=f"SSM dequantization mode, one of {', '.join(SSM_MODES)} (default: int8 for a "
+                   "fresh quantization, the recorded mode of a saved model; fp16 runs the FP model). "
+                   "A W4A16 model has no quantized SSM: fp16 is its only mode, any other is an error")
+    flags.add(modes, "--fp32-ssm-input", dest="ssm_mode", action="store_const", const="fp32-ssm-input",
+              help="same as --ssm_mode fp32-ssm-input")
+    flags.add(modes, "--float-sim-asic-int8", dest="ssm_mode", action="store_const",
+              const="float-sim-asic-int8", help="same as --ssm_mode float-sim-asic-int8")
+
+    return flags
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser, flags = build_parser()
     args = parser.parse_args(flags.normalize(sys.argv[1:] if argv is None else list(argv)))
@@ -150,7 +166,8 @@ def model_request(args: argparse.Namespace) -> ModelRequest:
         model=args.model, quantize=args.quantize, w_bits=args.w_bits, a_bits=args.a_bits,
         group_size=args.group_size, apply_gptq=args.apply_gptq, gptq_source=args.gptq_data,
         gptq_num_samples=args.gptq_data_num, gptq_seqlen=args.gptq_seqlen, act_order=args.act_order,
-        hadamard=not args.no_hadamard, ssm_mode=args.ssm_mode, percentile_alpha=args.percentile_alpha,
+        hadamard=False if args.no_hadamard else None, ssm_mode=args.ssm_mode,
+        percentile_alpha=args.percentile_alpha,
         calib_source=args.calib_data, calib_num_samples=args.calib_data_num,
         calib_seqlen=args.calib_seqlen, seed=args.seed, pretrained_dir=args.pretrained_dir,
         device=args.device, dtype=args.dtype, tokenizer=args.tokenizer, backend=args.backend)

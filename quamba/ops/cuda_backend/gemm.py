@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 import quamba._C  # noqa: F401  loads torch.ops.quamba.*
 from quamba.ops import backend
@@ -40,17 +41,32 @@ def _pad_k(t: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(t, (0, -t.shape[-1] % K_ALIGN)).contiguous()
 
 
+# Per-channel multipliers of tensor weight scales (W4A8's channel scales) by scale tensor: computed
+# once per (its version, x_scale, out_scale), not in every call (three small kernels per linear).
+_CHANNEL_MULTIPLIERS = WeakIdKeyDictionary()
+
+
 def _epilogue_multiplier(x_scale, weight_scale, out_scale, weight):
     """(scalar, None) for one multiplier, (0.0, fp32 [N] on the weight's device) per channel."""
     if all(s is None or isinstance(s, (int, float)) for s in (x_scale, weight_scale, out_scale)):
         return _scalar_multiplier(x_scale, weight_scale, out_scale), None
+    cacheable = isinstance(weight_scale, torch.Tensor) and all(
+        s is None or isinstance(s, (int, float)) for s in (x_scale, out_scale))
+    if cacheable:
+        key = (weight_scale._version, x_scale, out_scale, weight.device)
+        cached = _CHANNEL_MULTIPLIERS.get(weight_scale)
+        if cached is not None and cached[0] == key:
+            return 0.0, cached[1]
     multiplier = requant_multiplier(x_scale, weight_scale, out_scale)
     if not isinstance(multiplier, torch.Tensor):
         return float(multiplier), None
     per_channel = multiplier.to(device=weight.device, dtype=torch.float32).reshape(-1)
     if per_channel.numel() == 1:  # a 0-d scale tensor: broadcast on the device, no host sync
         per_channel = per_channel.expand(weight.shape[0])
-    return 0.0, per_channel.contiguous()
+    per_channel = per_channel.contiguous()
+    if cacheable:
+        _CHANNEL_MULTIPLIERS[weight_scale] = (key, per_channel)
+    return 0.0, per_channel
 
 
 @functools.lru_cache(maxsize=4096)

@@ -1,0 +1,140 @@
+"""quamba text generation: any model main.py accepts (Hub id, directory, saved quantized name, or
+one quantized on the fly), a prompt or a random one of a given length, and timings.
+
+    python generate.py state-spaces/mamba-130m --prompt "Mamba is" --genlen 50 --cache_graph
+    python generate.py quamba-mamba-2.8b-w4a8 --pretrained_dir pretrained --promptlen 1024 \
+        --genlen 128 --batch 8 --cache_graph
+
+With ``--cache_graph`` each decode step is replayed from a CUDA graph (GPU only). The model and
+quantization flags are main.py's; errors print ``error: <message>`` and exit with status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+import torch
+
+from main import add_model_arguments, model_request
+from quamba import QuambaError
+from quamba.cli_support import prepare_model
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, object]:
+    parser = argparse.ArgumentParser(
+        prog="generate.py", allow_abbrev=False,
+        description="Generate text with a Mamba LM, FP or quantized. Dashes and underscores are "
+                    "interchangeable in flag names.")
+    flags = add_model_arguments(parser)
+    group = parser.add_argument_group("generation")
+    prompt = group.add_mutually_exclusive_group()
+    flags.add(prompt, "--prompt", help="the prompt text")
+    flags.add(prompt, "--promptlen", type=int, help="a random prompt of this many tokens")
+    flags.add(group, "--genlen", type=int, default=100, help="tokens to generate (default 100)")
+    flags.add(group, "--batch", type=int, default=1, help="sequences generated together (default 1)")
+    flags.add(group, "--temperature", type=float, default=1.0, help="sampling temperature (default 1)")
+    flags.add(group, "--topk", type=int, default=1, help="top-k sampling; 1 is greedy (default 1)")
+    flags.add(group, "--topp", type=float, default=1.0, help="nucleus sampling threshold (default 1)")
+    flags.add(group, "--ignore_eos", action="store_true", help="always generate --genlen tokens")
+    flags.add(group, "--cache_graph", action="store_true",
+              help="replay each decode step from a CUDA graph (GPU only)")
+    flags.add(group, "--streaming", action="store_true", help="print tokens as they come (batch 1)")
+    return parser, flags
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser, flags = build_parser()
+    args = parser.parse_args(flags.normalize(sys.argv[1:] if argv is None else list(argv)))
+    for name in ("genlen", "batch", "promptlen"):
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            parser.error(f"--{name} must be positive, got {value}")
+    if args.streaming and args.batch != 1:
+        parser.error("--streaming prints one sequence: use it with --batch 1")
+    if args.prompt is None and args.promptlen is None:
+        args.prompt = "Mamba is"
+    return args
+
+
+def prompt_ids(args, tokenizer, vocab_size: int, device) -> torch.Tensor:
+    if args.promptlen is not None:
+        gen = torch.Generator().manual_seed(args.seed)
+        ids = torch.randint(0, vocab_size, (1, args.promptlen), generator=gen)
+    else:
+        if tokenizer is None:
+            raise QuambaError("this model has no tokenizer: give --tokenizer, or --promptlen for a "
+                              "random prompt")
+        ids = torch.tensor([tokenizer(args.prompt)["input_ids"]])
+    if ids.shape[1] == 0:
+        raise QuambaError("the prompt is empty")
+    return ids.to(device).repeat(args.batch, 1)
+
+
+class _Printer:
+    """Streams row 0 as text: decodes all its tokens and prints what is new since the last call
+    (a token can complete a character only together with the next one)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.ids, self.shown = tokenizer, [], 0
+
+    def __call__(self, next_ids: torch.Tensor) -> None:
+        self.ids.append(int(next_ids[0]))
+        text = self.tokenizer.decode(self.ids)
+        if not text.endswith("\ufffd"):
+            print(text[self.shown:], end="", flush=True)
+            self.shown = len(text)
+
+
+def generate(args) -> None:
+    prepared = prepare_model(model_request(args))
+    model, tokenizer = prepared.model, prepared.tokenizer
+    print(prepared.summary(), file=sys.stderr)
+    ids = prompt_ids(args, tokenizer, model.config.vocab_size, prepared.device)
+    if args.streaming and tokenizer is None:
+        raise QuambaError("--streaming needs a tokenizer")
+    kwargs = dict(max_new_tokens=args.genlen, temperature=args.temperature, top_k=args.topk,
+                  top_p=args.topp, cache_graph=args.cache_graph,
+                  generator=torch.Generator(device=prepared.device).manual_seed(args.seed))
+    if args.ignore_eos:
+        kwargs["eos_token_id"] = -1
+    if args.cache_graph:  # capture outside the timed run
+        model.generate(ids[:, :1], max_new_tokens=1, cache_graph=True)
+    if args.streaming:
+        print(args.prompt if args.promptlen is None else "", end="", flush=True)
+        kwargs["streamer"] = _Printer(tokenizer)
+    start = _now(prepared.device)
+    output = model.generate(ids, **kwargs)
+    seconds = _now(prepared.device) - start
+    new_tokens = output.shape[1] - ids.shape[1]
+    if args.streaming:
+        print()
+    elif tokenizer is not None:  # the prompt too, unless it is random tokens
+        start = ids.shape[1] if args.promptlen is not None else 0
+        for row in output:
+            print(tokenizer.decode(row[start:].tolist()))
+    print(f"{new_tokens} new tokens x batch {args.batch} after a {ids.shape[1]}-token prompt in "
+          f"{seconds * 1e3:.1f} ms ({seconds * 1e3 / max(new_tokens, 1):.2f} ms per token, prefill "
+          f"included; cache_graph {args.cache_graph})", file=sys.stderr)
+
+
+def _now(device) -> float:
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        generate(args)
+    except QuambaError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

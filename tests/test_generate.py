@@ -1,0 +1,46 @@
+"""generate.py on the CPU with the test model: text out, timings, flag errors (status 2)."""
+import pytest
+
+import generate
+
+
+def test_generates_text_from_a_prompt(tiny_model_dir, capsys):
+    assert generate.main([str(tiny_model_dir), "--prompt", "The king said", "--genlen", "6"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("The king said") and len(out.strip()) > len("The king said")
+    assert "6 new tokens x batch 1 after a" in err
+
+
+def test_random_prompt_batch_and_sampling(tiny_model_dir, capsys):
+    argv = [str(tiny_model_dir), "--promptlen", "9", "--genlen", "4", "--batch", "2", "--topk", "5",
+            "--temperature", "0.7", "--ignore_eos"]
+    assert generate.main(argv) == 0
+    out, err = capsys.readouterr()
+    assert len(out.strip().splitlines()) >= 2  # one continuation per row
+    assert "4 new tokens x batch 2 after a 9-token prompt" in err
+
+
+def test_streaming_prints_the_same_text(tiny_model_dir, capsys):
+    argv = [str(tiny_model_dir), "--prompt", "The king said", "--genlen", "8", "--ignore_eos"]
+    generate.main(argv)
+    plain = capsys.readouterr().out
+    generate.main(argv + ["--streaming"])
+    streamed = capsys.readouterr().out
+    assert streamed.strip() == plain.strip()
+
+
+def test_cache_graph_on_the_cpu_is_a_clear_error(tiny_model_dir, capsys):
+    assert generate.main([str(tiny_model_dir), "--genlen", "2", "--cache_graph"]) == 2
+    assert "error: CUDA graphs need a CUDA device" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--batch", "2", "--streaming"], "--streaming prints one sequence"),
+    (["--genlen", "0"], "--genlen must be positive"),
+    (["--prompt", "a", "--promptlen", "3"], "not allowed with argument"),
+])
+def test_bad_flags_exit_2(tiny_model_dir, capsys, argv, message):
+    with pytest.raises(SystemExit) as exc:
+        generate.parse_args([str(tiny_model_dir)] + argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
