@@ -17,6 +17,8 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
+from quamba.utils.io import atomic_write_text
+
 L2_FLUSH_BYTES = 256 << 20
 
 
@@ -143,8 +145,6 @@ def _format_cell(value) -> str:
 
 
 def write_json(path: str | None, payload: dict) -> None:
-    if not path:
-        return
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(payload, f, indent=2)
+    """Write the results atomically (a temporary file, then a rename)."""
+    if path:
+        atomic_write_text(path, json.dumps(payload, indent=2))

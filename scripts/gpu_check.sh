@@ -21,7 +21,7 @@
 # --baseline, the two sdists; see benchmarks/RESULTS.md for how they were downloaded.
 # TORCH_CUDA_ARCH_LIST defaults to the GPU's own architecture (9.0a on Hopper);
 # QUAMBA_CUDA_FAMILIES limits the build to some kernel families (setup.py); QUAMBA_COMMIT names the
-# commit in the results where the copy of the repository has no .git.
+# commit in the results (the copy of the repository on the GPU machine may carry a stale .git).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -164,7 +164,7 @@ fi
 
 {
   echo
-  echo "gpu_check summary ($(date -u '+%Y-%m-%d %H:%M UTC'), commit $(git rev-parse --short HEAD 2>/dev/null || echo "${QUAMBA_COMMIT:-unknown}"))"
+  echo "gpu_check summary ($(date -u '+%Y-%m-%d %H:%M UTC'), commit ${QUAMBA_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)})"
   printf '%s\n' "${SUMMARY[@]}"
   grep -E '[0-9]+ (passed|failed|errors?)\b.* in [0-9.]+s' "$LOG" || true
 } | tee -a "$LOG"
