@@ -128,9 +128,6 @@ class MambaSSMRunner:
     def cache_bytes(self) -> int:
         return sum(t.nbytes for states in self.cache.values() for t in states)
 
-    def close(self):
-        pass
-
 
 def weight_bytes(model) -> int:
     """Bytes of the parameters and buffers, each storage once (a tied lm_head is the embedding)."""
