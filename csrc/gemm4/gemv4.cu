@@ -182,12 +182,14 @@ w4a8_gemv_kernel(const int8_t* __restrict__ x, const uint8_t* __restrict__ w, co
 }
 
 // Chosen by measurement on the H100 (benchmarks/RESULTS.md, every variant swept): 4 rows per warp
-// when that gives every SM 8 warps; otherwise 2 for one or two activation rows (more warps) and 4
-// for more (x's byte permutes and loads shared by more rows). K is split until about 16 (M <= 2)
-// or 8 warps per SM, keeping at least one sweep of K per warp.
+// when that gives every SM 8 warps; otherwise 2 for two activation rows (more warps) and 4 for one
+// or more than two (x's byte permutes and loads shared by more rows). With programmatic dependent
+// launch, 4 rows won at M = 1 everywhere (final H100 check: out_proj 4.43 us with 4 rows and 4
+// splits, 7.16 us with 2 rows); M = 2 was last swept before that change. K is split until about
+// 16 (M <= 2) or 8 warps per SM, keeping at least one sweep of K per warp.
 int w4a8_choose_rows(int M, int N, int sms) {
   if ((N + 3) / 4 >= 8 * sms) return 4;
-  return M <= 2 ? 2 : 4;
+  return M == 2 ? 2 : 4;
 }
 
 int choose_splits(int work_items, int sweeps, int target_warps) {
