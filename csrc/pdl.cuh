@@ -8,8 +8,9 @@
 // and kernels launch in plain stream order.
 #pragma once
 
-#include <cuda_runtime.h>
+#include <ATen/cuda/CUDAContextLight.h>
 #include <c10/cuda/CUDAException.h>
+#include <cuda_runtime.h>
 
 #include <utility>
 
@@ -32,9 +33,7 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 template <typename... Params, typename... Args>
 void launch_with_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
                      Args&&... args) {
-  int device = 0, major = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  const int major = at::cuda::getCurrentDeviceProperties()->major;  // cached by ATen: no driver call
   cudaLaunchAttribute attribute;
   attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attribute.val.programmaticStreamSerializationAllowed = 1;

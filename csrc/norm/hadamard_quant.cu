@@ -120,10 +120,8 @@ hadamard_quant_kernel(const In* __restrict__ x, int8_t* __restrict__ q, int n, i
 int segment_values(int p) { return p < 32 ? 0 : std::min(p / 32, kSegmentValues); }
 
 // Big blocks for few rows (decode: one row is all the work there is), small ones for many.
-int threads_for(int64_t rows, const at::Tensor& x) {
-  int sms = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, x.get_device()));
-  return rows < 2 * sms ? 1024 : 256;
+int threads_for(int64_t rows) {
+  return rows < 2 * at::cuda::getCurrentDeviceProperties()->multiProcessorCount ? 1024 : 256;
 }
 
 template <int M, int V, typename In>
@@ -133,7 +131,7 @@ void launch_hadamard(const at::Tensor& x, at::Tensor& q, int64_t rows, int n, in
   check_kernel_image(kernel, "hadamard_quant");
   const int smem = n * sizeof(float);
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  quamba::launch_with_pdl(kernel, rows, threads_for(rows, x), smem, current_stream(),
+  quamba::launch_with_pdl(kernel, rows, threads_for(rows), smem, current_stream(),
                           static_cast<const In*>(x.data_ptr()), q.data_ptr<int8_t>(), n, p, signs,
                           norm, out_inv_scale);
 }
