@@ -12,21 +12,12 @@
 
 #include "gemm/epilogue.cuh"
 #include "gemm/gemm.h"
+#include "gemm/gemv_common.cuh"
 #include "gemm/mma.cuh"
 #include "pdl.cuh"
 
 namespace quamba::gemm {
 namespace {
-
-constexpr int kWarps = 4;
-constexpr int kThreads = kWarps * 32;
-constexpr int kLoadsPerLane = 8;  // 16-byte weight chunks in flight per lane: R rows x (8 / R) steps
-
-// Weights are read once: streaming loads (ld.global.cs, evict-first) leave the caches to the
-// activations. The activations are read from L2 (ld.global.cg): with programmatic dependent
-// launch the kernel that writes them may still be running when this one starts, so no copy of
-// them may sit in an SM's L1.
-__device__ __forceinline__ int4 load_streaming(const int4* p) { return __ldcs(p); }
 
 __device__ __forceinline__ int dot16(int4 a, int4 b, int acc) {
   acc = __dp4a(a.x, b.x, acc);
@@ -35,14 +26,10 @@ __device__ __forceinline__ int dot16(int4 a, int4 b, int acc) {
   return __dp4a(a.w, b.w, acc);
 }
 
-__device__ __forceinline__ int warp_sum(int v) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
-  return v;
-}
-
 // Sums over chunks [begin, end) of rows row0..row0+R-1 (rows past N re-read row N - 1; the
-// caller drops them). Returns, in lane r * M + m, the warp's sum for (row0 + r, m).
+// caller drops them). Returns, in lane r * M + m, the warp's sum for (row0 + r, m). The
+// activations are read from L2 (ld.global.cg): with programmatic dependent launch the kernel that
+// writes them may still be running when this one starts, so no copy of them may sit in an L1.
 template <int M, int R>
 __device__ __forceinline__ int row_group_sums(const int4* __restrict__ x, const int8_t* __restrict__ w, int N,
                                               int chunks, int row0, int begin, int end, int lane) {
@@ -76,15 +63,7 @@ __device__ __forceinline__ int row_group_sums(const int4* __restrict__ x, const 
       }
     }
   }
-  int mine = 0;
-#pragma unroll
-  for (int r = 0; r < R; ++r)
-#pragma unroll
-    for (int m = 0; m < M; ++m) {
-      const int total = warp_sum(acc[r][m]);
-      if (lane == r * M + m) mine = total;
-    }
-  return mine;
+  return lane_sum(acc, lane);
 }
 
 template <int M, int R, typename OutT>
@@ -92,25 +71,16 @@ __global__ void __launch_bounds__(kThreads)
 gemv_kernel(const int8_t* __restrict__ x, const int8_t* __restrict__ w, OutT* __restrict__ out, int N, int K,
             Epilogue epilogue, int splits) {
   static_assert(R * M <= 32, "one output per lane");
-  __shared__ int partial[kWarps][32];
+  __shared__ int partial[kWarps][1][32];
   pdl_launch_dependents();
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int split = warp % splits;
-  const int row0 = (blockIdx.x * (kWarps / splits) + warp / splits) * R;
   const int chunks = K / 16;
-  const int per_split = (chunks + splits - 1) / splits;
-  const int begin = split * per_split;
-  const int end = row0 < N ? min(chunks, begin + per_split) : begin;
+  const WarpShare s = warp_share(R, N, chunks, splits);
+  const int lane = s.lane;
 
-  int sum = row_group_sums<M, R>(reinterpret_cast<const int4*>(x), w, N, chunks, row0, begin, end, lane);
+  int sum = row_group_sums<M, R>(reinterpret_cast<const int4*>(x), w, N, chunks, s.row0, s.begin, s.end, lane);
   pdl_wait();  // warps with no share of K have not waited yet
-  if (splits > 1) {
-    partial[warp][lane] = sum;
-    __syncthreads();
-    if (split != 0) return;
-    for (int s = 1; s < splits; ++s) sum += partial[warp + s][lane];
-  }
-  const int n = row0 + lane / M;
+  if (!combine_splits<1>(partial, &sum, s, splits)) return;
+  const int n = s.row0 + lane / M;
   if (lane < R * M && n < N) out[static_cast<int64_t>(lane % M) * N + n] = epilogue.apply<OutT>(sum, n);
 }
 
@@ -162,25 +132,15 @@ gemv_mma_kernel(const int8_t* __restrict__ x, const int8_t* __restrict__ w, OutT
                 Epilogue epilogue, int splits) {
   __shared__ int partial[kWarps][2][32];
   pdl_launch_dependents();
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int split = warp % splits;
-  const int row0 = (blockIdx.x * (kWarps / splits) + warp / splits) * kMmaRows;
   const int chunks = K / 16;
-  const int per_split = (chunks + splits - 1) / splits;
-  const int begin = split * per_split;
-  const int end = row0 < N ? min(chunks, begin + per_split) : begin;
+  const WarpShare s = warp_share(kMmaRows, N, chunks, splits);
+  const int lane = s.lane;
 
   int d[4] = {};
-  row_group_sums_mma<M>(d, reinterpret_cast<const int4*>(x), w, N, chunks, row0, begin, end, lane);
+  row_group_sums_mma<M>(d, reinterpret_cast<const int4*>(x), w, N, chunks, s.row0, s.begin, s.end, lane);
   pdl_wait();  // warps with no share of K have not waited yet
-  if (splits > 1) {
-    partial[warp][0][lane] = d[0];
-    partial[warp][1][lane] = d[1];
-    __syncthreads();
-    if (split != 0) return;
-    for (int s = 1; s < splits; ++s) d[0] += partial[warp + s][0][lane], d[1] += partial[warp + s][1][lane];
-  }
-  const int m = lane / 4, n = row0 + 2 * (lane % 4);
+  if (!combine_splits<2>(partial, d, s, splits)) return;  // d[0] and d[1] hold this lane's sums
+  const int m = lane / 4, n = s.row0 + 2 * (lane % 4);
   if (m >= M) return;
   if (n < N) out[static_cast<int64_t>(m) * N + n] = epilogue.apply<OutT>(d[0], n);
   if (n + 1 < N) out[static_cast<int64_t>(m) * N + n + 1] = epilogue.apply<OutT>(d[1], n + 1);

@@ -32,6 +32,7 @@
 #include <cuda_fp16.h>
 
 #include "gemm/epilogue.cuh"
+#include "gemm/gemv_common.cuh"
 #include "gemm4/gemm4.h"
 #include "pdl.cuh"
 
@@ -39,20 +40,13 @@ namespace quamba::gemm4 {
 namespace {
 
 using gemm::Epilogue;
+using gemm::kLoadsPerLane;  // W4A8: R rows x (8 / R) steps of 16-byte chunks in flight per lane
+using gemm::kThreads;
+using gemm::kWarps;
+using gemm::load_streaming;
 
-constexpr int kWarps = 4;
-constexpr int kThreads = kWarps * 32;
-constexpr int kLoadsPerLane = 8;  // W4A8: 16-byte weight chunks in flight per lane, R rows x (8 / R) steps
-constexpr int kMmaRows = 8;       // W4A16: weight rows per warp
-constexpr int kMmaSteps = 8;      // W4A16: 4-chunk steps of weights in flight per lane
-
-__device__ __forceinline__ int4 load_streaming(const int4* p) { return __ldcs(p); }
-
-__device__ __forceinline__ int warp_sum(int v) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
-  return v;
-}
+constexpr int kMmaRows = 8;   // W4A16: weight rows per warp
+constexpr int kMmaSteps = 8;  // W4A16: 4-chunk steps of weights in flight per lane
 
 // Group of chunk c: c >> shift when the chunks per group are a power of two, else c / per_group.
 struct GroupOf {
@@ -141,15 +135,7 @@ __device__ __forceinline__ int w4a8_row_group_sums(const int4* __restrict__ x, c
       }
     }
   }
-  int mine = 0;
-#pragma unroll
-  for (int r = 0; r < R; ++r)
-#pragma unroll
-    for (int m = 0; m < M; ++m) {
-      const int total = warp_sum(acc[r][m]);
-      if (lane == r * M + m) mine = total;
-    }
-  return mine;
+  return gemm::lane_sum(acc, lane);
 }
 
 template <int M, int R, typename OutT>
@@ -157,27 +143,18 @@ __global__ void __launch_bounds__(kThreads)
 w4a8_gemv_kernel(const int8_t* __restrict__ x, const uint8_t* __restrict__ w, const int8_t* __restrict__ multipliers,
                  OutT* __restrict__ out, int N, int K, GroupOf group_of, Epilogue epilogue, int splits) {
   static_assert(R * M <= 32, "one output per lane");
-  __shared__ int partial[kWarps][32];
+  __shared__ int partial[kWarps][1][32];
   pdl_launch_dependents();
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int split = warp % splits;
-  const int row0 = (blockIdx.x * (kWarps / splits) + warp / splits) * R;
   const int chunks = K / kCodesPerChunk;
   const int groups = chunks / group_of.per_group;
-  const int per_split = (chunks + splits - 1) / splits;
-  const int begin = split * per_split;
-  const int end = row0 < N ? min(chunks, begin + per_split) : begin;
+  const gemm::WarpShare s = gemm::warp_share(R, N, chunks, splits);
+  const int lane = s.lane;
 
   int sum = w4a8_row_group_sums<M, R>(reinterpret_cast<const int4*>(x), w, multipliers, N, chunks, groups, group_of,
-                                      row0, begin, end, lane);
+                                      s.row0, s.begin, s.end, lane);
   pdl_wait();  // warps with no share of K have not waited yet
-  if (splits > 1) {
-    partial[warp][lane] = sum;
-    __syncthreads();
-    if (split != 0) return;
-    for (int s = 1; s < splits; ++s) sum += partial[warp + s][lane];
-  }
-  const int n = row0 + lane / M;
+  if (!gemm::combine_splits<1>(partial, &sum, s, splits)) return;
+  const int n = s.row0 + lane / M;
   if (lane < R * M && n < N) out[static_cast<int64_t>(lane % M) * N + n] = epilogue.apply<OutT>(sum, n);
 }
 
@@ -293,23 +270,19 @@ w4a16_gemv_kernel(const XT* __restrict__ x, const uint8_t* __restrict__ w, const
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   __shared__ float partial[kWarps][2][32];
   pdl_launch_dependents();
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int split = warp % splits;
-  const int row0 = (blockIdx.x * (kWarps / splits) + warp / splits) * kMmaRows;
   const int chunks = K / kCodesPerChunk;
   const int groups = chunks / group_of.per_group;
   const int steps = (chunks + 3) / 4;
-  const int per_split = (steps + splits - 1) / splits;
-  const int begin = split * per_split;
-  const int end = row0 < N ? min(steps, begin + per_split) : begin;
-  const int g = lane / 4, t = lane % 4;
+  const gemm::WarpShare share = gemm::warp_share(kMmaRows, N, steps, splits);
+  const int row0 = share.row0, begin = share.begin, end = share.end;
+  const int g = share.lane / 4, t = share.lane % 4;
   const bool has_x = g < M;
   const int4* w_row = reinterpret_cast<const int4*>(w + static_cast<int64_t>(min(row0 + g, N - 1)) * (K / 2));
   const uint4* x_row = reinterpret_cast<const uint4*>(x + static_cast<int64_t>(min(g, M - 1)) * K);
   const __half* scale0 = scales + static_cast<int64_t>(min(row0 + 2 * t, N - 1)) * groups;
   const __half* scale1 = scales + static_cast<int64_t>(min(row0 + 2 * t + 1, N - 1)) * groups;
 
-  float total0 = 0.f, total1 = 0.f;
+  float total[2] = {0.f, 0.f};
   for (int s0 = begin; s0 < end; s0 += kMmaSteps) {
     uint4 wv[kMmaSteps];
 #pragma unroll
@@ -344,23 +317,17 @@ w4a16_gemv_kernel(const XT* __restrict__ x, const uint8_t* __restrict__ w, const
           Act<XT>::mma(d0, a[2 * i], a[2 * i + 1], use ? b[2 * i] : 0u, use ? b[2 * i + 1] : 0u);
           Act<XT>::mma(d1, a[2 * i + 8], a[2 * i + 9], use ? b[2 * i + 8] : 0u, use ? b[2 * i + 9] : 0u);
         }
-        total0 = fmaf(d0[0] + d1[0], __half2float(scale0[group]), total0);
-        total1 = fmaf(d0[1] + d1[1], __half2float(scale1[group]), total1);
+        total[0] = fmaf(d0[0] + d1[0], __half2float(scale0[group]), total[0]);
+        total[1] = fmaf(d0[1] + d1[1], __half2float(scale1[group]), total[1]);
       }
     }
   }
   pdl_wait();  // warps with no share of K have not waited yet
-  if (splits > 1) {
-    partial[warp][0][lane] = total0;
-    partial[warp][1][lane] = total1;
-    __syncthreads();
-    if (split != 0) return;
-    for (int s = 1; s < splits; ++s) total0 += partial[warp + s][0][lane], total1 += partial[warp + s][1][lane];
-  }
+  if (!gemm::combine_splits<2>(partial, total, share, splits)) return;
   const int n = row0 + 2 * t;
   if (g >= M) return;
-  if (n < N) out[static_cast<int64_t>(g) * N + n] = from_float<OutT>(total0);
-  if (n + 1 < N) out[static_cast<int64_t>(g) * N + n + 1] = from_float<OutT>(total1);
+  if (n < N) out[static_cast<int64_t>(g) * N + n] = from_float<OutT>(total[0]);
+  if (n + 1 < N) out[static_cast<int64_t>(g) * N + n + 1] = from_float<OutT>(total[1]);
 #else
   __trap();  // never launched: the host requires compute capability 8.0 (mma.sync f16/bf16)
 #endif
