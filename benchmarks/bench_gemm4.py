@@ -14,9 +14,9 @@ from __future__ import annotations
 import sys
 
 import torch
-import torch.nn.functional as F
 
-from common import copy_bandwidth_gbs, format_table, parse_args, run_metadata, time_graph_ms, write_json
+from common import (copy_bandwidth_gbs, format_table, fp16_linear_us, parse_args, run_metadata, time_graph_ms,
+                    write_json)
 
 # name, N, K, W4A8 output dtype (Mamba-2.8B: d_model 2560, d_inner 5120, dt_rank 160, d_state 16)
 LAYERS = [("in_proj", 10240, 2560, torch.int8), ("x_proj", 192, 5120, torch.int8),
@@ -42,13 +42,7 @@ class Layer:
         self.fp16_bytes = 2 * (N * K + M * K + M * N)
 
     def fp16_us(self):
-        M, N, K = self.M, self.N, self.K
-
-        def make(_):
-            x = torch.randn(M, K, dtype=torch.float16, device="cuda")
-            w = torch.randn(N, K, dtype=torch.float16, device="cuda") / K ** 0.5
-            return lambda: F.linear(x, w)
-        return 1e3 * time_graph_ms(make, self.fp16_bytes)
+        return fp16_linear_us(self.M, self.N, self.K)
 
     def _packed(self):
         return torch.randint(0, 256, (self.N, self.K // 2), dtype=torch.uint8, device="cuda")

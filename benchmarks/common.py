@@ -90,6 +90,16 @@ def time_graph_ms(make_call: Callable[[int], Callable[[], object]], bytes_per_ca
     return statistics.median(times)
 
 
+def fp16_linear_us(M: int, N: int, K: int) -> float:
+    """Median µs of fp16 ``F.linear`` (cuBLAS) with x [M, K] and W [N, K], the baseline of every
+    linear-layer benchmark; each call reads its own operands (time_graph_ms)."""
+    def make(_):
+        x = torch.randn(M, K, dtype=torch.float16, device="cuda")
+        w = torch.randn(N, K, dtype=torch.float16, device="cuda") / K ** 0.5
+        return lambda: torch.nn.functional.linear(x, w)
+    return 1e3 * time_graph_ms(make, 2 * (N * K + M * K + M * N))
+
+
 def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
     """Device-to-device copy bandwidth in GB/s, counting the bytes read plus the bytes written."""
     src = torch.empty(nbytes, dtype=torch.int8, device="cuda").random_(-128, 127)
