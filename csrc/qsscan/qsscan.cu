@@ -626,6 +626,18 @@ void check_ssm_params(const at::Tensor& ref, const at::Tensor& A_log, double A_l
   check_positive_scale(dt_bias_scale, "dt_bias_scale");
 }
 
+// The int8 SSM parameters and their fp32 scales, into the arguments of either kernel.
+template <typename Args>
+void set_ssm_params(Args& args, const at::Tensor& A_log, double A_log_scale, const at::Tensor& D,
+                    double D_scale, const at::Tensor& dt_bias, double dt_bias_scale) {
+  args.A_log = A_log.data_ptr<int8_t>();
+  args.A_log_scale = to_fp32(A_log_scale);
+  args.D = D.data_ptr<int8_t>();
+  args.D_scale = to_fp32(D_scale);
+  args.dt_bias = dt_bias.data_ptr<int8_t>();
+  args.dt_bias_scale = to_fp32(dt_bias_scale);
+}
+
 void check_out_dtype(at::ScalarType out_dtype) {
   TORCH_CHECK(out_dtype == at::kHalf || out_dtype == at::kBFloat16 || out_dtype == at::kFloat,
               "out_dtype must be float16, bfloat16 or float32, got ", out_dtype);
@@ -708,12 +720,7 @@ std::tuple<at::Tensor, at::Tensor> qsscan(
   args.B_st = strides3(B);
   args.C_st = strides3(C);
   args.z_st = z.has_value() ? strides3(*z) : Strides3{0, 0, 0};
-  args.A_log = A_log.data_ptr<int8_t>();
-  args.A_log_scale = to_fp32(A_log_scale);
-  args.D = D.data_ptr<int8_t>();
-  args.D_scale = to_fp32(D_scale);
-  args.dt_bias = dt_bias.data_ptr<int8_t>();
-  args.dt_bias_scale = to_fp32(dt_bias_scale);
+  set_ssm_params(args, A_log, A_log_scale, D, D_scale, dt_bias, dt_bias_scale);
   args.y = y.data_ptr();
   args.y_st = strides3(y);
   args.state = state.data_ptr();
@@ -879,12 +886,7 @@ at::Tensor qsscan_update(at::Tensor& state, double state_scale, const at::Tensor
   } else {
     args.z = FloatSource{nullptr, InKind::kFloat, 1.f};
   }
-  args.A_log = A_log.data_ptr<int8_t>();
-  args.A_log_scale = to_fp32(A_log_scale);
-  args.D = D.data_ptr<int8_t>();
-  args.D_scale = to_fp32(D_scale);
-  args.dt_bias = dt_bias.data_ptr<int8_t>();
-  args.dt_bias_scale = to_fp32(dt_bias_scale);
+  set_ssm_params(args, A_log, A_log_scale, D, D_scale, dt_bias, dt_bias_scale);
   args.state = state.data_ptr();
   args.state_int8 = state.scalar_type() == at::kChar;
   args.state_scale = to_fp32(state_scale);
