@@ -207,17 +207,24 @@ void w4a8_gemm_out(const at::Tensor& x, const at::Tensor& weight_packed, const a
   if (a.M > 0) run_w4a8_gemm(a, x, out, multiplier_per_channel, config);
 }
 
+// K of a packed weight taken on its own (the expand and dequantize ops, which have no x): 2-D,
+// on the current device, rows of a positive multiple of 16 bytes, and group_size dividing K.
+int64_t checked_packed_k(const char* op, const at::Tensor& weight_packed, int64_t group_size) {
+  TORCH_CHECK(weight_packed.dim() == 2, op, ": weight_packed must be 2-D, got shape ", weight_packed.sizes());
+  const int64_t K = 2 * weight_packed.size(1);
+  TORCH_CHECK(K > 0 && K % kCodesPerChunk == 0, op, ": weight_packed rows must hold a positive multiple of 16 bytes "
+              "(K a multiple of 32), got ", weight_packed.size(1), " bytes");
+  check_weight(op, weight_packed, K, group_size, weight_packed.device());
+  return K;
+}
+
 void w4a8_expand_out(const at::Tensor& weight_packed, const at::Tensor& group_multiplier, int64_t group_size,
                      at::Tensor& out, const std::optional<at::Tensor>& overflow) {
   const char* op = "w4a8_expand";
   TORCH_CHECK(weight_packed.is_cuda(), op, ": weight_packed must be a CUDA tensor, got one on ", weight_packed.device());
   const c10::cuda::CUDAGuard guard(weight_packed.device());
   const at::Device device = weight_packed.device();
-  TORCH_CHECK(weight_packed.dim() == 2, op, ": weight_packed must be 2-D, got shape ", weight_packed.sizes());
-  const int64_t N = weight_packed.size(0), K = 2 * weight_packed.size(1);
-  TORCH_CHECK(K > 0 && K % kCodesPerChunk == 0, op, ": weight_packed rows must hold a positive multiple of 16 bytes "
-              "(K a multiple of 32), got ", weight_packed.size(1), " bytes");
-  check_weight(op, weight_packed, K, group_size, device);
+  const int64_t N = weight_packed.size(0), K = checked_packed_k(op, weight_packed, group_size);
   check_groups(op, "group_multiplier", group_multiplier, at::kChar, N, K / group_size, device);
   check_on_device(op, "out", out, device);
   TORCH_CHECK(out.scalar_type() == at::kChar && out.dim() == 2 && out.size(0) == N && out.size(1) == K, op,
@@ -287,11 +294,7 @@ void w4a16_dequantize_out(const at::Tensor& weight_packed, const at::Tensor& sca
   TORCH_CHECK(weight_packed.is_cuda(), op, ": weight_packed must be a CUDA tensor, got one on ", weight_packed.device());
   const c10::cuda::CUDAGuard guard(weight_packed.device());
   const at::Device device = weight_packed.device();
-  TORCH_CHECK(weight_packed.dim() == 2, op, ": weight_packed must be 2-D, got shape ", weight_packed.sizes());
-  const int64_t N = weight_packed.size(0), K = 2 * weight_packed.size(1);
-  TORCH_CHECK(K > 0 && K % kCodesPerChunk == 0, op, ": weight_packed rows must hold a positive multiple of 16 bytes "
-              "(K a multiple of 32), got ", weight_packed.size(1), " bytes");
-  check_weight(op, weight_packed, K, group_size, device);
+  const int64_t N = weight_packed.size(0), K = checked_packed_k(op, weight_packed, group_size);
   check_groups(op, "scales", scales, at::kHalf, N, K / group_size, device);
   check_on_device(op, "out", out, device);
   TORCH_CHECK((out.scalar_type() == at::kHalf || out.scalar_type() == at::kBFloat16) && out.dim() == 2 &&
