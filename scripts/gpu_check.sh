@@ -9,8 +9,9 @@
 #   --baseline    also build mamba-ssm 2.3.2.post1 and causal-conv1d 1.7.0 (the FP16 baseline) from
 #                 the sdists in .whl/, for sm_90 only, beside quamba._C (413 s alone on the 16-core
 #                 H200 machine; with the other build it nearly fills one 10-minute device command)
-#   --sanitizer   also run the tests named *small* under compute-sanitizer --tool memcheck
-#                 (stopped after $SANITIZER_TIMEOUT seconds, default 1800)
+#   --sanitizer   also run the tests named *small* under compute-sanitizer --tool memcheck, and the
+#                 small conv, scan and norm tests (the kernels that share memory between threads)
+#                 under --tool racecheck (each stopped after $SANITIZER_TIMEOUT seconds, default 1800)
 #   --no-build    reuse quamba._C (and the baseline) built by an earlier call on the same machine
 #   --quick       shorter benchmark timing runs
 #   --e2e         end-to-end generation profiles (benchmarks/profile_mamba.py): Mamba-130m and
@@ -110,11 +111,13 @@ run_tests() {
   "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/*/test_cuda_*.py
 }
 
-run_sanitizer() {
+# sanitize TOOL TESTS SELECTION: runs the selected tests under compute-sanitizer's TOOL; any error
+# it reports fails the step.
+sanitize() {
   local sanitizer
   sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
-  timeout "${SANITIZER_TIMEOUT:-1800}" "$sanitizer" --tool memcheck --error-exitcode 9 --target-processes all \
-    "$PYTHON" -m pytest -q -x -p no:cacheprovider tests/*/test_cuda_*.py -k small
+  timeout "${SANITIZER_TIMEOUT:-1800}" "$sanitizer" --tool "$1" --error-exitcode 9 --target-processes all \
+    "$PYTHON" -m pytest -q -x -p no:cacheprovider $2 -k "$3"
 }
 
 run_benchmarks() {
@@ -159,7 +162,8 @@ if [ "$BUILT" = 1 ]; then
   [ "$TESTS" = 1 ] && step gpu-tests run_tests
   [ "$BENCH" = 1 ] && step benchmarks run_benchmarks
   [ "$E2E" = 1 ] && step e2e run_e2e
-  [ "$SANITIZER" = 1 ] && step memcheck run_sanitizer
+  [ "$SANITIZER" = 1 ] && step memcheck sanitize memcheck "tests/*/test_cuda_*.py" small
+  [ "$SANITIZER" = 1 ] && step racecheck sanitize racecheck tests/ops/test_cuda_ssm.py small
 fi
 
 {
