@@ -54,7 +54,7 @@ struct W4A16Args {
 
 // Decode GEMVs (M <= kGemvMaxM). W4A8: dp4a, `rows` (1, 2, 4) weight rows per warp and `splits`
 // (1, 2, 4) warps sharing a row group's K range; 0 picks them from the shape. W4A16: tensor cores
-// (mma.sync m16n8k16, 8 weight rows per warp), `splits` as above.
+// (mma.sync m16n8k16, 16 or 64 weight rows per warp, chosen from N), `splits` as above.
 void launch_w4a8_gemv(const W4A8Args& args, int rows = 0, int splits = 0);
 void launch_w4a16_gemv(const W4A16Args& args, int splits = 0);
 

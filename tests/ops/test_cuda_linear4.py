@@ -276,9 +276,12 @@ def test_w4a16_gemv_matches_reference(M, N, K, G, x_dtype, out_dtype):
     check_w4a16(lambda case, out: ops.w4a16_gemv_out(*w4a16_op_arguments(case), out), M, N, K, G, x_dtype, out_dtype)
 
 
+# (10280, 256, 128): enough rows for the GEMV's 64-row warps (more 16-row tiles than 2 per SM on
+# an H100), with a last warp only partly inside N.
 @pytest.mark.parametrize("splits", [1, 2, 4])
 @pytest.mark.parametrize("M", [1, 8])
-@pytest.mark.parametrize("N,K,G", [(192, 5120, 128), (2560, 5120, 128), (96, 192, 64), (72, 256, 32), (48, 320, 160)])
+@pytest.mark.parametrize("N,K,G", [(192, 5120, 128), (2560, 5120, 128), (96, 192, 64), (72, 256, 32), (48, 320, 160),
+                                   (10280, 256, 128)])
 def test_w4a16_gemv_every_split(M, N, K, G, splits):
     seed_for("w4a16 splits", M, N, K, G, splits)
     check_w4a16(lambda case, out: ops.w4a16_gemv_out(*w4a16_op_arguments(case), out, splits), M, N, K, G,
