@@ -79,9 +79,12 @@ class W4A8Linear(QuantModule):
         self.group_multiplier.copy_(multiplier)
         self.channel_scale.copy_(channel_scale)
 
+    def group_scales(self) -> torch.Tensor:
+        """fp32 [out, in / group]: the scales the codes are taken against (channel × group)."""
+        return effective_scales(self.channel_scale, self.group_multiplier)
+
     def dequantized_weight(self) -> torch.Tensor:
-        scales = effective_scales(self.channel_scale, self.group_multiplier)
-        return dequantize_int4(self.weight, scales, self.group_size)
+        return dequantize_int4(self.weight, self.group_scales(), self.group_size)
 
     def forward(self, x):
         s = self.scales
@@ -119,6 +122,10 @@ class W4A16Linear(nn.Module):
         packed, scales, _ = quantize_weight_w4a16(weight, self.group_size)
         self.weight.copy_(packed if codes is None else pack_int4(codes))
         self.scales.copy_(scales)
+
+    def group_scales(self) -> torch.Tensor:
+        """fp32 [out, in / group]: the scales the codes are taken against."""
+        return self.scales.float()
 
     def dequantized_weight(self) -> torch.Tensor:
         return dequantize_int4(self.weight, self.scales, self.group_size)

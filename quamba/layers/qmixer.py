@@ -69,18 +69,14 @@ class QMambaMixer(QuantModule):
 
     @classmethod
     def from_float(cls, mixer, h_scale: float, scales: dict[str, float], hadamard: bool,
-                   weight_bits: int = 8, group_size: int = 128, weight_codes: dict | None = None):
-        """Quantize an FP MambaMixer (already rotated if ``hadamard``) with calibrated scales.
-        ``weight_codes`` maps a 4-bit layer's name to codes found by GPTQ (else round-to-nearest)."""
+                   weight_bits: int = 8, group_size: int = 128):
+        """Quantize an FP MambaMixer (already rotated if ``hadamard``) with calibrated scales;
+        4-bit weights round to nearest (GPTQ replaces their codes afterwards)."""
         weight = mixer.in_proj.weight
         q = cls(weight.shape[1], mixer.d_inner, mixer.d_state, mixer.d_conv, mixer.dt_rank,
                 scales, h_scale, hadamard, weight.dtype, weight.device, weight_bits, group_size)
         for name in ("in_proj", "x_proj", "dt_proj", "out_proj"):
-            layer, fp_weight = getattr(q, name), getattr(mixer, name).weight
-            if isinstance(layer, W4A8Linear):
-                layer.load_float_weight(fp_weight, (weight_codes or {}).get(name))
-            else:
-                layer.load_float_weight(fp_weight)
+            getattr(q, name).load_float_weight(getattr(mixer, name).weight)
         for name, tensor in (("conv_weight", mixer.conv1d.weight.squeeze(1)),
                              ("conv_bias", mixer.conv1d.bias), ("A_log", mixer.A_log),
                              ("D", mixer.D), ("dt_bias", mixer.dt_proj.bias)):

@@ -31,15 +31,13 @@ def weight_only_mixer(config: MambaConfig, group_size: int, hadamard: bool, dtyp
     return mixer
 
 
-def weight_only_mixer_from_float(fp_mixer: MambaMixer, group_size: int,
-                                 weight_codes: dict | None = None) -> MambaMixer:
-    """A weight-only copy of an FP mixer (rotated or not). ``weight_codes`` maps a layer name to
-    4-bit codes found by GPTQ against the layer's fp16 group scales; other layers are rounded to
-    nearest."""
+def weight_only_mixer_from_float(fp_mixer: MambaMixer, group_size: int) -> MambaMixer:
+    """A weight-only copy of an FP mixer (rotated or not), its 4-bit weights rounded to nearest
+    (GPTQ replaces their codes afterwards)."""
     mixer = copy.deepcopy(fp_mixer)
     for name in WEIGHT_ONLY_LINEARS:
         fp_weight = getattr(fp_mixer, name).weight
         layer = W4A16Linear(fp_weight.shape[1], fp_weight.shape[0], group_size, fp_weight.device)
-        layer.load_float_weight(fp_weight, (weight_codes or {}).get(name))
+        layer.load_float_weight(fp_weight)
         setattr(mixer, name, layer)
     return mixer

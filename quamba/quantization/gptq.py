@@ -5,6 +5,12 @@ column, moves the rounding error onto the columns not yet quantized so as to min
 ‖X Wᵀ − X Ŵᵀ‖² over the calibration inputs X. The only statistic of X it needs is the
 Hessian H = (2 / n) Σ xᵀx [K, K] of that objective.
 
+:func:`gptq_sequential_` runs it as GPTQ's own procedure does: layer after layer, in the order the
+quantized model runs them, X being each layer's input *in the quantized model* (the int8
+activations of W4A8, after every earlier layer has been quantized), so that each layer
+compensates what came before it. :func:`collect_hessians` gives the FP model's Hessians instead
+(used to measure a layer's output error on held-out text).
+
 The per-group scales are **static**: they are given (computed beforehand from the original
 weights, as W4A8's two-level scales with multipliers in [1, 18] and W4A16's fp16 scales must be)
 and each column is quantized with its group's scale by exactly quamba.ops.quant4's rule, so GPTQ
@@ -22,6 +28,8 @@ from quamba.ops.quant import reciprocal
 from quamba.ops.quant4 import INT4_MAX, expand_groups
 
 LM_HEAD = "lm_head"
+# The 4-bit linears of a mixer in the order it runs them.
+MIXER_ORDER = ("in_proj", "x_proj", "out_proj")
 
 
 def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, scales: torch.Tensor,
@@ -113,16 +121,55 @@ def _quantize_block(work, upper, column_scales, column_inverses, codes, start, e
 
 
 @torch.no_grad()
+def gptq_sequential_(qmodel, fp_model, tokens: torch.Tensor, layer_names=("in_proj", "out_proj"),
+                     damp: float = 0.01, block_size: int = 128, act_order: bool = False,
+                     batch_size: int = 8, progress: bool = True) -> None:
+    """Replace the round-to-nearest codes of the 4-bit linears ``layer_names`` of every block of
+    ``qmodel`` (W4A8 or W4A16, built from ``fp_model``) by GPTQ's, in place, in execution order.
+
+    The calibration tokens [samples, seqlen] run once through the embedding; then, block by block,
+    each named linear gets the Hessian of its input in the quantized block (one block forward per
+    linear, the earlier linears of the block already replaced), is quantized by GPTQ from its FP
+    weight against its own static group scales (``group_scales()``), and the block's outputs,
+    computed with every replacement in place, become the next block's inputs. The blocks run in
+    their present SSM mode and backend. Deterministic.
+    """
+    names = [name for name in MIXER_ORDER if name in layer_names]
+    device = qmodel.backbone.embedding.weight.device
+    hidden = [qmodel.backbone.embedding(tokens[start:start + batch_size].to(device))
+              for start in range(0, tokens.shape[0], batch_size)]
+    residual = [None] * len(hidden)
+    blocks = list(zip(qmodel.backbone.layers, fp_model.backbone.layers))
+    for block, fp_block in tqdm(blocks, desc="GPTQ", unit="layer", disable=not progress):
+        for name in names:
+            layer = getattr(block.mixer, name)
+            hessian = _block_input_hessian(block, layer, hidden, residual)
+            fp_weight = getattr(fp_block.mixer, name).weight.detach().float()
+            codes = gptq_quantize(fp_weight, hessian, layer.group_scales(), layer.group_size,
+                                  damp=damp, block_size=block_size, act_order=act_order)
+            layer.load_float_weight(fp_weight, codes)
+        hidden, residual = map(list, zip(*(block(h, r) for h, r in zip(hidden, residual))))
+
+
+def _block_input_hessian(block, layer, hidden: list, residual: list) -> torch.Tensor:
+    """(2 / n) Σ xᵀx of ``layer``'s input x (dequantized when int8) over one forward of ``block``
+    on every batch."""
+    sums, counts = {layer: None}, {layer: 0}
+    with _accumulating({layer: layer}, sums, counts, dequantize=True):
+        for h, r in zip(hidden, residual):
+            block(h, r)
+    return sums[layer] * (2.0 / counts[layer])
+
+
+@torch.no_grad()
 def collect_hessians(model, tokens: torch.Tensor, layer_names=("in_proj", "out_proj"),
                      batch_size: int = 8, progress: bool = True) -> dict:
     """GPTQ Hessians H = (2 / n) Σ xᵀx (fp32, over all n input tokens) of the named linears of
     every mixer, keyed ``(layer index, name)``; with ``"lm_head"`` in ``layer_names`` also the
     lm_head's, keyed ``(None, "lm_head")``.
 
-    One pass over the FP model: every Hessian comes from the unquantized model's activations
-    (not sequentially from a model whose earlier layers are already quantized). This keeps the
-    Hessians independent of the quantization order and costs a single forward per batch, at the
-    price of not compensating the earlier layers' quantization error.
+    One pass over ``model`` as it is (the FP model, for measuring layer errors on held-out text;
+    quantization itself uses :func:`gptq_sequential_`).
     """
     linears = _named_linears(model, layer_names)
     sums = {key: None for key in linears}
@@ -153,21 +200,26 @@ def _named_linears(model, layer_names) -> dict:
 
 
 @contextmanager
-def _accumulating(linears: dict, sums: dict, counts: dict):
-    """Forward pre-hooks adding each linear's xᵀx into ``sums``; removed on exit, also on error."""
+def _accumulating(linears: dict, sums: dict, counts: dict, dequantize: bool = False):
+    """Forward pre-hooks adding each linear's xᵀx into ``sums`` (x times the linear's
+    ``in_scale`` when x is int8 and ``dequantize``); removed on exit, also on error."""
     handles = []
     try:
         for key, module in linears.items():
-            handles.append(module.register_forward_pre_hook(_accumulate_hook(key, sums, counts)))
+            hook = _accumulate_hook(key, sums, counts, dequantize)
+            handles.append(module.register_forward_pre_hook(hook))
         yield
     finally:
         for handle in handles:
             handle.remove()
 
 
-def _accumulate_hook(key, sums: dict, counts: dict):
+def _accumulate_hook(key, sums: dict, counts: dict, dequantize: bool):
     def hook(module, inputs):
-        rows = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).float()
+        x = inputs[0].detach()
+        rows = x.reshape(-1, x.shape[-1]).float()
+        if dequantize and x.dtype == torch.int8:
+            rows *= module.scales["in_scale"]
         gram = rows.T @ rows
         sums[key] = gram if sums[key] is None else sums[key].add_(gram)
         counts[key] += rows.shape[0]

@@ -9,7 +9,6 @@ import dataclasses
 import logging
 
 import torch
-from tqdm.auto import tqdm
 
 from quamba.errors import QuambaError
 from quamba.layers.qmixer import QMambaMixer
@@ -55,13 +54,14 @@ def quantize(model: MambaLMHeadModel, tokenizer=None, config: QuantConfig | None
         ranges, record = None, {}
     else:
         ranges, record = _calibrate(work, tokenizer, config, calib_data, progress)
-    weight_codes = _gptq_codes(work, tokenizer, config, progress) if config.apply_gptq else {}
-    qmodel = build_quantized_model(work, ranges, config, weight_codes)
+    qmodel = build_quantized_model(work, ranges, config)
     qmodel.calibration = record
     qmodel.base_model = getattr(model, "source", {}).get("name_or_path")
     qmodel.tokenizer = tokenizer
     qmodel.__dict__["fp_model"] = model
     qmodel.set_ssm_mode(config.ssm_mode, config.backend)
+    if config.apply_gptq:
+        _apply_gptq(qmodel, work, tokenizer, config, progress)
     log.info("quantized %d layers (W%dA%d, hadamard %s, ssm mode %s)", model.config.n_layer,
              config.w_bits, config.a_bits, config.hadamard, config.ssm_mode)
     return qmodel
@@ -93,11 +93,9 @@ def _calibrate(fp_model, tokenizer, config: QuantConfig, calib_data, progress: b
 
 
 @torch.no_grad()
-def build_quantized_model(fp_model: MambaLMHeadModel, ranges: dict, config: QuantConfig,
-                          weight_codes: dict | None = None):
+def build_quantized_model(fp_model: MambaLMHeadModel, ranges: dict, config: QuantConfig):
     """QuantizedMambaLM from an FP model (rotated when ``config.hadamard``) and its calibrated
-    clipping ranges ``ranges[layer][kind]`` (None for W4A16); ``weight_codes[layer][name]``:
-    GPTQ's 4-bit codes."""
+    clipping ranges ``ranges[layer][kind]`` (None for W4A16); 4-bit weights round to nearest."""
     weight = fp_model.backbone.embedding.weight
     qmodel = QuantizedMambaLM(copy.deepcopy(fp_model.config), config, dtype=weight.dtype,
                               device=weight.device)
@@ -106,48 +104,31 @@ def build_quantized_model(fp_model: MambaLMHeadModel, ranges: dict, config: Quan
     if not qmodel.config.tie_embeddings:
         qmodel.lm_head.load_state_dict(fp_model.lm_head.state_dict())
     for i, (block, fp_block) in enumerate(zip(qmodel.backbone.layers, fp_model.backbone.layers)):
-        layer_codes = (weight_codes or {}).get(i)
         if config.weight_only:
             block.norm = copy.deepcopy(fp_block.norm)
-            block.mixer = weight_only_mixer_from_float(fp_block.mixer, config.group_size,
-                                                       layer_codes)
+            block.mixer = weight_only_mixer_from_float(fp_block.mixer, config.group_size)
             continue
         layer_ranges = ranges[i]
         h_scale = scale_from_range(layer_ranges["in_proj.input"])
         scales = {name: scale_from_range(layer_ranges[kind]) for kind, name in _SCALE_OF_KIND.items()}
         block.norm = _quantized_norm(fp_block.norm, h_scale, keep_weight=not config.hadamard)
         block.mixer = QMambaMixer.from_float(fp_block.mixer, h_scale, scales, config.hadamard,
-                                             config.w_bits, config.group_size, layer_codes)
+                                             config.w_bits, config.group_size)
     return qmodel
 
 
-def _gptq_codes(fp_model: MambaLMHeadModel, tokenizer, config: QuantConfig, progress: bool):
-    """GPTQ's 4-bit codes of ``config.gptq_layers`` of every layer, ``codes[layer][name]``, taken
-    against the same static group scales round-to-nearest uses (W4A8: the two-level scales;
-    W4A16: the fp16 scales)."""
+def _apply_gptq(qmodel: QuantizedMambaLM, fp_model: MambaLMHeadModel, tokenizer,
+                config: QuantConfig, progress: bool) -> None:
+    """GPTQ's codes for ``config.gptq_layers`` of every block, sequentially on the quantized model
+    (quamba.quantization.gptq.gptq_sequential_), against the static group scales round-to-nearest
+    uses (W4A8: the two-level scales; W4A16: the fp16 scales)."""
     from quamba.calibrate import load_calibration_set
-    from quamba.ops.quant4 import group_size_for
-    from quamba.quantization.gptq import collect_hessians, gptq_quantize
+    from quamba.quantization.gptq import gptq_sequential_
     tokens = load_calibration_set(config.gptq_source, tokenizer, config.gptq_num_samples,
                                   config.gptq_seqlen, config.seed).tokens
-    hessians = collect_hessians(fp_model, tokens, config.gptq_layers,
-                                batch_size=config.calib_batch_size, progress=progress)
-    codes: dict = {}
-    for (layer, name), hessian in tqdm(sorted(hessians.items()), desc="GPTQ", disable=not progress):
-        weight = getattr(fp_model.backbone.layers[layer].mixer, name).weight.float()
-        size = group_size_for(weight.shape[1], config.group_size)
-        codes.setdefault(layer, {})[name] = gptq_quantize(
-            weight, hessian, _static_scales(weight, size, config), size, damp=config.gptq_damp,
-            block_size=config.gptq_block_size, act_order=config.gptq_act_order)
-    return codes
-
-
-def _static_scales(weight: torch.Tensor, group_size: int, config: QuantConfig) -> torch.Tensor:
-    """fp32 [N, K / G]: the group scales a 4-bit layer of ``config``'s recipe holds for ``weight``."""
-    from quamba.ops.quant4 import effective_scales, group_scales, two_level_scales, w4a16_scales
-    if config.weight_only:
-        return w4a16_scales(weight, group_size).float()
-    return effective_scales(*two_level_scales(group_scales(weight, group_size)))
+    gptq_sequential_(qmodel, fp_model, tokens, config.gptq_layers, damp=config.gptq_damp,
+                     block_size=config.gptq_block_size, act_order=config.gptq_act_order,
+                     batch_size=config.calib_batch_size, progress=progress)
 
 
 def _quantized_norm(fp_norm, out_scale: float, keep_weight: bool) -> QRMSNorm:

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from quamba.models import MambaConfig, MambaLMHeadModel, randomize_
-from quamba.ops.quant4 import expand_groups, group_scales, quantize_int4
+from quamba.ops.quant4 import expand_groups, group_scales, pack_int4, quantize_int4
 from quamba.quantization.gptq import collect_hessians, gptq_quantize
 
 N, K, GROUP, SAMPLES = 48, 256, 128, 2048
@@ -107,3 +107,63 @@ def test_hooks_are_removed_on_error():
     with pytest.raises(IndexError):
         collect_hessians(model, torch.tensor([[0, 1000]]), progress=False)
     assert not model.mixers()[0].in_proj._forward_pre_hooks
+
+
+def _captured_hessian(model, module, tokens, batch_size):
+    """(2 / n) Σ xᵀx of ``module``'s input over a forward of ``model`` per batch, summed in batch
+    order as gptq_sequential_ sums it."""
+    grams, count = [], 0
+
+    def hook(_, inputs):
+        nonlocal count
+        rows = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).float()
+        grams.append(rows.T @ rows)
+        count += rows.shape[0]
+    handle = module.register_forward_pre_hook(hook)
+    with torch.no_grad():
+        for start in range(0, tokens.shape[0], batch_size):
+            model(tokens[start:start + batch_size])
+    handle.remove()
+    total = grams[0]
+    for gram in grams[1:]:
+        total = total.add_(gram)
+    return total * (2.0 / count)
+
+
+def test_gptq_sequential_feeds_each_block_the_quantized_model_inputs():
+    from quamba.quantization import QuantConfig, build_quantized_model
+    from quamba.quantization.gptq import gptq_sequential_
+    model = _tiny_model()
+    config = QuantConfig(w_bits=4, a_bits=16, group_size=64)
+    qmodel = build_quantized_model(model, None, config)
+    rtn_codes = qmodel.backbone.layers[1].mixer.in_proj.weight.clone()
+    tokens = torch.randint(0, 256, (5, 12), generator=torch.Generator().manual_seed(2))
+    gptq_sequential_(qmodel, model, tokens, ("in_proj", "out_proj"), batch_size=2, progress=False)
+
+    # Block 1's in_proj saw block 0's outputs after block 0 was quantized, in the final model.
+    layer = qmodel.backbone.layers[1].mixer.in_proj
+    fp_weight = model.backbone.layers[1].mixer.in_proj.weight.float()
+    hessian = _captured_hessian(qmodel, layer, tokens, batch_size=2)
+    expected = gptq_quantize(fp_weight, hessian, layer.group_scales(), layer.group_size)
+    assert torch.equal(layer.weight, pack_int4(expected))
+    fp_hessian = collect_hessians(model, tokens, ("in_proj",), batch_size=2, progress=False)[1, "in_proj"]
+    from_fp_inputs = gptq_quantize(fp_weight, fp_hessian, layer.group_scales(), layer.group_size)
+    assert not torch.equal(expected, from_fp_inputs)
+    assert not torch.equal(layer.weight, rtn_codes)
+    assert all(not m._forward_pre_hooks for m in qmodel.modules())
+
+
+def test_gptq_sequential_is_deterministic_and_leaves_other_layers_at_rtn():
+    from quamba.quantization import QuantConfig, build_quantized_model
+    from quamba.quantization.gptq import gptq_sequential_
+    model = _tiny_model()
+    config = QuantConfig(w_bits=4, a_bits=16, group_size=64)
+    tokens = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(3))
+    runs = []
+    for _ in range(2):
+        qmodel = build_quantized_model(model, None, config)
+        rtn_x_proj = qmodel.backbone.layers[0].mixer.x_proj.weight.clone()
+        gptq_sequential_(qmodel, model, tokens, ("out_proj",), progress=False)
+        assert torch.equal(qmodel.backbone.layers[0].mixer.x_proj.weight, rtn_x_proj)
+        runs.append(qmodel.state_dict())
+    assert all(torch.equal(runs[0][key], runs[1][key]) for key in runs[0])
