@@ -52,9 +52,10 @@ struct W4A16Args {
   cudaStream_t stream;
 };
 
-// Decode GEMVs (M <= kGemvMaxM). W4A8: dp4a, `rows` (1, 2, 4) weight rows per warp and `splits`
-// (1, 2, 4) warps sharing a row group's K range; 0 picks them from the shape. W4A16: tensor cores
-// (mma.sync m16n8k16, 16 or 64 weight rows per warp, chosen from N), `splits` as above.
+// Decode GEMVs (M <= kGemvMaxM). W4A8: `rows` weight rows per warp, 4 (dp4a) or 16 (tensor
+// cores, mma.sync m16n8k32), and `splits` (1, 2, 4) warps sharing a row group's K range; 0 picks
+// them from the shape. W4A16: tensor cores (mma.sync m16n8k16, 16 or 64 weight rows per warp,
+// chosen from N), `splits` as above.
 void launch_w4a8_gemv(const W4A8Args& args, int rows = 0, int splits = 0);
 void launch_w4a16_gemv(const W4A16Args& args, int splits = 0);
 

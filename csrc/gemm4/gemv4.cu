@@ -6,9 +6,14 @@
 // W4A8 (dp4a): a lane takes whole chunks. Nibbles are moved to the top of each byte with one shift
 // and one AND ((w << 4) & 0xF0F0F0F0 holds the even k, w & 0xF0F0F0F0 the odd k, each as 16 *
 // code in int8) and multiplied with the even / odd bytes of x (two byte permutes per 8 bytes of
-// x, shared by the R rows); the chunk's int32 sum is exact, divided by 16 exactly, multiplied by
-// the group's int8 multiplier and added. Exact for any int8 multiplier. R = 1, 2, 4 rows per warp,
-// `splits` warps sharing a row group's K range (as the W8A8 GEMV, gemm/gemv.cu).
+// x, shared by the 4 rows of a warp); the chunk's int32 sum is exact, divided by 16 exactly,
+// multiplied by the group's int8 multiplier and added. Exact for any int8 multiplier. `splits`
+// warps share a row group's K range (as the W8A8 GEMV, gemm/gemv.cu).
+//
+// W4A8 (mma.sync m16n8k32, s8 in, s32 accumulate): the tensor-core GEMV below with the same
+// nibble trick in A (even codes of a word against the even bytes of 8 activations, odd against
+// odd) and exact int32 totals; it wins where the weight rows fill the GPU or M grows
+// (w4a8_use_tensor_cores).
 //
 // W4A16 (mma.sync m16n8k16, f16 or bf16 in, f32 accumulate): A = 16 weight rows, B = the
 // activations (column m = x row m; columns past M only reach outputs that are never written). Lane
@@ -22,7 +27,7 @@
 // scale of its weight row into fp32 totals; for G = 32, 64, 96, ... each of the H groups a step can
 // touch is a pass of the mmas with the other lanes' activations masked to zero. Each lane keeps D
 // steps of weights, scales and activations in flight in a ring refilled as each step is used.
-// Measured on an H100 (benchmarks/bench_gemm4.py timing, M = 1, 4 splits): in_proj (N 10240,
+// W4A16 measured on an H100 (benchmarks/bench_gemm4.py timing, M = 1, 4 splits): in_proj (N 10240,
 // K 2560) 7.66 us (57% of the copy bandwidth) against 14.1 for the previous kernel (B = 8 weight
 // rows, A = activations with half of every mma zero) and 24.8 for fp16; out_proj (2560 x 5120)
 // 6.27 against 8.60 and 14.2; x_proj (192 x 5120) 3.24 against 4.90 and 6.62. Per-warp latency
@@ -45,7 +50,7 @@ namespace quamba::gemm4 {
 namespace {
 
 using gemm::Epilogue;
-using gemm::kLoadsPerLane;  // W4A8: R rows x (8 / R) steps of 16-byte chunks in flight per lane
+using gemm::kLoadsPerLane;  // W4A8 dp4a: kDp4aRows rows x (8 / kDp4aRows) 16-byte chunks in flight per lane
 using gemm::kThreads;
 using gemm::kWarps;
 using gemm::load_streaming;
@@ -80,15 +85,18 @@ __device__ __forceinline__ int chunk_dot(int4 w, const int (&xe)[4], const int (
   return acc;
 }
 
+constexpr int kDp4aRows = 4;  // W4A8 dp4a: weight rows per warp
+
 // Sums over chunks [begin, end) of rows row0..row0+R-1 (rows past N re-read row N - 1; the caller
 // drops them). Returns, in lane r * M + m, the warp's sum for (row0 + r, m).
-template <int M, int R>
+template <int M>
 __device__ __forceinline__ int w4a8_row_group_sums(const int4* __restrict__ x, const uint8_t* __restrict__ w,
                                                    const int8_t* __restrict__ multipliers, int N, int chunks,
                                                    int groups, GroupOf group_of, int row0, int begin, int end,
                                                    int lane) {
   // (16 loads per lane for M <= 2, so that in_proj's rows take one pass, was slower on the H100:
   // 8.5 vs 7.4 us for in_proj at M = 1, from the registers it costs.)
+  constexpr int R = kDp4aRows;
   constexpr int kSteps = kLoadsPerLane / R;
   const int4* w_rows[R];
   const int8_t* m_rows[R];
@@ -140,10 +148,11 @@ __device__ __forceinline__ int w4a8_row_group_sums(const int4* __restrict__ x, c
   return gemm::lane_sum(acc, lane);
 }
 
-template <int M, int R, typename OutT>
+template <int M, typename OutT>
 __global__ void __launch_bounds__(kThreads)
 w4a8_gemv_kernel(const int8_t* __restrict__ x, const uint8_t* __restrict__ w, const int8_t* __restrict__ multipliers,
                  OutT* __restrict__ out, int N, int K, GroupOf group_of, Epilogue epilogue, int splits) {
+  constexpr int R = kDp4aRows;
   static_assert(R * M <= 32, "one output per lane");
   __shared__ int partial[kWarps][1][32];
   pdl_launch_dependents();
@@ -152,23 +161,12 @@ w4a8_gemv_kernel(const int8_t* __restrict__ x, const uint8_t* __restrict__ w, co
   const gemm::WarpShare s = gemm::warp_share(R, N, chunks, splits);
   const int lane = s.lane;
 
-  int sum = w4a8_row_group_sums<M, R>(reinterpret_cast<const int4*>(x), w, multipliers, N, chunks, groups, group_of,
-                                      s.row0, s.begin, s.end, lane);
+  int sum = w4a8_row_group_sums<M>(reinterpret_cast<const int4*>(x), w, multipliers, N, chunks, groups, group_of,
+                                   s.row0, s.begin, s.end, lane);
   pdl_wait();  // warps with no share of K have not waited yet
   if (!gemm::combine_splits<1>(partial, &sum, s, splits)) return;
   const int n = s.row0 + lane / M;
   if (lane < R * M && n < N) out[static_cast<int64_t>(lane % M) * N + n] = epilogue.apply<OutT>(sum, n);
-}
-
-// Chosen by measurement on the H100 (benchmarks/RESULTS.md, every variant swept): 4 rows per warp
-// when that gives every SM 8 warps; otherwise 2 for two activation rows (more warps) and 4 for one
-// or more than two (x's byte permutes and loads shared by more rows). With programmatic dependent
-// launch, 4 rows won at M = 1 everywhere (final H100 check: out_proj 4.43 us with 4 rows and 4
-// splits, 7.16 us with 2 rows); M = 2 was last swept before that change. K is split until about
-// 16 (M <= 2) or 8 warps per SM, keeping at least one sweep of K per warp.
-int w4a8_choose_rows(int M, int N, int sms) {
-  if ((N + 3) / 4 >= 8 * sms) return 4;
-  return M == 2 ? 2 : 4;
 }
 
 int choose_splits(int work_items, int sweeps, int target_warps) {
@@ -177,33 +175,26 @@ int choose_splits(int work_items, int sweeps, int target_warps) {
   return splits;
 }
 
-template <int M, int R, typename OutT>
+template <int M, typename OutT>
 void launch_w4a8_kernel(const W4A8Args& a, int splits) {
-  const auto kernel = w4a8_gemv_kernel<M, R, OutT>;
+  const auto kernel = w4a8_gemv_kernel<M, OutT>;
   gemm::check_kernel_image(reinterpret_cast<const void*>(kernel), "w4a8 GEMV");
   const int groups_per_block = kWarps / splits;
-  const int blocks = ((a.N + R - 1) / R + groups_per_block - 1) / groups_per_block;
+  const int blocks = ((a.N + kDp4aRows - 1) / kDp4aRows + groups_per_block - 1) / groups_per_block;
   const Epilogue epilogue{a.multiplier, a.multiplier_per_channel, nullptr};
   launch_with_pdl(kernel, blocks, kThreads, 0, a.stream, a.x, a.w, a.group_multiplier, static_cast<OutT*>(a.out),
                   a.N, a.K, GroupOf::make(a.group_size), epilogue, splits);
 }
 
 template <int M>
-void launch_w4a8_for_m(const W4A8Args& a, int rows, int splits) {
-  gemm::dispatch_out_type(a.out_type, [&](auto tag) {
-    using OutT = decltype(tag);
-    switch (rows) {
-      case 1: launch_w4a8_kernel<M, 1, OutT>(a, splits); break;
-      case 2: launch_w4a8_kernel<M, 2, OutT>(a, splits); break;
-      case 4: launch_w4a8_kernel<M, 4, OutT>(a, splits); break;
-    }
-  });
+void launch_w4a8_for_m(const W4A8Args& a, int splits) {
+  gemm::dispatch_out_type(a.out_type, [&](auto tag) { launch_w4a8_kernel<M, decltype(tag)>(a, splits); });
 }
 
 // ---------------------------------------------------------------------------------------------
 // W4A16, mma.sync
 
-constexpr int kTileRows = 16;  // W4A16: weight rows of one mma tile (A)
+constexpr int kTileRows = 16;  // weight rows of one mma tile (A)
 
 // (a & b) ^ c in one lop3 (the compiler splits it in two when both b and c are immediates).
 __device__ __forceinline__ uint32_t and_xor(uint32_t a, uint32_t b, uint32_t c) {
@@ -280,22 +271,40 @@ __device__ __forceinline__ void x_pairs(uint4 v, uint32_t (&p)[4]) {
   p[3] = __byte_perm(v.y, v.w, 0x7632);
 }
 
+// The two tensor-core GEMVs differ in their activations, group scales and accumulators only.
+// W4A16: f16/bf16 activations, fp16 group scales, fp32 totals.
+template <typename XT>
+struct HalfFormat {
+  using X = XT;
+  using Scale = __half;
+  using Total = float;
+  static constexpr int kXVectors = 4;  // 16-byte vectors of x per lane and step: 32 activations
+};
+
+// W4A8: int8 activations, int8 group multipliers, int32 totals (exact).
+struct Int8Format {
+  using X = int8_t;
+  using Scale = int8_t;
+  using Total = int;
+  static constexpr int kXVectors = 2;
+};
+
 // What one step (128 k) needs from memory, per lane: chunk 4 * step + t of the lane's weight rows
 // (rows g and g + 8 of tile r in w[2r], w[2r + 1]), their scales for the step's H groups, and the
 // same 32 activations of x row g.
-template <int R, int H>
+template <typename F, int R, int H>
 struct Stage {
   int4 w[2 * R];
-  __half scale[H][2 * R];
-  uint4 x[4];
+  typename F::Scale scale[H][2 * R];
+  uint4 x[F::kXVectors];
 };
 
 // Where a lane reads: its weight rows row0 + 8 i + g (past N: row N - 1), their scale rows and x
 // row g.
-template <int R>
+template <typename F, int R>
 struct LaneRows {
   const int4* w[2 * R];
-  const __half* scales[2 * R];
+  const typename F::Scale* scales[2 * R];
   const uint4* x;
   bool has_x;  // g < M: the other lanes' B columns only reach outputs that are never written
   int t, chunks, groups;
@@ -308,8 +317,8 @@ struct LaneRows {
   }
 };
 
-template <int R, int H>
-__device__ __forceinline__ void load_weights(Stage<R, H>& s, const LaneRows<R>& rows, int step) {
+template <typename F, int R, int H>
+__device__ __forceinline__ void load_weights(Stage<F, R, H>& s, const LaneRows<F, R>& rows, int step) {
   const int c = rows.template chunk<H>(step);
   const int first = rows.group_of(4 * step);
 #pragma unroll
@@ -324,12 +333,12 @@ __device__ __forceinline__ void load_weights(Stage<R, H>& s, const LaneRows<R>& 
 }
 
 // L2 hits, not L1 (pdl.cuh).
-template <int R, int H>
-__device__ __forceinline__ void load_x(Stage<R, H>& s, const LaneRows<R>& rows, int step) {
-  const uint4* p = rows.x + 4 * rows.template chunk<H>(step);
+template <typename F, int R, int H>
+__device__ __forceinline__ void load_x(Stage<F, R, H>& s, const LaneRows<F, R>& rows, int step) {
+  const uint4* p = rows.x + F::kXVectors * rows.template chunk<H>(step);
   if (rows.has_x)
 #pragma unroll
-    for (int k = 0; k < 4; ++k) s.x[k] = __ldcg(p + k);
+    for (int k = 0; k < F::kXVectors; ++k) s.x[k] = __ldcg(p + k);
 }
 
 // Adds one step to total[r]: A = 16 weight rows of tile r, B = the activations (column m = x row
@@ -337,7 +346,8 @@ __device__ __forceinline__ void load_x(Stage<R, H>& s, const LaneRows<R>& rows, 
 // lies in the step's h-th group and is scaled by that group's scales. total[r] = (row g, m 2t),
 // (row g, m 2t + 1), (row g + 8, m 2t), (row g + 8, m 2t + 1) of tile r.
 template <typename XT, int R, int H>
-__device__ __forceinline__ void accumulate_step(float (&total)[R][4], const Stage<R, H>& s, int phase) {
+__device__ __forceinline__ void accumulate_step(float (&total)[R][4], const Stage<HalfFormat<XT>, R, H>& s,
+                                                int phase) {
   float d[H][R][2][4] = {};
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
@@ -367,21 +377,73 @@ __device__ __forceinline__ void accumulate_step(float (&total)[R][4], const Stag
         total[r][e] = fmaf(d[h][r][0][e] + d[h][r][1][e], __half2float(s.scale[h][2 * r + e / 2]), total[r][e]);
 }
 
+__device__ __forceinline__ void mma_s8(int (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                       uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// W4A8's step (m16n8k32, int8 in, int32 accumulate). Word j of a weight chunk gives 16 * its even
+// codes ((w << 4) & 0xF0F0F0F0) and 16 * its odd codes (w & 0xF0F0F0F0) as int8 in one or two
+// operations, against the even and odd bytes of the same 8 activations: the k of an mma only
+// have to pair up the same in A and B. A pass's int32 sum (one group's, exact) is divided by 16
+// exactly and multiplied by the group's int8 multiplier: exact for any multiplier.
+template <int R, int H>
+__device__ __forceinline__ void accumulate_step(int (&total)[R][4], const Stage<Int8Format, R, H>& s, int phase) {
+  const uint32_t xw[8] = {s.x[0].x, s.x[0].y, s.x[0].z, s.x[0].w, s.x[1].x, s.x[1].y, s.x[1].z, s.x[1].w};
+  int d[H][R][2][4] = {};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const uint32_t x_even = __byte_perm(xw[2 * j], xw[2 * j + 1], 0x6420);
+    const uint32_t x_odd = __byte_perm(xw[2 * j], xw[2 * j + 1], 0x7531);
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int lo_words[4] = {s.w[2 * r].x, s.w[2 * r].y, s.w[2 * r].z, s.w[2 * r].w};
+      const int hi_words[4] = {s.w[2 * r + 1].x, s.w[2 * r + 1].y, s.w[2 * r + 1].z, s.w[2 * r + 1].w};
+      const uint32_t lo = static_cast<uint32_t>(lo_words[j]), hi = static_cast<uint32_t>(hi_words[j]);
+      const uint32_t lo_even = (lo << 4) & 0xF0F0F0F0u, lo_odd = lo & 0xF0F0F0F0u;
+      const uint32_t hi_even = (hi << 4) & 0xF0F0F0F0u, hi_odd = hi & 0xF0F0F0F0u;
+#pragma unroll
+      for (int h = 0; h < H; ++h) {
+        const bool use = H == 1 || phase == h;
+        mma_s8(d[h][r][j % 2], lo_even, hi_even, lo_odd, hi_odd, use ? x_even : 0u, use ? x_odd : 0u);
+      }
+    }
+  }
+#pragma unroll
+  for (int h = 0; h < H; ++h)
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        total[r][e] += ((d[h][r][0][e] + d[h][r][1][e]) >> 4) * s.scale[h][2 * r + e / 2];
+}
+
+// W4A16's output: the fp32 total cast to the output type.
+struct CastOutput {
+  template <typename OutT>
+  __device__ __forceinline__ OutT apply(float total, int) const { return from_float<OutT>(total); }
+};
+
 // R tiles of 16 weight rows per warp; D steps in flight per lane, in a ring refilled as each step
-// is used.
-template <typename XT, typename OutT, int R, int D, int H>
+// is used. `finish` turns a row's total into its output (W4A8: gemm::Epilogue).
+template <typename F, typename OutT, int R, int D, int H, typename Finish>
 __global__ void __launch_bounds__(kThreads)
-w4a16_gemv_kernel(const XT* __restrict__ x, const uint8_t* __restrict__ w, const __half* __restrict__ scales,
-                  OutT* __restrict__ out, int M, int N, int K, GroupOf group_of, int splits) {
+mma_gemv_kernel(const typename F::X* __restrict__ x, const uint8_t* __restrict__ w,
+                const typename F::Scale* __restrict__ scales, OutT* __restrict__ out, int M, int N, int K,
+                GroupOf group_of, int splits, Finish finish) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  __shared__ float partial[kWarps][4 * R][32];
+  using Total = typename F::Total;
+  __shared__ Total partial[kWarps][4 * R][32];
   pdl_launch_dependents();
   const int chunks = K / kCodesPerChunk;
   const int groups = chunks / group_of.per_group;
   const gemm::WarpShare share = gemm::warp_share(kTileRows * R, N, (chunks + 3) / 4, splits);
   const int begin = share.begin, end = share.end;
   const int g = share.lane / 4, t = share.lane % 4;
-  LaneRows<R> rows;
+  LaneRows<F, R> rows;
 #pragma unroll
   for (int i = 0; i < 2 * R; ++i) {
     const int64_t row = min(share.row0 + 8 * i + g, N - 1);
@@ -395,7 +457,7 @@ w4a16_gemv_kernel(const XT* __restrict__ x, const uint8_t* __restrict__ w, const
   rows.groups = groups;
   rows.group_of = group_of;
 
-  Stage<R, H> ring[D] = {};  // lanes without x keep zero activations
+  Stage<F, R, H> ring[D] = {};  // lanes without x keep zero activations
 #pragma unroll
   for (int b = 0; b < D; ++b)
     if (begin + b < end) load_weights(ring[b], rows, begin + b);
@@ -403,14 +465,14 @@ w4a16_gemv_kernel(const XT* __restrict__ x, const uint8_t* __restrict__ w, const
 #pragma unroll
   for (int b = 0; b < D; ++b)
     if (begin + b < end) load_x(ring[b], rows, begin + b);
-  float total[R][4] = {};
+  Total total[R][4] = {};
   for (int s0 = begin; s0 < end; s0 += D) {
 #pragma unroll
     for (int b = 0; b < D; ++b) {
       const int step = s0 + b;
       if (step >= end) break;  // warp-uniform
       const int phase = group_of(min(4 * step + t, chunks - 1)) - group_of(4 * step);
-      accumulate_step<XT, R, H>(total, ring[b], phase);
+      accumulate_step(total, ring[b], phase);
       if (step + D < end) {
         load_weights(ring[b], rows, step + D);
         load_x(ring[b], rows, step + D);
@@ -423,10 +485,10 @@ w4a16_gemv_kernel(const XT* __restrict__ x, const uint8_t* __restrict__ w, const
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int n = share.row0 + kTileRows * r + 8 * (e / 2) + g, m = 2 * t + e % 2;
-      if (m < M && n < N) out[static_cast<int64_t>(m) * N + n] = from_float<OutT>(total[r][e]);
+      if (m < M && n < N) out[static_cast<int64_t>(m) * N + n] = finish.template apply<OutT>(total[r][e], n);
     }
 #else
-  __trap();  // never launched: the host requires compute capability 8.0 (mma.sync f16/bf16)
+  __trap();  // never launched: the host requires compute capability 8.0 (mma.sync)
 #endif
 }
 
@@ -438,46 +500,84 @@ w4a16_gemv_kernel(const XT* __restrict__ x, const uint8_t* __restrict__ w, const
 // D = 2 (in_proj 7.7 us against 11.2 with R = 1, D = 6; x's loads and permutes shared by 64 rows).
 bool w4a16_wide_warps(int N, int sms) { return (N + kTileRows - 1) / kTileRows > 2 * sms; }
 
-template <typename XT, typename OutT, int R, int D, int H>
-void launch_w4a16_kernel(const W4A16Args& a, int splits, int sms) {
-  const auto kernel = w4a16_gemv_kernel<XT, OutT, R, D, H>;
-  gemm::check_kernel_image(reinterpret_cast<const void*>(kernel), "w4a16 GEMV");
+// A tensor-core GEMV's operands, typed by its format.
+template <typename F>
+struct MmaOperands {
+  const typename F::X* x;
+  const uint8_t* w;
+  const typename F::Scale* scales;
+  void* out;
+  int M, N, K, group_size;
+  cudaStream_t stream;
+};
+
+template <typename F, typename OutT, int R, int D, int H, typename Finish>
+void launch_mma_kernel(const MmaOperands<F>& a, int splits, int sms, Finish finish) {
+  const auto kernel = mma_gemv_kernel<F, OutT, R, D, H, Finish>;
+  gemm::check_kernel_image(reinterpret_cast<const void*>(kernel), "4-bit tensor-core GEMV");
   const int tiles = (a.N + kTileRows * R - 1) / (kTileRows * R);
   // K is split while each warp keeps a ring's worth of steps: 4 splits were the fastest (or within
   // 2%) for every Mamba-2.8B layer and M on the H100.
   if (splits == 0) splits = choose_splits(tiles, (a.K / kCodesPerChunk + 3) / 4 / D, 8 * sms);
   const int groups_per_block = kWarps / splits;
   const int blocks = (tiles + groups_per_block - 1) / groups_per_block;
-  launch_with_pdl(kernel, blocks, kThreads, 0, a.stream, static_cast<const XT*>(a.x), a.w,
-                  static_cast<const __half*>(a.scales), static_cast<OutT*>(a.out), a.M, a.N, a.K,
-                  GroupOf::make(a.group_size), splits);
+  launch_with_pdl(kernel, blocks, kThreads, 0, a.stream, a.x, a.w, a.scales, static_cast<OutT*>(a.out), a.M, a.N,
+                  a.K, GroupOf::make(a.group_size), splits, finish);
 }
 
-// H: how many groups one 4-chunk step (128 codes) can touch.
-template <typename XT, typename OutT>
-void launch_w4a16_for_groups(const W4A16Args& a, int splits, int sms) {
+// H: how many groups one 4-chunk step (128 codes) can touch; `wide`: 4 tiles per warp when H = 1.
+template <typename F, typename OutT, typename Finish>
+void launch_mma_for_groups(const MmaOperands<F>& a, bool wide, int splits, int sms, Finish finish) {
   if (a.group_size % 128 == 0) {
-    if (w4a16_wide_warps(a.N, sms)) launch_w4a16_kernel<XT, OutT, 4, 2, 1>(a, splits, sms);
-    else launch_w4a16_kernel<XT, OutT, 1, 6, 1>(a, splits, sms);
+    if (wide) launch_mma_kernel<F, OutT, 4, 2, 1>(a, splits, sms, finish);
+    else launch_mma_kernel<F, OutT, 1, 6, 1>(a, splits, sms, finish);
   } else if (a.group_size == 32) {
-    launch_w4a16_kernel<XT, OutT, 1, 2, 4>(a, splits, sms);
+    launch_mma_kernel<F, OutT, 1, 2, 4>(a, splits, sms, finish);
   } else {
-    launch_w4a16_kernel<XT, OutT, 1, 2, 2>(a, splits, sms);  // 64, 96, 160, ...: at most 2 per step
+    launch_mma_kernel<F, OutT, 1, 2, 2>(a, splits, sms, finish);  // 64, 96, 160, ...: at most 2 per step
   }
 }
 
 void launch_w4a16_types(const W4A16Args& a, int splits, int sms) {
+  const bool wide = w4a16_wide_warps(a.N, sms);
   auto for_x = [&](auto x_tag) {
-    using XT = decltype(x_tag);
+    using F = HalfFormat<decltype(x_tag)>;
+    const MmaOperands<F> operands{static_cast<const typename F::X*>(a.x), a.w, static_cast<const __half*>(a.scales),
+                                  a.out, a.M, a.N, a.K, a.group_size, a.stream};
     switch (a.out_type) {
-      case OutType::kFloat16: launch_w4a16_for_groups<XT, __half>(a, splits, sms); break;
-      case OutType::kBFloat16: launch_w4a16_for_groups<XT, __nv_bfloat16>(a, splits, sms); break;
-      case OutType::kFloat32: launch_w4a16_for_groups<XT, float>(a, splits, sms); break;
+      case OutType::kFloat16: launch_mma_for_groups<F, __half>(operands, wide, splits, sms, CastOutput{}); break;
+      case OutType::kBFloat16:
+        launch_mma_for_groups<F, __nv_bfloat16>(operands, wide, splits, sms, CastOutput{});
+        break;
+      case OutType::kFloat32: launch_mma_for_groups<F, float>(operands, wide, splits, sms, CastOutput{}); break;
       case OutType::kInt8: TORCH_CHECK(false, "w4a16 GEMV: out must be float16, bfloat16 or float32");
     }
   };
   if (a.x_type == ActType::kFloat16) for_x(__half{});
   else for_x(__nv_bfloat16{});
+}
+
+// W4A8 on tensor cores: one 16-row tile per warp (more tiles per warp were slower on the H100 at
+// every Mamba-2.8B layer and M = 1..8: in_proj 7.5 us with one, 8.1 and 8.8 with 2 and 4).
+void launch_w4a8_mma(const W4A8Args& a, int splits, int sms) {
+  const MmaOperands<Int8Format> operands{a.x, a.w, a.group_multiplier, a.out, a.M, a.N, a.K, a.group_size, a.stream};
+  const Epilogue epilogue{a.multiplier, a.multiplier_per_channel, nullptr};
+  gemm::dispatch_out_type(a.out_type, [&](auto tag) {
+    launch_mma_for_groups<Int8Format, decltype(tag)>(operands, false, splits, sms, epilogue);
+  });
+}
+
+// The tensor-core GEMV costs the same for every M <= 8 (x's rows are the 8 columns of B), the dp4a
+// GEMV's work grows with M but spreads over 4 times more warps. Measured on the H100 (M = 1, 2,
+// 4, 8, every rows and splits, benchmarks/bench_gemm4.py): in_proj (640 tiles) 7.5-8.6 us on tensor
+// cores against 9.3-21.7 with dp4a; out_proj (160 tiles) 4.47 with dp4a at M = 1 (4.75 on tensor
+// cores), 5.1-5.9 on tensor cores from M = 2 (6.7-10.7 with dp4a); x_proj (12 tiles) 1.8-2.8 with
+// dp4a up to M = 4 (3.4-3.7 on tensor cores), 3.8 on tensor cores at M = 8 (4.2 with dp4a).
+bool w4a8_use_tensor_cores(int M, int N, int sms) {
+  const int tiles = (N + kTileRows - 1) / kTileRows;
+  if (tiles >= 2 * sms) return true;
+  if (tiles >= sms) return M >= 2;
+  return M > 4;
 }
 
 void check_splits(const char* op, int splits) {
@@ -489,22 +589,26 @@ void check_splits(const char* op, int splits) {
 
 void launch_w4a8_gemv(const W4A8Args& a, int rows, int splits) {
   TORCH_CHECK(a.M >= 1 && a.M <= kGemvMaxM, "w4a8 GEMV: M must be in 1..", kGemvMaxM, ", got ", a.M);
-  TORCH_CHECK(rows == 0 || rows == 1 || rows == 2 || rows == 4, "w4a8 GEMV: rows must be 0 (auto), 1, 2 or 4, got ",
-              rows);
+  TORCH_CHECK(rows == 0 || rows == kDp4aRows || rows == kTileRows, "w4a8 GEMV: rows must be 0 (auto), ", kDp4aRows,
+              " (dp4a) or ", kTileRows, " (tensor cores), got ", rows);
   check_splits("w4a8 GEMV", splits);
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  if (rows == 0) rows = w4a8_choose_rows(a.M, a.N, sms);
+  if (rows == 0) rows = w4a8_use_tensor_cores(a.M, a.N, sms) ? kTileRows : kDp4aRows;
+  if (rows == kTileRows) {
+    launch_w4a8_mma(a, splits, sms);
+    return;
+  }
   if (splits == 0)
-    splits = choose_splits((a.N + rows - 1) / rows, a.K / kCodesPerChunk / 32, (a.M <= 2 ? 16 : 8) * sms);
+    splits = choose_splits((a.N + kDp4aRows - 1) / kDp4aRows, a.K / kCodesPerChunk / 32, (a.M <= 2 ? 16 : 8) * sms);
   switch (a.M) {
-    case 1: launch_w4a8_for_m<1>(a, rows, splits); break;
-    case 2: launch_w4a8_for_m<2>(a, rows, splits); break;
-    case 3: launch_w4a8_for_m<3>(a, rows, splits); break;
-    case 4: launch_w4a8_for_m<4>(a, rows, splits); break;
-    case 5: launch_w4a8_for_m<5>(a, rows, splits); break;
-    case 6: launch_w4a8_for_m<6>(a, rows, splits); break;
-    case 7: launch_w4a8_for_m<7>(a, rows, splits); break;
-    case 8: launch_w4a8_for_m<8>(a, rows, splits); break;
+    case 1: launch_w4a8_for_m<1>(a, splits); break;
+    case 2: launch_w4a8_for_m<2>(a, splits); break;
+    case 3: launch_w4a8_for_m<3>(a, splits); break;
+    case 4: launch_w4a8_for_m<4>(a, splits); break;
+    case 5: launch_w4a8_for_m<5>(a, splits); break;
+    case 6: launch_w4a8_for_m<6>(a, splits); break;
+    case 7: launch_w4a8_for_m<7>(a, splits); break;
+    case 8: launch_w4a8_for_m<8>(a, splits); break;
   }
 }
 
