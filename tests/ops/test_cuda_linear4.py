@@ -20,7 +20,7 @@ import torch
 
 from quamba.ops import backend
 from quamba.ops.qlinear4 import w4a8_linear, w4a16_linear
-from quamba.ops.quant4 import pack_int4
+from quamba.ops.quant4 import dequantize_int4, pack_int4
 
 pytestmark = pytest.mark.gpu
 
@@ -299,14 +299,14 @@ def test_w4a16_linear_prefill_matches_reference(M, N, K, G, x_dtype, out_dtype):
                 out_dtype, gemm_tolerance(x_dtype))
 
 
+@pytest.mark.parametrize("N,K,G", [(136, 384, 64), (40, 96, 96), (72, 256, 32), (33, 1024, 128), (2560, 5120, 128)])
 @pytest.mark.parametrize("x_dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_small_w4a16_dequantize_matches_reference(x_dtype):
-    seed_for("dequantize", x_dtype)
-    case = w4a16_case(1, 136, 384, 64, x_dtype, x_dtype)
-    out = torch.full((136, 384), float("nan"), dtype=x_dtype, device=DEVICE)
-    ops.w4a16_dequantize_out(case["weight_packed"], case["scales"], 64, out)
-    from quamba.ops.quant4 import dequantize_int4
-    assert torch.equal(out, dequantize_int4(case["weight_packed"], case["scales"], 64).to(x_dtype))
+def test_small_w4a16_dequantize_matches_reference(N, K, G, x_dtype):
+    seed_for("dequantize", N, K, G, x_dtype)
+    case = w4a16_case(1, N, K, G, x_dtype, x_dtype)
+    out = torch.full((N, K), float("nan"), dtype=x_dtype, device=DEVICE)
+    ops.w4a16_dequantize_out(case["weight_packed"], case["scales"], G, out)
+    assert torch.equal(out, dequantize_int4(case["weight_packed"], case["scales"], G).to(x_dtype))
 
 
 @pytest.mark.parametrize("M", [1, 8, 9, 64])
