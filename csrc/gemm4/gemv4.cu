@@ -341,6 +341,19 @@ __device__ __forceinline__ void load_x(Stage<F, R, H>& s, const LaneRows<F, R>& 
     for (int k = 0; k < F::kXVectors; ++k) s.x[k] = __ldcg(p + k);
 }
 
+// total[r][e] += scaled(pass sum, scale of its row) over a step's H passes; a pass's sum is the
+// step's two mma accumulators (rows g and g + 8 of tile r: e / 2).
+template <typename Total, typename Acc, typename Scale, int R, int H, typename Scaled>
+__device__ __forceinline__ void add_passes(Total (&total)[R][4], const Acc (&d)[H][R][2][4],
+                                           const Scale (&scale)[H][2 * R], Scaled scaled) {
+#pragma unroll
+  for (int h = 0; h < H; ++h)
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) total[r][e] += scaled(d[h][r][0][e] + d[h][r][1][e], scale[h][2 * r + e / 2]);
+}
+
 // Adds one step to total[r]: A = 16 weight rows of tile r, B = the activations (column m = x row
 // m), shared by the R tiles; two mma chains per tile. Pass h of H takes only the lanes whose chunk
 // lies in the step's h-th group and is scaled by that group's scales. total[r] = (row g, m 2t),
@@ -368,13 +381,7 @@ __device__ __forceinline__ void accumulate_step(float (&total)[R][4], const Stag
       }
     }
   }
-#pragma unroll
-  for (int h = 0; h < H; ++h)
-#pragma unroll
-    for (int r = 0; r < R; ++r)
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-        total[r][e] = fmaf(d[h][r][0][e] + d[h][r][1][e], __half2float(s.scale[h][2 * r + e / 2]), total[r][e]);
+  add_passes(total, d, s.scale, [](float sum, __half scale) { return sum * __half2float(scale); });
 }
 
 __device__ __forceinline__ void mma_s8(int (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
@@ -412,13 +419,7 @@ __device__ __forceinline__ void accumulate_step(int (&total)[R][4], const Stage<
       }
     }
   }
-#pragma unroll
-  for (int h = 0; h < H; ++h)
-#pragma unroll
-    for (int r = 0; r < R; ++r)
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-        total[r][e] += ((d[h][r][0][e] + d[h][r][1][e]) >> 4) * s.scale[h][2 * r + e / 2];
+  add_passes(total, d, s.scale, [](int sum, int8_t multiplier) { return (sum >> 4) * multiplier; });
 }
 
 // W4A16's output: the fp32 total cast to the output type.
