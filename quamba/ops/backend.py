@@ -87,7 +87,18 @@ def _why_not_cuda(op: str, device: torch.device) -> str:
 
 
 def _cuda_missing(op: str) -> str | None:
-    return _REQUIREMENTS.get(op, cuda_extension_error)()
+    if op in _REQUIREMENTS:
+        return _REQUIREMENTS[op]()
+    return cuda_extension_error() or _kernel_missing(op)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel_missing(op: str) -> str | None:
+    """quamba._C built with some kernel families only (setup.py's QUAMBA_CUDA_FAMILIES) lacks the
+    others' ops; each cuda implementation of ours runs the torch op of its own name."""
+    if hasattr(torch.ops.quamba, op):
+        return None
+    return f"quamba._C was built without the {op} kernel (QUAMBA_CUDA_FAMILIES)"
 
 
 def _use(op: str, backend: str, impls: dict) -> Callable:

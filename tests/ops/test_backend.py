@@ -36,6 +36,14 @@ def test_quamba_kernels_are_strict(ops, monkeypatch):
         backend.select("test_strict_op", CUDA, "cuda")
 
 
+def test_kernels_left_out_of_a_partial_build_fall_back_or_are_refused(ops, monkeypatch):
+    monkeypatch.delenv("QUAMBA_BACKEND", raising=False)
+    monkeypatch.setattr(backend, "cuda_extension_error", lambda: None)  # built, but without this op
+    assert backend.select("test_strict_op", CUDA, "auto")() == "torch"
+    with pytest.raises(backend.BackendError, match="built without the test_strict_op kernel"):
+        backend.select("test_strict_op", CUDA, "cuda")
+
+
 def test_environment_forces_the_reference(ops, monkeypatch):
     monkeypatch.setenv("QUAMBA_BACKEND", "torch")
     assert backend.select("test_strict_op", CUDA, "cuda")() == "torch"
