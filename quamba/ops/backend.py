@@ -72,7 +72,7 @@ def select(op: str, device: torch.device, argument: str | None = None) -> Callab
     impls = _IMPLS[op]
     if choice == "torch":
         return _use(op, "torch", impls)
-    cuda_ready = device.type == "cuda" and _cuda_missing(op) is None and "cuda" in impls
+    cuda_ready = device.type == "cuda" and cuda_missing(op) is None and "cuda" in impls
     if choice == "auto" or op in _OPTIONAL:
         return _use(op, "cuda" if cuda_ready else "torch", impls)
     if not cuda_ready:
@@ -83,10 +83,11 @@ def select(op: str, device: torch.device, argument: str | None = None) -> Callab
 def _why_not_cuda(op: str, device: torch.device) -> str:
     if device.type != "cuda":
         return f"its inputs are on {device}, not a CUDA device"
-    return _cuda_missing(op) or f"no CUDA kernel implements {op}"
+    return cuda_missing(op) or f"no CUDA kernel implements {op}"
 
 
-def _cuda_missing(op: str) -> str | None:
+def cuda_missing(op: str) -> str | None:
+    """None when the cuda implementation of ``op`` can run here (a CUDA device aside), else why not."""
     if op in _REQUIREMENTS:
         return _REQUIREMENTS[op]()
     return cuda_extension_error() or _kernel_missing(op)

@@ -9,17 +9,16 @@ import pytest
 import torch
 
 import quamba
-from quamba.ops.backend import cuda_extension_error, used_backends
+from quamba.ops.backend import cuda_missing, used_backends
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_MODEL = REPO / "tests" / "fixtures" / "tiny-mamba"
+W8A8_OPS = ("w8a8_linear", "qconv1d", "qconv1d_update", "qsscan", "qsscan_update", "rmsnorm_quant",
+            "hadamard_quant")
+WHY_NOT = ("needs a CUDA device" if not torch.cuda.is_available()
+           else next(filter(None, map(cuda_missing, W8A8_OPS)), None))
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-    pytest.mark.skipif(torch.cuda.is_available() and cuda_extension_error() is not None,
-                       reason=str(cuda_extension_error()) if torch.cuda.is_available() else ""),
-]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(WHY_NOT is not None, reason=str(WHY_NOT))]
 
 
 def repository_paragraphs() -> list[str]:
