@@ -1,7 +1,8 @@
 // Decode GEMVs (M = 1..8) on 4-bit weights: the packed rows are streamed once with 16-byte
 // streaming loads (ld.global.cs: read once, evict first; several per lane in flight) and the few
 // activation rows are read from L2. Both are launched with programmatic dependence (pdl.cuh): the
-// first weight loads are issued before waiting for the kernel that writes x. A 16-byte chunk holds 32 codes of one group (G % 32 == 0).
+// first weight loads are issued before waiting for the kernel that writes x. A 16-byte chunk holds
+// 32 codes of one group (G % 32 == 0).
 //
 // W4A8 (dp4a): a lane takes whole chunks. Nibbles are moved to the top of each byte with one shift
 // and one AND ((w << 4) & 0xF0F0F0F0 holds the even k, w & 0xF0F0F0F0 the odd k, each as 16 *
