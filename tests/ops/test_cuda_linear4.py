@@ -203,15 +203,20 @@ def test_small_w4a8_expand_flags_overflow():
     codes = torch.randint(-7, 8, (N, K), dtype=torch.int8, device=DEVICE)
     codes[5, 70] = 7
     multipliers = torch.randint(1, 19, (N, K // G), dtype=torch.int8, device=DEVICE)
+    multipliers[7, 2] = -3  # outside 0..18: expanded code by code
     packed = pack_int4(codes)
     out = torch.full((N, K), -99, dtype=torch.int8, device=DEVICE)
     overflow = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+
+    def expected():
+        return codes.int() * multipliers.int().repeat_interleave(G, dim=1)
+
     ops.w4a8_expand_out(packed, multipliers, G, out, overflow)
-    expected = codes.int() * multipliers.int().repeat_interleave(G, dim=1)
-    assert torch.equal(out.int(), expected) and int(overflow.item()) == 0
-    multipliers[5, 1] = 19  # 7 * 19 = 133
+    assert torch.equal(out.int(), expected()) and int(overflow.item()) == 0
+    multipliers[5, 1] = 19  # 7 * 19 = 133: stored truncated to 8 bits
     ops.w4a8_expand_out(packed, multipliers, G, out, overflow)
     assert int(overflow.item()) == 1
+    assert torch.equal(out.int(), (expected() + 128) % 256 - 128)
 
 
 def test_small_w4a8_backend_refuses_overflowing_weight_for_prefill_only():
