@@ -280,6 +280,7 @@ struct HalfFormat {
   using Scale = __half;
   using Total = float;
   static constexpr int kXVectors = 4;  // 16-byte vectors of x per lane and step: 32 activations
+  static constexpr bool kWideWarps = true;  // 4 tiles per warp where N is large (w4a16_wide_warps)
 };
 
 // W4A8: int8 activations, int8 group multipliers, int32 totals (exact).
@@ -288,6 +289,7 @@ struct Int8Format {
   using Scale = int8_t;
   using Total = int;
   static constexpr int kXVectors = 2;
+  static constexpr bool kWideWarps = false;  // one tile per warp was always faster (launch_w4a8_mma)
 };
 
 // What one step (128 k) needs from memory, per lane: chunk 4 * step + t of the lane's weight rows
@@ -527,12 +529,18 @@ void launch_mma_kernel(const MmaOperands<F>& a, int splits, int sms, Finish fini
                   a.K, GroupOf::make(a.group_size), splits, finish);
 }
 
-// H: how many groups one 4-chunk step (128 codes) can touch; `wide`: 4 tiles per warp when H = 1.
+// H: how many groups one 4-chunk step (128 codes) can touch; with H = 1, 4 tiles per warp where
+// the format takes them and N is large.
 template <typename F, typename OutT, typename Finish>
-void launch_mma_for_groups(const MmaOperands<F>& a, bool wide, int splits, int sms, Finish finish) {
+void launch_mma_for_groups(const MmaOperands<F>& a, int splits, int sms, Finish finish) {
   if (a.group_size % 128 == 0) {
-    if (wide) launch_mma_kernel<F, OutT, 4, 2, 1>(a, splits, sms, finish);
-    else launch_mma_kernel<F, OutT, 1, 6, 1>(a, splits, sms, finish);
+    if constexpr (F::kWideWarps) {
+      if (w4a16_wide_warps(a.N, sms)) {
+        launch_mma_kernel<F, OutT, 4, 2, 1>(a, splits, sms, finish);
+        return;
+      }
+    }
+    launch_mma_kernel<F, OutT, 1, 6, 1>(a, splits, sms, finish);
   } else if (a.group_size == 32) {
     launch_mma_kernel<F, OutT, 1, 2, 4>(a, splits, sms, finish);
   } else {
@@ -541,17 +549,14 @@ void launch_mma_for_groups(const MmaOperands<F>& a, bool wide, int splits, int s
 }
 
 void launch_w4a16_types(const W4A16Args& a, int splits, int sms) {
-  const bool wide = w4a16_wide_warps(a.N, sms);
   auto for_x = [&](auto x_tag) {
     using F = HalfFormat<decltype(x_tag)>;
     const MmaOperands<F> operands{static_cast<const typename F::X*>(a.x), a.w, static_cast<const __half*>(a.scales),
                                   a.out, a.M, a.N, a.K, a.group_size, a.stream};
     switch (a.out_type) {
-      case OutType::kFloat16: launch_mma_for_groups<F, __half>(operands, wide, splits, sms, CastOutput{}); break;
-      case OutType::kBFloat16:
-        launch_mma_for_groups<F, __nv_bfloat16>(operands, wide, splits, sms, CastOutput{});
-        break;
-      case OutType::kFloat32: launch_mma_for_groups<F, float>(operands, wide, splits, sms, CastOutput{}); break;
+      case OutType::kFloat16: launch_mma_for_groups<F, __half>(operands, splits, sms, CastOutput{}); break;
+      case OutType::kBFloat16: launch_mma_for_groups<F, __nv_bfloat16>(operands, splits, sms, CastOutput{}); break;
+      case OutType::kFloat32: launch_mma_for_groups<F, float>(operands, splits, sms, CastOutput{}); break;
       case OutType::kInt8: TORCH_CHECK(false, "w4a16 GEMV: out must be float16, bfloat16 or float32");
     }
   };
@@ -565,7 +570,7 @@ void launch_w4a8_mma(const W4A8Args& a, int splits, int sms) {
   const MmaOperands<Int8Format> operands{a.x, a.w, a.group_multiplier, a.out, a.M, a.N, a.K, a.group_size, a.stream};
   const Epilogue epilogue{a.multiplier, a.multiplier_per_channel, nullptr};
   gemm::dispatch_out_type(a.out_type, [&](auto tag) {
-    launch_mma_for_groups<Int8Format, decltype(tag)>(operands, false, splits, sms, epilogue);
+    launch_mma_for_groups<Int8Format, decltype(tag)>(operands, splits, sms, epilogue);
   });
 }
 
