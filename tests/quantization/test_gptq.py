@@ -4,7 +4,8 @@ import torch
 
 from quamba.models import MambaConfig, MambaLMHeadModel, randomize_
 from quamba.ops.quant4 import expand_groups, group_scales, pack_int4, quantize_int4
-from quamba.quantization.gptq import collect_hessians, gptq_quantize
+from quamba.quantization import QuantConfig, build_quantized_model
+from quamba.quantization.gptq import collect_hessians, gptq_quantize, gptq_sequential_
 
 N, K, GROUP, SAMPLES = 48, 256, 128, 2048
 
@@ -131,8 +132,6 @@ def _captured_hessian(model, module, tokens, batch_size):
 
 
 def test_gptq_sequential_feeds_each_block_the_quantized_model_inputs():
-    from quamba.quantization import QuantConfig, build_quantized_model
-    from quamba.quantization.gptq import gptq_sequential_
     model = _tiny_model()
     config = QuantConfig(w_bits=4, a_bits=16, group_size=64)
     qmodel = build_quantized_model(model, None, config)
@@ -154,8 +153,6 @@ def test_gptq_sequential_feeds_each_block_the_quantized_model_inputs():
 
 
 def test_gptq_sequential_is_deterministic_and_leaves_other_layers_at_rtn():
-    from quamba.quantization import QuantConfig, build_quantized_model
-    from quamba.quantization.gptq import gptq_sequential_
     model = _tiny_model()
     config = QuantConfig(w_bits=4, a_bits=16, group_size=64)
     tokens = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(3))
