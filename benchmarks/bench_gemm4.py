@@ -24,8 +24,9 @@ LAYERS = [("in_proj", 10240, 2560, torch.int8), ("x_proj", 192, 5120, torch.int8
 GROUP = 128
 PREFILL_M = [1024, 2048]
 DECODE_M = [1, 2, 4, 8]
-W4A8_GEMV_SHAPES = [(rows, splits) for rows in (4, 16) for splits in (1, 2, 4)]
-W4A16_GEMV_SPLITS = [1, 2, 4]
+W4A8_GEMV_SHAPES = [(rows, splits) for rows in (4, 16) for splits in (1, 2, 4)] + [(16, 8), (16, 16)]
+W4A16_GEMV_SHAPES = [(rows, splits) for rows in (4, 16) for splits in (1, 2, 4)] + [(16, 8), (16, 16)]
+W4A16_CORE_MAX_M = 1  # rows 4 (CUDA cores) take M = 1
 
 
 def elem(dtype) -> int:
@@ -120,7 +121,8 @@ def bench_decode(layer, copy_gbs):
     w4a8_gbs, w4a16_gbs = layer.weight_bytes / w4a8 / 1e3, layer.weight_bytes / w4a16 / 1e3
     sweep8 = {f"r{rows}s{splits}": layer.w4a8_us(torch.ops.quamba.w4a8_gemv_out, rows, splits)
               for rows, splits in W4A8_GEMV_SHAPES}
-    sweep16 = {f"s{splits}": layer.w4a16_us(torch.ops.quamba.w4a16_gemv_out, splits) for splits in W4A16_GEMV_SPLITS}
+    sweep16 = {f"r{rows}s{splits}": layer.w4a16_us(torch.ops.quamba.w4a16_gemv_out, rows, splits)
+               for rows, splits in W4A16_GEMV_SHAPES if rows == 16 or layer.M <= W4A16_CORE_MAX_M}
     best8, best16 = min(sweep8, key=sweep8.get), min(sweep16, key=sweep16.get)
     floor_us = layer.weight_bytes / copy_gbs / 1e3
     return {**layer.row(), "fp16_us": fp16, "w4a8_us": w4a8, "w4a8_speedup": fp16 / w4a8,

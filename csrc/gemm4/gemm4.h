@@ -52,12 +52,12 @@ struct W4A16Args {
   cudaStream_t stream;
 };
 
-// Decode GEMVs (M <= kGemvMaxM). W4A8: `rows` weight rows per warp, 4 (dp4a) or 16 (tensor
-// cores, mma.sync m16n8k32), and `splits` (1, 2, 4) warps sharing a row group's K range; 0 picks
-// them from the shape. W4A16: tensor cores (mma.sync m16n8k16, 16 or 64 weight rows per warp,
-// chosen from N), `splits` as above.
+// Decode GEMVs (M <= kGemvMaxM). `rows` weight rows per warp: 4 on CUDA cores (W4A8: dp4a;
+// W4A16: fp32 fma, M <= 2) or 16 on tensor cores (W4A8: mma.sync m16n8k32; W4A16: m16n8k16, 16
+// or 64 rows chosen from N); `splits` (1, 2, 4; on tensor cores with G % 128 == 0 also 8 and 16, a
+// block per tile) warps sharing a row group's K range; 0 picks either from the shape.
 void launch_w4a8_gemv(const W4A8Args& args, int rows = 0, int splits = 0);
-void launch_w4a16_gemv(const W4A16Args& args, int splits = 0);
+void launch_w4a16_gemv(const W4A16Args& args, int rows = 0, int splits = 0);
 
 // Expansion for the prefill GEMMs. W4A8: out int8 [N, K] = code * group_multiplier; a product
 // outside [-128, 127] is stored truncated and sets *overflow to 1 (when overflow is not null).

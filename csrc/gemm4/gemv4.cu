@@ -14,7 +14,10 @@
 // W4A8 (mma.sync m16n8k32, s8 in, s32 accumulate): the tensor-core GEMV below with the same
 // nibble trick in A (even codes of a word against the even bytes of 8 activations, odd against
 // odd) and exact int32 totals; it wins where the weight rows fill the GPU or M grows
-// (w4a8_use_tensor_cores).
+// (use_tensor_cores).
+//
+// W4A16 (CUDA cores, M = 1): as the dp4a GEMV, a lane takes whole chunks of 4 rows, with fp32
+// products and sums; it wins for layers with few rows (x_proj).
 //
 // W4A16 (mma.sync m16n8k16, f16 or bf16 in, f32 accumulate): A = 16 weight rows, B = the
 // activations (column m = x row m; columns past M only reach outputs that are never written). Lane
@@ -28,13 +31,16 @@
 // scale of its weight row into fp32 totals; for G = 32, 64, 96, ... each of the H groups a step can
 // touch is a pass of the mmas with the other lanes' activations masked to zero. Each lane keeps D
 // steps of weights, scales and activations in flight in a ring refilled as each step is used.
+// Layers with few 16-row tiles split K 8 or 16 ways in blocks of as many warps (block_splits).
 // W4A16 measured on an H100 (benchmarks/bench_gemm4.py timing, M = 1, 4 splits): in_proj (N 10240,
 // K 2560) 7.66 us (57% of the copy bandwidth) against 14.1 for the previous kernel (B = 8 weight
 // rows, A = activations with half of every mma zero) and 24.8 for fp16; out_proj (2560 x 5120)
-// 6.27 against 8.60 and 14.2; x_proj (192 x 5120) 3.24 against 4.90 and 6.62. Per-warp latency
-// still bounds it (the fastest split is always the most warps): tried and slower were batches of
-// steps loaded together and then used (in_proj 8.3 us at best), x loaded only one step ahead of use,
-// and L2 prefetches of x or of the weights further ahead.
+// 6.27 against 8.60 and 14.2 (5.47 in 8 splits); x_proj (192 x 5120) 3.24 against 4.90 and 6.62
+// (2.72 in 16 splits, 1.98 on CUDA cores). Per-warp latency still bounds it (the fastest split is
+// always the most warps): tried and slower were batches of steps loaded together and then used
+// (in_proj 8.3 us at best), x loaded only one step ahead of use, L2 prefetches of x or of the
+// weights further ahead, and splitting a tile's K over the blocks of a thread block cluster (sm_90;
+// x_proj 2.68 us in 32 splits, out_proj 6.19 in 8).
 #include <ATen/cuda/CUDAContextLight.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/util/Exception.h>
@@ -51,7 +57,7 @@ namespace quamba::gemm4 {
 namespace {
 
 using gemm::Epilogue;
-using gemm::kLoadsPerLane;  // W4A8 dp4a: kDp4aRows rows x (8 / kDp4aRows) 16-byte chunks in flight per lane
+using gemm::kLoadsPerLane;  // CUDA-core GEMVs: kCoreRows rows x (8 / kCoreRows) 16-byte chunks in flight per lane
 using gemm::kThreads;
 using gemm::kWarps;
 using gemm::load_streaming;
@@ -86,7 +92,7 @@ __device__ __forceinline__ int chunk_dot(int4 w, const int (&xe)[4], const int (
   return acc;
 }
 
-constexpr int kDp4aRows = 4;  // W4A8 dp4a: weight rows per warp
+constexpr int kCoreRows = 4;  // the CUDA-core GEMVs (W4A8 dp4a, W4A16 fma): weight rows per warp
 
 // Sums over chunks [begin, end) of rows row0..row0+R-1 (rows past N re-read row N - 1; the caller
 // drops them). Returns, in lane r * M + m, the warp's sum for (row0 + r, m).
@@ -97,7 +103,7 @@ __device__ __forceinline__ int w4a8_row_group_sums(const int4* __restrict__ x, c
                                                    int lane) {
   // (16 loads per lane for M <= 2, so that in_proj's rows take one pass, was slower on the H100:
   // 8.5 vs 7.4 us for in_proj at M = 1, from the registers it costs.)
-  constexpr int R = kDp4aRows;
+  constexpr int R = kCoreRows;
   constexpr int kSteps = kLoadsPerLane / R;
   const int4* w_rows[R];
   const int8_t* m_rows[R];
@@ -153,7 +159,7 @@ template <int M, typename OutT>
 __global__ void __launch_bounds__(kThreads)
 w4a8_gemv_kernel(const int8_t* __restrict__ x, const uint8_t* __restrict__ w, const int8_t* __restrict__ multipliers,
                  OutT* __restrict__ out, int N, int K, GroupOf group_of, Epilogue epilogue, int splits) {
-  constexpr int R = kDp4aRows;
+  constexpr int R = kCoreRows;
   static_assert(R * M <= 32, "one output per lane");
   __shared__ int partial[kWarps][1][32];
   pdl_launch_dependents();
@@ -181,7 +187,7 @@ void launch_w4a8_kernel(const W4A8Args& a, int splits) {
   const auto kernel = w4a8_gemv_kernel<M, OutT>;
   gemm::check_kernel_image(reinterpret_cast<const void*>(kernel), "w4a8 GEMV");
   const int groups_per_block = kWarps / splits;
-  const int blocks = ((a.N + kDp4aRows - 1) / kDp4aRows + groups_per_block - 1) / groups_per_block;
+  const int blocks = ((a.N + kCoreRows - 1) / kCoreRows + groups_per_block - 1) / groups_per_block;
   const Epilogue epilogue{a.multiplier, a.multiplier_per_channel, nullptr};
   launch_with_pdl(kernel, blocks, kThreads, 0, a.stream, a.x, a.w, a.group_multiplier, static_cast<OutT*>(a.out),
                   a.N, a.K, GroupOf::make(a.group_size), epilogue, splits);
@@ -270,6 +276,148 @@ __device__ __forceinline__ void x_pairs(uint4 v, uint32_t (&p)[4]) {
   p[1] = __byte_perm(v.x, v.z, 0x7632);
   p[2] = __byte_perm(v.y, v.w, 0x5410);
   p[3] = __byte_perm(v.y, v.w, 0x7632);
+}
+
+// ---------------------------------------------------------------------------------------------
+// W4A16 on CUDA cores (few weight rows, M = 1): a lane takes whole chunks of kCoreRows rows, as the
+// dp4a GEMV, so that a small layer spreads over 4 times more warps than in 16-row tiles. A word of
+// codes gives the exact f16/bf16 pairs (code q, code q + 4) of Act<>::decode, made fp32 and
+// multiplied with the fp32 activations; a chunk's fp32 sum is multiplied by its group's scale. On
+// the H100 (benchmarks/bench_gemm4.py): x_proj at M = 1 in 1.98 us against 2.72 on tensor cores;
+// at M = 2 it took 4.13 against 2.79, and out_proj 9.84 against 5.47, so it takes M = 1 and few
+// rows only (use_tensor_cores).
+
+constexpr int kW4A8CoreMaxM = 2;   // M past these take the tensor cores
+constexpr int kW4A16CoreMaxM = 1;
+
+template <typename XT>
+__device__ __forceinline__ float2 pair_to_float2(uint32_t pair);
+template <>
+__device__ __forceinline__ float2 pair_to_float2<__half>(uint32_t pair) {
+  return __half22float2(*reinterpret_cast<const __half2*>(&pair));
+}
+template <>
+__device__ __forceinline__ float2 pair_to_float2<__nv_bfloat16>(uint32_t pair) {
+  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&pair));
+}
+
+// The 32 codes of a 16-byte chunk as fp32, in k order.
+template <typename XT>
+__device__ __forceinline__ void chunk_codes(int4 w, float (&codes)[kCodesPerChunk]) {
+  const int words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    uint32_t p[4];
+    Act<XT>::decode(static_cast<uint32_t>(words[j]), p);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const float2 pair = pair_to_float2<XT>(p[q]);
+      codes[8 * j + q] = pair.x;
+      codes[8 * j + q + 4] = pair.y;
+    }
+  }
+}
+
+// The 32 activations of chunk c of an x row (16-byte vectors), as fp32; L2 hits, not L1 (pdl.cuh).
+template <typename XT>
+__device__ __forceinline__ void chunk_activations(const uint4* row, int c, float (&xf)[kCodesPerChunk]) {
+#pragma unroll
+  for (int v = 0; v < 4; ++v) {
+    const uint4 q = __ldcg(row + 4 * c + v);
+    const uint32_t words[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 pair = pair_to_float2<XT>(words[i]);
+      xf[8 * v + 2 * i] = pair.x;
+      xf[8 * v + 2 * i + 1] = pair.y;
+    }
+  }
+}
+
+// Sums over chunks [begin, end) of rows row0..row0+R-1 (rows past N re-read row N - 1; the caller
+// drops them) against the one x row. Returns, in lane r, the warp's sum for row0 + r.
+template <typename XT>
+__device__ __forceinline__ float w4a16_row_group_sums(const uint4* __restrict__ x, const uint8_t* __restrict__ w,
+                                                      const __half* __restrict__ scales, int N, int chunks,
+                                                      int groups, GroupOf group_of, int row0, int begin, int end,
+                                                      int lane) {
+  constexpr int R = kCoreRows;
+  constexpr int kSteps = kLoadsPerLane / R;
+  const int4* w_rows[R];
+  const __half* s_rows[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int64_t row = min(row0 + r, N - 1);
+    w_rows[r] = reinterpret_cast<const int4*>(w + row * chunks * 16);
+    s_rows[r] = scales + row * groups;
+  }
+  float acc[R][1] = {};
+  bool waited = false;
+  for (int c = begin + lane; c < end; c += 32 * kSteps) {
+    int4 wv[kSteps][R];
+    float scale[kSteps][R];
+#pragma unroll
+    for (int s = 0; s < kSteps; ++s)
+      if (c + 32 * s < end) {
+        const int group = group_of(c + 32 * s);
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          wv[s][r] = load_streaming(w_rows[r] + c + 32 * s);
+          scale[s][r] = __half2float(__ldg(s_rows[r] + group));
+        }
+      }
+    if (!waited) {  // the first weights are on their way: now wait for x (pdl.cuh)
+      pdl_wait();
+      waited = true;
+    }
+#pragma unroll
+    for (int s = 0; s < kSteps; ++s) {
+      if (c + 32 * s >= end) continue;
+      float xf[kCodesPerChunk];
+      chunk_activations<XT>(x, c + 32 * s, xf);
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        float codes[kCodesPerChunk];
+        chunk_codes<XT>(wv[s][r], codes);
+        float even = 0.f, odd = 0.f;  // two FMA chains
+#pragma unroll
+        for (int k = 0; k < kCodesPerChunk; k += 2) {
+          even = fmaf(codes[k], xf[k], even);
+          odd = fmaf(codes[k + 1], xf[k + 1], odd);
+        }
+        acc[r][0] = fmaf(even + odd, scale[s][r], acc[r][0]);
+      }
+    }
+  }
+  return gemm::lane_sum(acc, lane);
+}
+
+template <typename XT, typename OutT>
+__global__ void __launch_bounds__(kThreads)
+w4a16_core_gemv_kernel(const XT* __restrict__ x, const uint8_t* __restrict__ w, const __half* __restrict__ scales,
+                       OutT* __restrict__ out, int N, int K, GroupOf group_of, int splits) {
+  __shared__ float partial[kWarps][1][32];
+  pdl_launch_dependents();
+  const int chunks = K / kCodesPerChunk;
+  const int groups = chunks / group_of.per_group;
+  const gemm::WarpShare s = gemm::warp_share(kCoreRows, N, chunks, splits);
+  float sum = w4a16_row_group_sums<XT>(reinterpret_cast<const uint4*>(x), w, scales, N, chunks, groups, group_of,
+                                       s.row0, s.begin, s.end, s.lane);
+  pdl_wait();  // warps with no share of K have not waited yet
+  if (!gemm::combine_splits<1>(partial, &sum, s, splits)) return;
+  const int n = s.row0 + s.lane;
+  if (s.lane < kCoreRows && n < N) out[n] = from_float<OutT>(sum);
+}
+
+template <typename XT, typename OutT>
+void launch_w4a16_core_kernel(const W4A16Args& a, int splits) {
+  const auto kernel = w4a16_core_gemv_kernel<XT, OutT>;
+  gemm::check_kernel_image(reinterpret_cast<const void*>(kernel), "w4a16 GEMV");
+  const int groups_per_block = kWarps / splits;
+  const int blocks = ((a.N + kCoreRows - 1) / kCoreRows + groups_per_block - 1) / groups_per_block;
+  launch_with_pdl(kernel, blocks, kThreads, 0, a.stream, static_cast<const XT*>(a.x), a.w,
+                  static_cast<const __half*>(a.scales), static_cast<OutT*>(a.out), a.N, a.K,
+                  GroupOf::make(a.group_size), splits);
 }
 
 // The two tensor-core GEMVs differ in their activations, group scales and accumulators only.
@@ -431,20 +579,25 @@ struct CastOutput {
   __device__ __forceinline__ OutT apply(float total, int) const { return from_float<OutT>(total); }
 };
 
+// Blocks of `Warps` warps: kWarps, or one row group's 8 or 16 splits (block_splits), held to 128
+// registers so that 16 warps fit an SM.
+template <int Warps>
+constexpr int kMinBlocks = Warps == kWarps ? 1 : 16 / Warps;
+
 // R tiles of 16 weight rows per warp; D steps in flight per lane, in a ring refilled as each step
 // is used. `finish` turns a row's total into its output (W4A8: gemm::Epilogue).
-template <typename F, typename OutT, int R, int D, int H, typename Finish>
-__global__ void __launch_bounds__(kThreads)
+template <typename F, typename OutT, int R, int D, int H, int Warps, typename Finish>
+__global__ void __launch_bounds__(Warps * 32, kMinBlocks<Warps>)
 mma_gemv_kernel(const typename F::X* __restrict__ x, const uint8_t* __restrict__ w,
                 const typename F::Scale* __restrict__ scales, OutT* __restrict__ out, int M, int N, int K,
                 GroupOf group_of, int splits, Finish finish) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   using Total = typename F::Total;
-  __shared__ Total partial[kWarps][4 * R][32];
+  __shared__ Total partial[Warps][4 * R][32];
   pdl_launch_dependents();
   const int chunks = K / kCodesPerChunk;
   const int groups = chunks / group_of.per_group;
-  const gemm::WarpShare share = gemm::warp_share(kTileRows * R, N, (chunks + 3) / 4, splits);
+  const gemm::WarpShare share = gemm::warp_share<Warps>(kTileRows * R, N, (chunks + 3) / 4, splits);
   const int begin = share.begin, end = share.end;
   const int g = share.lane / 4, t = share.lane % 4;
   LaneRows<F, R> rows;
@@ -515,25 +668,43 @@ struct MmaOperands {
   cudaStream_t stream;
 };
 
-template <typename F, typename OutT, int R, int D, int H, typename Finish>
+template <typename F, typename OutT, int R, int D, int H, int Warps = kWarps, typename Finish>
 void launch_mma_kernel(const MmaOperands<F>& a, int splits, int sms, Finish finish) {
-  const auto kernel = mma_gemv_kernel<F, OutT, R, D, H, Finish>;
+  const auto kernel = mma_gemv_kernel<F, OutT, R, D, H, Warps, Finish>;
   gemm::check_kernel_image(reinterpret_cast<const void*>(kernel), "4-bit tensor-core GEMV");
   const int tiles = (a.N + kTileRows * R - 1) / (kTileRows * R);
   // K is split while each warp keeps a ring's worth of steps: 4 splits were the fastest (or within
   // 2%) for every Mamba-2.8B layer and M on the H100.
   if (splits == 0) splits = choose_splits(tiles, (a.K / kCodesPerChunk + 3) / 4 / D, 8 * sms);
-  const int groups_per_block = kWarps / splits;
+  const int groups_per_block = Warps / splits;
   const int blocks = (tiles + groups_per_block - 1) / groups_per_block;
-  launch_with_pdl(kernel, blocks, kThreads, 0, a.stream, a.x, a.w, a.scales, static_cast<OutT*>(a.out), a.M, a.N,
-                  a.K, GroupOf::make(a.group_size), splits, finish);
+  launch_with_pdl(kernel, blocks, Warps * 32, 0, a.stream, a.x, a.w, a.scales, static_cast<OutT*>(a.out), a.M,
+                  a.N, a.K, GroupOf::make(a.group_size), splits, finish);
+}
+
+// Splits past kWarps take a block of as many warps per 16-row tile, with a ring of 3 steps (128
+// registers). Where the tiles are few, the most splits (16 or 8) whose warps fit one wave at 16
+// per SM and leave each warp 2 steps; 0 where none does (G % 128 == 0 only). Measured on the H100
+// (M = 1..8, benchmarks/bench_gemm4.py): x_proj (12 tiles) takes 16, W4A16 2.74-3.93 us against
+// 3.21-4.15 with 4 (W4A8 on tensor cores 2.45-2.89 against 3.21-3.59); out_proj (160 tiles) takes 8,
+// W4A16 5.72-8.98 against 6.19-10.51 (W4A8 4.45-5.06 against 4.64-5.73), and 16 is slower there
+// (7.11 at M = 1: 160 16-warp blocks are two waves). in_proj (640 tiles) keeps 4 warps per block.
+int block_splits(int N, int K, int sms) {
+  const int tiles = (N + kTileRows - 1) / kTileRows, steps = K / 128;
+  for (int splits = 16; splits > kWarps; splits /= 2)
+    if (tiles * splits <= 16 * sms && steps >= 2 * splits) return splits;
+  return 0;
 }
 
 // H: how many groups one 4-chunk step (128 codes) can touch; with H = 1, 4 tiles per warp where
 // the format takes them and N is large.
 template <typename F, typename OutT, typename Finish>
 void launch_mma_for_groups(const MmaOperands<F>& a, int splits, int sms, Finish finish) {
-  if (a.group_size % 128 == 0) {
+  if (splits == 0 && a.group_size % 128 == 0) splits = block_splits(a.N, a.K, sms);
+  if (splits > kWarps) {  // check_splits: G % 128 == 0
+    if (splits == 8) launch_mma_kernel<F, OutT, 1, 3, 1, 8>(a, splits, sms, finish);
+    else launch_mma_kernel<F, OutT, 1, 3, 1, 16>(a, splits, sms, finish);
+  } else if (a.group_size % 128 == 0) {
     if constexpr (F::kWideWarps) {
       if (w4a16_wide_warps(a.N, sms)) {
         launch_mma_kernel<F, OutT, 4, 2, 1>(a, splits, sms, finish);
@@ -548,20 +719,36 @@ void launch_mma_for_groups(const MmaOperands<F>& a, int splits, int sms, Finish 
   }
 }
 
-void launch_w4a16_types(const W4A16Args& a, int splits, int sms) {
+// fn(x tag, out tag) for W4A16's activation and output types.
+template <typename Fn>
+void dispatch_w4a16_types(const W4A16Args& a, Fn fn) {
   auto for_x = [&](auto x_tag) {
-    using F = HalfFormat<decltype(x_tag)>;
-    const MmaOperands<F> operands{static_cast<const typename F::X*>(a.x), a.w, static_cast<const __half*>(a.scales),
-                                  a.out, a.M, a.N, a.K, a.group_size, a.stream};
     switch (a.out_type) {
-      case OutType::kFloat16: launch_mma_for_groups<F, __half>(operands, splits, sms, CastOutput{}); break;
-      case OutType::kBFloat16: launch_mma_for_groups<F, __nv_bfloat16>(operands, splits, sms, CastOutput{}); break;
-      case OutType::kFloat32: launch_mma_for_groups<F, float>(operands, splits, sms, CastOutput{}); break;
+      case OutType::kFloat16: fn(x_tag, __half{}); break;
+      case OutType::kBFloat16: fn(x_tag, __nv_bfloat16{}); break;
+      case OutType::kFloat32: fn(x_tag, float{}); break;
       case OutType::kInt8: TORCH_CHECK(false, "w4a16 GEMV: out must be float16, bfloat16 or float32");
     }
   };
   if (a.x_type == ActType::kFloat16) for_x(__half{});
   else for_x(__nv_bfloat16{});
+}
+
+void launch_w4a16_mma(const W4A16Args& a, int splits, int sms) {
+  dispatch_w4a16_types(a, [&](auto x_tag, auto out_tag) {
+    using F = HalfFormat<decltype(x_tag)>;
+    const MmaOperands<F> operands{static_cast<const typename F::X*>(a.x), a.w, static_cast<const __half*>(a.scales),
+                                  a.out, a.M, a.N, a.K, a.group_size, a.stream};
+    launch_mma_for_groups<F, decltype(out_tag)>(operands, splits, sms, CastOutput{});
+  });
+}
+
+void launch_w4a16_core(const W4A16Args& a, int splits, int sms) {
+  static_assert(kW4A16CoreMaxM == 1, "the CUDA-core W4A16 kernel takes one x row");
+  if (splits == 0) splits = choose_splits((a.N + kCoreRows - 1) / kCoreRows, a.K / kCodesPerChunk / 32, 16 * sms);
+  dispatch_w4a16_types(a, [&](auto x_tag, auto out_tag) {
+    launch_w4a16_core_kernel<decltype(x_tag), decltype(out_tag)>(a, splits);
+  });
 }
 
 // W4A8 on tensor cores: one 16-row tile per warp (more tiles per warp were slower on the H100 at
@@ -574,39 +761,43 @@ void launch_w4a8_mma(const W4A8Args& a, int splits, int sms) {
   });
 }
 
-// The tensor-core GEMV costs the same for every M <= 8 (x's rows are the 8 columns of B), the dp4a
-// GEMV's work grows with M but spreads over 4 times more warps. Measured on the H100 (M = 1, 2,
-// 4, 8, every rows and splits, benchmarks/bench_gemm4.py): in_proj (640 tiles) 7.5-8.6 us on tensor
-// cores against 9.3-21.7 with dp4a; out_proj (160 tiles) 4.47 with dp4a at M = 1 (4.75 on tensor
-// cores), 5.1-5.9 on tensor cores from M = 2 (6.7-10.7 with dp4a); x_proj (12 tiles) 1.8-2.8 with
-// dp4a up to M = 4 (3.4-3.7 on tensor cores), 3.8 on tensor cores at M = 8 (4.2 with dp4a).
-bool w4a8_use_tensor_cores(int M, int N, int sms) {
+// The tensor-core GEMVs cost about the same for every M <= 8 (x's rows are the 8 columns of B), the
+// CUDA-core GEMVs' work grows with M but spreads over 4 times more warps. Measured on the H100 (M =
+// 1, 2, 4, 8, every rows and splits, benchmarks/bench_gemm4.py), W4A8: in_proj (640 tiles) 7.0-8.3
+// us on tensor cores against 8.5-20.6 with dp4a; out_proj (160 tiles) 4.40-5.06 on tensor cores in
+// 8 splits against 4.49-10.58 with dp4a; x_proj (12 tiles) 1.75-1.87 with dp4a up to M = 2
+// (2.40-2.59 on tensor cores in 16 splits), 2.63-2.89 on tensor cores from M = 4 (2.75-4.14 with
+// dp4a). W4A16: see the CUDA-core kernel above; `core_max_m` is the format's kW...CoreMaxM.
+bool use_tensor_cores(int M, int N, int sms, int core_max_m) {
   const int tiles = (N + kTileRows - 1) / kTileRows;
-  if (tiles >= 2 * sms) return true;
-  if (tiles >= sms) return M >= 2;
-  return M > 4;
+  return tiles >= sms || M > core_max_m;
 }
 
-void check_splits(const char* op, int splits) {
-  TORCH_CHECK(splits == 0 || splits == 1 || splits == 2 || splits == 4, op,
-              ": splits must be 0 (auto), 1, 2 or 4, got ", splits);
+// `tensor_cores`: 8 and 16 splits are allowed too, a block per 16-row tile, for whole 128-code
+// steps (G % 128 == 0).
+void check_splits(const char* op, int splits, bool tensor_cores, int group_size) {
+  const bool wide = tensor_cores && (splits == 8 || splits == 16);
+  TORCH_CHECK(splits == 0 || splits == 1 || splits == 2 || splits == 4 || wide, op, ": splits must be 0 (auto), ",
+              tensor_cores ? "1, 2, 4, 8 or 16" : "1, 2 or 4 (8 and 16: rows 16)", ", got ", splits);
+  TORCH_CHECK(!wide || group_size % 128 == 0, op, ": ", splits, " splits need group_size % 128 == 0, got ",
+              group_size);
 }
 
 }  // namespace
 
 void launch_w4a8_gemv(const W4A8Args& a, int rows, int splits) {
   TORCH_CHECK(a.M >= 1 && a.M <= kGemvMaxM, "w4a8 GEMV: M must be in 1..", kGemvMaxM, ", got ", a.M);
-  TORCH_CHECK(rows == 0 || rows == kDp4aRows || rows == kTileRows, "w4a8 GEMV: rows must be 0 (auto), ", kDp4aRows,
+  TORCH_CHECK(rows == 0 || rows == kCoreRows || rows == kTileRows, "w4a8 GEMV: rows must be 0 (auto), ", kCoreRows,
               " (dp4a) or ", kTileRows, " (tensor cores), got ", rows);
-  check_splits("w4a8 GEMV", splits);
+  check_splits("w4a8 GEMV", splits, rows != kCoreRows, a.group_size);
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  if (rows == 0) rows = w4a8_use_tensor_cores(a.M, a.N, sms) ? kTileRows : kDp4aRows;
+  if (rows == 0) rows = splits > kWarps || use_tensor_cores(a.M, a.N, sms, kW4A8CoreMaxM) ? kTileRows : kCoreRows;
   if (rows == kTileRows) {
     launch_w4a8_mma(a, splits, sms);
     return;
   }
   if (splits == 0)
-    splits = choose_splits((a.N + kDp4aRows - 1) / kDp4aRows, a.K / kCodesPerChunk / 32, (a.M <= 2 ? 16 : 8) * sms);
+    splits = choose_splits((a.N + kCoreRows - 1) / kCoreRows, a.K / kCodesPerChunk / 32, (a.M <= 2 ? 16 : 8) * sms);
   switch (a.M) {
     case 1: launch_w4a8_for_m<1>(a, splits); break;
     case 2: launch_w4a8_for_m<2>(a, splits); break;
@@ -619,11 +810,17 @@ void launch_w4a8_gemv(const W4A8Args& a, int rows, int splits) {
   }
 }
 
-void launch_w4a16_gemv(const W4A16Args& a, int splits) {
+void launch_w4a16_gemv(const W4A16Args& a, int rows, int splits) {
   TORCH_CHECK(a.M >= 1 && a.M <= kGemvMaxM, "w4a16 GEMV: M must be in 1..", kGemvMaxM, ", got ", a.M);
-  check_splits("w4a16 GEMV", splits);
+  TORCH_CHECK(rows == 0 || rows == kCoreRows || rows == kTileRows, "w4a16 GEMV: rows must be 0 (auto), ", kCoreRows,
+              " (CUDA cores) or ", kTileRows, " (tensor cores), got ", rows);
+  TORCH_CHECK(rows != kCoreRows || a.M <= kW4A16CoreMaxM, "w4a16 GEMV: rows ", kCoreRows,
+              " (CUDA cores) takes M = 1, got ", a.M);
+  check_splits("w4a16 GEMV", splits, rows != kCoreRows, a.group_size);
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  launch_w4a16_types(a, splits, sms);  // M needs no template: every M <= 8 costs the same mmas
+  if (rows == 0) rows = splits > kWarps || use_tensor_cores(a.M, a.N, sms, kW4A16CoreMaxM) ? kTileRows : kCoreRows;
+  if (rows == kCoreRows) launch_w4a16_core(a, splits, sms);
+  else launch_w4a16_mma(a, splits, sms);  // M needs no template: every M <= 8 costs the same mmas
 }
 
 }  // namespace quamba::gemm4

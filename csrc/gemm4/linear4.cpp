@@ -10,7 +10,7 @@
 //                                       int8 [N, K] = code * multiplier; sets overflow[0] = 1 when a
 //                                       product is outside [-128, 127]
 //   w4a16_linear(x, weight_packed, scales, group_size, out_dtype) -> out
-//   w4a16_linear_out(..., out), w4a16_gemv_out(..., out, splits), w4a16_gemm_out(..., out)
+//   w4a16_linear_out(..., out), w4a16_gemv_out(..., out, rows, splits), w4a16_gemm_out(..., out)
 //   w4a16_dequantize_out(weight_packed, scales, group_size, out)
 //
 // Shapes: x [M, K] (W4A8 int8; W4A16 float16 or bfloat16), contiguous and 16-byte aligned, K a
@@ -274,11 +274,11 @@ at::Tensor w4a16_linear(const at::Tensor& x, const at::Tensor& weight_packed, co
 }
 
 void w4a16_gemv_out(const at::Tensor& x, const at::Tensor& weight_packed, const at::Tensor& scales,
-                    int64_t group_size, at::Tensor& out, int64_t splits) {
+                    int64_t group_size, at::Tensor& out, int64_t rows, int64_t splits) {
   const auto guard = guard_for("w4a16_gemv", x);
   const W4A16Args a = make_w4a16_args("w4a16_gemv", x, weight_packed, scales, group_size, out);
   TORCH_CHECK(a.M >= 1 && a.M <= kGemvMaxM, "w4a16_gemv: x must have 1 to ", kGemvMaxM, " rows, got ", a.M);
-  launch_w4a16_gemv(a, static_cast<int>(splits));
+  launch_w4a16_gemv(a, static_cast<int>(rows), static_cast<int>(splits));
 }
 
 void w4a16_gemm_out(const at::Tensor& x, const at::Tensor& weight_packed, const at::Tensor& scales,
@@ -339,7 +339,7 @@ TORCH_LIBRARY_FRAGMENT(quamba, m) {
   m.def("w4a16_linear(Tensor x, Tensor weight_packed, Tensor scales, int group_size, ScalarType out_dtype) -> Tensor");
   m.def("w4a16_linear_out(Tensor x, Tensor weight_packed, Tensor scales, int group_size, Tensor(a!) out) -> ()");
   m.def("w4a16_gemv_out(Tensor x, Tensor weight_packed, Tensor scales, int group_size, Tensor(a!) out, "
-        "int splits=0) -> ()");
+        "int rows=0, int splits=0) -> ()");
   m.def("w4a16_gemm_out(Tensor x, Tensor weight_packed, Tensor scales, int group_size, Tensor(a!) out) -> ()");
   m.def("w4a16_dequantize_out(Tensor weight_packed, Tensor scales, int group_size, Tensor(a!) out) -> ()");
 }

@@ -136,11 +136,18 @@ def test_w4a8_gemv_matches_reference(M, N, K, G, out_dtype):
     check_w4a8(run_w4a8_gemv, M, N, K, G, out_dtype)
 
 
-@pytest.mark.parametrize("splits", [1, 2, 4])
-@pytest.mark.parametrize("rows", [4, 16])
+GEMV_SPLIT_SHAPES = [(192, 5120, 128), (2560, 5120, 128), (96, 192, 64), (40, 96, 96), (72, 256, 32),
+                     (33, 1024, 128)]
+# 8 and 16 splits (a block per 16-row tile; whole 128-code steps): fewer steps than splits, a
+# last tile only partly inside N.
+WIDE_SPLIT_SHAPES = [(192, 5120, 128), (2560, 5120, 128), (33, 1024, 128), (200, 128, 128)]
+
+
 @pytest.mark.parametrize("M", [1, 3, 8])
-@pytest.mark.parametrize(
-    "N,K,G", [(192, 5120, 128), (2560, 5120, 128), (96, 192, 64), (40, 96, 96), (72, 256, 32), (33, 1024, 128)])
+@pytest.mark.parametrize("N,K,G,rows,splits",
+                         [(*shape, rows, splits) for shape in GEMV_SPLIT_SHAPES for rows in (4, 16)
+                          for splits in (1, 2, 4)]
+                         + [(*shape, 16, splits) for shape in WIDE_SPLIT_SHAPES for splits in (8, 16)])
 def test_w4a8_gemv_every_work_split(M, N, K, G, rows, splits):
     seed_for("w4a8 gemv splits", M, N, K, G, rows, splits)
     check_w4a8(lambda case, out: run_w4a8_gemv(case, out, rows, splits), M, N, K, G, torch.int8)
@@ -283,14 +290,21 @@ def test_w4a16_gemv_matches_reference(M, N, K, G, x_dtype, out_dtype):
 
 
 # (10280, 256, 128): enough rows for the GEMV's 64-row warps (more 16-row tiles than 2 per SM on
-# an H100), with a last warp only partly inside N.
-@pytest.mark.parametrize("splits", [1, 2, 4])
-@pytest.mark.parametrize("M", [1, 8])
-@pytest.mark.parametrize("N,K,G", [(192, 5120, 128), (2560, 5120, 128), (96, 192, 64), (72, 256, 32), (48, 320, 160),
-                                   (10280, 256, 128)])
-def test_w4a16_gemv_every_split(M, N, K, G, splits):
-    seed_for("w4a16 splits", M, N, K, G, splits)
-    check_w4a16(lambda case, out: ops.w4a16_gemv_out(*w4a16_op_arguments(case), out, splits), M, N, K, G,
+# an H100), with a last warp only partly inside N. Rows 4 (CUDA cores) take M = 1.
+W4A16_SPLIT_SHAPES = [(192, 5120, 128), (2560, 5120, 128), (96, 192, 64), (72, 256, 32), (48, 320, 160),
+                      (10280, 256, 128)]
+
+
+@pytest.mark.parametrize("M,N,K,G,rows,splits",
+                         [(M, *shape, 16, splits) for M in (1, 8)
+                          for shape in W4A16_SPLIT_SHAPES for splits in (1, 2, 4)]
+                         + [(M, *shape, 16, splits) for M in (1, 8)
+                            for shape in WIDE_SPLIT_SHAPES for splits in (8, 16)]
+                         + [(1, *shape, 4, splits) for shape in W4A16_SPLIT_SHAPES + [(33, 1024, 128)]
+                            for splits in (1, 2, 4)])
+def test_w4a16_gemv_every_work_split(M, N, K, G, rows, splits):
+    seed_for("w4a16 splits", M, N, K, G, rows, splits)
+    check_w4a16(lambda case, out: ops.w4a16_gemv_out(*w4a16_op_arguments(case), out, rows, splits), M, N, K, G,
                 torch.float16, torch.float16)
 
 
@@ -459,6 +473,10 @@ def test_w4a8_gemv_and_gemm_reject_bad_options():
         ops.w4a8_gemv_out(*args, 3, 0)
     with pytest.raises(RuntimeError, match="splits must be"):
         ops.w4a8_gemv_out(*args, 0, 3)
+    with pytest.raises(RuntimeError, match=r"splits must be 0 \(auto\), 1, 2 or 4 \(8 and 16: rows 16\), got 8"):
+        ops.w4a8_gemv_out(*args, 4, 8)
+    with pytest.raises(RuntimeError, match="16 splits need group_size % 128 == 0, got 64"):
+        ops.w4a8_gemv_out(*args, 16, 16)
     with pytest.raises(RuntimeError, match="config must be"):
         ops.w4a8_gemm_out(*args, 99)
 
@@ -501,3 +519,19 @@ def test_w4a16_bad_arguments_raise_naming_the_argument(bad, op_name):
     spoil(arguments)
     with pytest.raises(RuntimeError, match=message):
         call_w4a16(getattr(ops, op_name), arguments)
+
+
+def test_w4a16_gemv_rejects_bad_options():
+    a = valid_w4a16()  # M 4, groups of 64
+    args = (a["x"], a["weight_packed"], a["scales"], a["group_size"], a["out"])
+    with pytest.raises(RuntimeError, match=r"rows must be 0 \(auto\), 4 \(CUDA cores\) or 16 \(tensor cores\), got 3"):
+        ops.w4a16_gemv_out(*args, 3, 0)
+    with pytest.raises(RuntimeError, match=r"rows 4 \(CUDA cores\) takes M = 1, got 4"):
+        ops.w4a16_gemv_out(*args, 4, 0)
+    with pytest.raises(RuntimeError, match=r"splits must be 0 \(auto\), 1, 2, 4, 8 or 16, got 3"):
+        ops.w4a16_gemv_out(*args, 0, 3)
+    with pytest.raises(RuntimeError, match="8 splits need group_size % 128 == 0, got 64"):
+        ops.w4a16_gemv_out(*args, 16, 8)
+    a = valid_w4a16(M=1)
+    with pytest.raises(RuntimeError, match=r"splits must be 0 \(auto\), 1, 2 or 4 \(8 and 16: rows 16\), got 8"):
+        ops.w4a16_gemv_out(a["x"], a["weight_packed"], a["scales"], a["group_size"], a["out"], 4, 8)
