@@ -87,11 +87,20 @@ def test_cuda_decode_follows_cuda_prefill(quantized, monkeypatch):
 
 
 def test_cuda_backend_generates(quantized, monkeypatch):
+    """Greedy generation on the cuda backend picks, at every step, the torch backend's first choice
+    given the same tokens before it, or a token within NEAR_TIE of it. (Comparing the two
+    generations token by token fails on the first near-tie: from there on the prefixes differ.)"""
     qmodel, ids = quantized
+    prompt, new_tokens = ids[:2, :32], 16
     monkeypatch.setenv("QUAMBA_BACKEND", "cuda")
     qmodel.set_ssm_mode("int8")
-    out = qmodel.generate(ids[:2, :32], max_new_tokens=16)
+    out = qmodel.generate(prompt, max_new_tokens=new_tokens, eos_token_id=-1)
+    assert out.shape == (2, 32 + new_tokens) and torch.equal(out[:, :32], prompt)
     monkeypatch.setenv("QUAMBA_BACKEND", "torch")
-    reference = qmodel.generate(ids[:2, :32], max_new_tokens=16)
-    assert out.shape == reference.shape
-    assert (out == reference).float().mean() >= 0.9
+    with torch.no_grad():  # the torch backend's decode steps along the cuda backend's tokens
+        cache = qmodel.allocate_cache(2)
+        logits = [qmodel(prompt, cache=cache)[:, -1:]]
+        logits += [qmodel(out[:, t:t + 1], cache=cache) for t in range(32, 32 + new_tokens - 1)]
+    logits = torch.cat(logits, 1).float()
+    gap = logits.max(-1).values - logits.gather(-1, out[:, 32:, None]).squeeze(-1)
+    assert float(gap.max()) <= NEAR_TIE, f"gaps to the torch backend's first choice: {gap.tolist()}"
