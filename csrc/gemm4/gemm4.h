@@ -53,7 +53,7 @@ struct W4A16Args {
 };
 
 // Decode GEMVs (M <= kGemvMaxM). `rows` weight rows per warp: 4 on CUDA cores (W4A8: dp4a;
-// W4A16: fp32 fma, M <= 2) or 16 on tensor cores (W4A8: mma.sync m16n8k32; W4A16: m16n8k16, 16
+// W4A16: fp32 fma, M = 1) or 16 on tensor cores (W4A8: mma.sync m16n8k32; W4A16: m16n8k16, 16
 // or 64 rows chosen from N); `splits` (1, 2, 4; on tensor cores with G % 128 == 0 also 8 and 16, a
 // block per tile) warps sharing a row group's K range; 0 picks either from the shape.
 void launch_w4a8_gemv(const W4A8Args& args, int rows = 0, int splits = 0);
