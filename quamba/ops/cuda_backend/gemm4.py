@@ -1,7 +1,7 @@
 """``w4a8_linear`` and ``w4a16_linear`` on the 4-bit kernels of ``quamba._C`` (csrc/gemm4).
 
-Up to 8 rows run the decode GEMVs (W4A8: exact for any int8 group multiplier; W4A16: tensor
-cores, fp32 accumulation). More rows run the prefill GEMMs: W4A8 expands the codes to an int8
+Up to 8 rows run the decode GEMVs (W4A8: exact for any int8 group multiplier; W4A16: fp32
+accumulation, on tensor cores, or on CUDA cores for one row of a layer with few weight rows). More rows run the prefill GEMMs: W4A8 expands the codes to an int8
 weight (code × group multiplier) and runs the W8A8 GEMM, which is exact only while every product
 fits int8 — multipliers in 1…18 for codes in -7…7 (quamba.ops.quant4). That is checked here, on
 the device, once per weight: the verdict is cached per (packed weight, group multiplier) tensor
