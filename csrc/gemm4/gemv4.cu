@@ -75,133 +75,55 @@ struct GroupOf {
 };
 
 // ---------------------------------------------------------------------------------------------
-// W4A8, dp4a
+// Formats: what the W4A8 and W4A16 GEMVs differ in (activations, group scales, accumulators).
 
-// Chunk sum of 16 * code * x over one 16-byte weight chunk (32 codes) against the even (xe) and
-// odd (xo) bytes of the matching 32 activations.
-__device__ __forceinline__ int chunk_dot(int4 w, const int (&xe)[4], const int (&xo)[4]) {
-  const int words[4] = {w.x, w.y, w.z, w.w};
-  int acc = 0;
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const int even = static_cast<int>((static_cast<unsigned>(words[j]) << 4) & 0xF0F0F0F0u);
-    const int odd = static_cast<int>(static_cast<unsigned>(words[j]) & 0xF0F0F0F0u);
-    acc = __dp4a(even, xe[j], acc);
-    acc = __dp4a(odd, xo[j], acc);
-  }
-  return acc;
-}
+// W4A16: f16/bf16 activations, fp16 group scales, fp32 totals.
+template <typename XT>
+struct HalfFormat {
+  using X = XT;
+  using Scale = __half;
+  using Total = float;
+  static constexpr int kXVectors = 4;  // 16-byte vectors of x per lane and step: 32 activations
+  static constexpr bool kWideWarps = true;  // 4 tiles per warp where N is large (w4a16_wide_warps)
+};
 
-constexpr int kCoreRows = 4;  // the CUDA-core GEMVs (W4A8 dp4a, W4A16 fma): weight rows per warp
+// W4A8: int8 activations, int8 group multipliers, int32 totals (exact).
+struct Int8Format {
+  using X = int8_t;
+  using Scale = int8_t;
+  using Total = int;
+  static constexpr int kXVectors = 2;
+  static constexpr bool kWideWarps = false;  // one tile per warp was always faster (launch_w4a8_mma)
+};
 
-// Sums over chunks [begin, end) of rows row0..row0+R-1 (rows past N re-read row N - 1; the caller
-// drops them). Returns, in lane r * M + m, the warp's sum for (row0 + r, m).
-template <int M>
-__device__ __forceinline__ int w4a8_row_group_sums(const int4* __restrict__ x, const uint8_t* __restrict__ w,
-                                                   const int8_t* __restrict__ multipliers, int N, int chunks,
-                                                   int groups, GroupOf group_of, int row0, int begin, int end,
-                                                   int lane) {
-  // (16 loads per lane for M <= 2, so that in_proj's rows take one pass, was slower on the H100:
-  // 8.5 vs 7.4 us for in_proj at M = 1, from the registers it costs.)
-  constexpr int R = kCoreRows;
-  constexpr int kSteps = kLoadsPerLane / R;
-  const int4* w_rows[R];
-  const int8_t* m_rows[R];
-#pragma unroll
-  for (int r = 0; r < R; ++r) {
-    const int64_t row = min(row0 + r, N - 1);
-    w_rows[r] = reinterpret_cast<const int4*>(w + row * chunks * 16);
-    m_rows[r] = multipliers + row * groups;
-  }
-  int acc[R][M] = {};
-  bool waited = false;
-  for (int c = begin + lane; c < end; c += 32 * kSteps) {
-    int4 wv[kSteps][R];
-    int mul[kSteps][R];
-#pragma unroll
-    for (int s = 0; s < kSteps; ++s)
-      if (c + 32 * s < end) {
-        const int group = group_of(c + 32 * s);
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-          wv[s][r] = load_streaming(w_rows[r] + c + 32 * s);
-          mul[s][r] = __ldg(m_rows[r] + group);
-        }
-      }
-    if (!waited) {  // the first weights are on their way: now wait for x (pdl.cuh)
-      pdl_wait();
-      waited = true;
-    }
-#pragma unroll
-    for (int s = 0; s < kSteps; ++s) {
-      if (c + 32 * s >= end) continue;
-#pragma unroll
-      for (int m = 0; m < M; ++m) {
-        const int4* xc = x + static_cast<int64_t>(m) * chunks * 2 + 2 * (c + 32 * s);
-        const int4 x0 = __ldcg(xc), x1 = __ldcg(xc + 1);
-        const int xe[4] = {static_cast<int>(__byte_perm(x0.x, x0.y, 0x6420)),
-                           static_cast<int>(__byte_perm(x0.z, x0.w, 0x6420)),
-                           static_cast<int>(__byte_perm(x1.x, x1.y, 0x6420)),
-                           static_cast<int>(__byte_perm(x1.z, x1.w, 0x6420))};
-        const int xo[4] = {static_cast<int>(__byte_perm(x0.x, x0.y, 0x7531)),
-                           static_cast<int>(__byte_perm(x0.z, x0.w, 0x7531)),
-                           static_cast<int>(__byte_perm(x1.x, x1.y, 0x7531)),
-                           static_cast<int>(__byte_perm(x1.z, x1.w, 0x7531))};
-#pragma unroll
-        for (int r = 0; r < R; ++r) acc[r][m] += (chunk_dot(wv[s][r], xe, xo) >> 4) * mul[s][r];
-      }
-    }
-  }
-  return gemm::lane_sum(acc, lane);
-}
+// A GEMV's operands, typed by its format.
+template <typename F>
+struct Operands {
+  const typename F::X* x;
+  const uint8_t* w;
+  const typename F::Scale* scales;
+  void* out;
+  int M, N, K, group_size;
+  cudaStream_t stream;
+};
 
-template <int M, typename OutT>
-__global__ void __launch_bounds__(kThreads)
-w4a8_gemv_kernel(const int8_t* __restrict__ x, const uint8_t* __restrict__ w, const int8_t* __restrict__ multipliers,
-                 OutT* __restrict__ out, int N, int K, GroupOf group_of, Epilogue epilogue, int splits) {
-  constexpr int R = kCoreRows;
-  static_assert(R * M <= 32, "one output per lane");
-  __shared__ int partial[kWarps][1][32];
-  pdl_launch_dependents();
-  const int chunks = K / kCodesPerChunk;
-  const int groups = chunks / group_of.per_group;
-  const gemm::WarpShare s = gemm::warp_share(R, N, chunks, splits);
-  const int lane = s.lane;
+template <typename OutT>
+__device__ __forceinline__ OutT from_float(float v);
+template <>
+__device__ __forceinline__ float from_float<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 
-  int sum = w4a8_row_group_sums<M>(reinterpret_cast<const int4*>(x), w, multipliers, N, chunks, groups, group_of,
-                                   s.row0, s.begin, s.end, lane);
-  pdl_wait();  // warps with no share of K have not waited yet
-  if (!gemm::combine_splits<1>(partial, &sum, s, splits)) return;
-  const int n = s.row0 + lane / M;
-  if (lane < R * M && n < N) out[static_cast<int64_t>(lane % M) * N + n] = epilogue.apply<OutT>(sum, n);
-}
-
-int choose_splits(int work_items, int sweeps, int target_warps) {
-  int splits = 1;
-  while (splits < kWarps && work_items * splits < target_warps && sweeps >= 2 * splits) splits *= 2;
-  return splits;
-}
-
-template <int M, typename OutT>
-void launch_w4a8_kernel(const W4A8Args& a, int splits) {
-  const auto kernel = w4a8_gemv_kernel<M, OutT>;
-  gemm::check_kernel_image(reinterpret_cast<const void*>(kernel), "w4a8 GEMV");
-  const int groups_per_block = kWarps / splits;
-  const int blocks = ((a.N + kCoreRows - 1) / kCoreRows + groups_per_block - 1) / groups_per_block;
-  const Epilogue epilogue{a.multiplier, a.multiplier_per_channel, nullptr};
-  launch_with_pdl(kernel, blocks, kThreads, 0, a.stream, a.x, a.w, a.group_multiplier, static_cast<OutT*>(a.out),
-                  a.N, a.K, GroupOf::make(a.group_size), epilogue, splits);
-}
-
-template <int M>
-void launch_w4a8_for_m(const W4A8Args& a, int splits) {
-  gemm::dispatch_out_type(a.out_type, [&](auto tag) { launch_w4a8_kernel<M, decltype(tag)>(a, splits); });
-}
+// W4A16's output: the fp32 total cast to the output type (W4A8's: gemm::Epilogue).
+struct CastOutput {
+  template <typename OutT>
+  __device__ __forceinline__ OutT apply(float total, int) const { return from_float<OutT>(total); }
+};
 
 // ---------------------------------------------------------------------------------------------
-// W4A16, mma.sync
-
-constexpr int kTileRows = 16;  // weight rows of one mma tile (A)
+// Codes to f16/bf16 pairs, shared by W4A16's GEMVs
 
 // (a & b) ^ c in one lop3 (the compiler splits it in two when both b and c are immediates).
 __device__ __forceinline__ uint32_t and_xor(uint32_t a, uint32_t b, uint32_t c) {
@@ -261,15 +183,6 @@ struct Act<__nv_bfloat16> {
   }
 };
 
-template <typename OutT>
-__device__ __forceinline__ OutT from_float(float v);
-template <>
-__device__ __forceinline__ float from_float<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
-
 // p[q] = (x q, x q + 4) of 8 consecutive activations: the pairs of Act<>::decode.
 __device__ __forceinline__ void x_pairs(uint4 v, uint32_t (&p)[4]) {
   p[0] = __byte_perm(v.x, v.z, 0x5410);
@@ -279,17 +192,54 @@ __device__ __forceinline__ void x_pairs(uint4 v, uint32_t (&p)[4]) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// W4A16 on CUDA cores (few weight rows, M = 1): a lane takes whole chunks of kCoreRows rows, as the
-// dp4a GEMV, so that a small layer spreads over 4 times more warps than in 16-row tiles. A word of
-// codes gives the exact f16/bf16 pairs (code q, code q + 4) of Act<>::decode, made fp32 and
-// multiplied with the fp32 activations; a chunk's fp32 sum is multiplied by its group's scale. On
-// the H100 (benchmarks/bench_gemm4.py): x_proj at M = 1 in 1.98 us against 2.72 on tensor cores;
-// at M = 2 it took 4.13 against 2.79, and out_proj 9.84 against 5.47, so it takes M = 1 and few
-// rows only (use_tensor_cores).
+// On CUDA cores: a lane takes whole 16-byte chunks (32 codes of one group) of kCoreRows weight
+// rows and the matching activations of each x row; `splits` warps share a row group's K range (as
+// the W8A8 GEMV, gemm/gemv.cu).
 
-constexpr int kW4A8CoreMaxM = 2;   // M past these take the tensor cores
+constexpr int kCoreRows = 4;  // weight rows per warp
+constexpr int kW4A8CoreMaxM = 2;   // M past these take the tensor cores (use_tensor_cores)
 constexpr int kW4A16CoreMaxM = 1;
 
+// W4A8 (dp4a): chunk sum of 16 * code * x over one weight chunk against the even (xe) and odd (xo)
+// bytes of the matching 32 activations.
+__device__ __forceinline__ int chunk_dot(int4 w, const int (&xe)[4], const int (&xo)[4]) {
+  const int words[4] = {w.x, w.y, w.z, w.w};
+  int acc = 0;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int even = static_cast<int>((static_cast<unsigned>(words[j]) << 4) & 0xF0F0F0F0u);
+    const int odd = static_cast<int>(static_cast<unsigned>(words[j]) & 0xF0F0F0F0u);
+    acc = __dp4a(even, xe[j], acc);
+    acc = __dp4a(odd, xo[j], acc);
+  }
+  return acc;
+}
+
+// acc[r][m] += chunk c of weight row r (w[r], group multiplier multiplier[r]) against x row m.
+// The int32 chunk sum is exact, divided by 16 exactly and multiplied by the int8 multiplier.
+template <int M>
+__device__ __forceinline__ void add_chunk(int (&acc)[kCoreRows][M], const int8_t* __restrict__ x, int chunks, int c,
+                                          const int4 (&w)[kCoreRows], const int (&multiplier)[kCoreRows]) {
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+    const int4* xc = reinterpret_cast<const int4*>(x) + static_cast<int64_t>(m) * chunks * 2 + 2 * c;
+    const int4 x0 = __ldcg(xc), x1 = __ldcg(xc + 1);
+    const int xe[4] = {static_cast<int>(__byte_perm(x0.x, x0.y, 0x6420)),
+                       static_cast<int>(__byte_perm(x0.z, x0.w, 0x6420)),
+                       static_cast<int>(__byte_perm(x1.x, x1.y, 0x6420)),
+                       static_cast<int>(__byte_perm(x1.z, x1.w, 0x6420))};
+    const int xo[4] = {static_cast<int>(__byte_perm(x0.x, x0.y, 0x7531)),
+                       static_cast<int>(__byte_perm(x0.z, x0.w, 0x7531)),
+                       static_cast<int>(__byte_perm(x1.x, x1.y, 0x7531)),
+                       static_cast<int>(__byte_perm(x1.z, x1.w, 0x7531))};
+#pragma unroll
+    for (int r = 0; r < kCoreRows; ++r) acc[r][m] += (chunk_dot(w[r], xe, xo) >> 4) * multiplier[r];
+  }
+}
+
+// W4A16 (fp32 fma, M = 1; more rows per warp of few-row layers than in 16-row tiles). On the H100
+// (benchmarks/bench_gemm4.py): x_proj at M = 1 in 1.98 us against 2.72 on tensor cores; at M = 2
+// it took 4.13 against 2.79, and out_proj 9.84 against 5.47, so it takes M = 1 and few rows only.
 template <typename XT>
 __device__ __forceinline__ float2 pair_to_float2(uint32_t pair);
 template <>
@@ -301,7 +251,8 @@ __device__ __forceinline__ float2 pair_to_float2<__nv_bfloat16>(uint32_t pair) {
   return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&pair));
 }
 
-// The 32 codes of a 16-byte chunk as fp32, in k order.
+// The 32 codes of a 16-byte chunk as fp32, in k order: a word's exact f16/bf16 pairs (code q,
+// code q + 4) of Act<>::decode, made fp32.
 template <typename XT>
 __device__ __forceinline__ void chunk_codes(int4 w, float (&codes)[kCodesPerChunk]) {
   const int words[4] = {w.x, w.y, w.z, w.w};
@@ -334,28 +285,54 @@ __device__ __forceinline__ void chunk_activations(const uint4* row, int c, float
   }
 }
 
+// acc[r][0] += chunk c of weight row r against the x row: fp32 products and sums, the chunk's sum
+// times the fp32 group scale.
+template <int M, typename XT>
+__device__ __forceinline__ void add_chunk(float (&acc)[kCoreRows][M], const XT* __restrict__ x, int, int c,
+                                          const int4 (&w)[kCoreRows], const float (&scale)[kCoreRows]) {
+  static_assert(M == kW4A16CoreMaxM, "the CUDA-core W4A16 GEMV takes one x row");
+  float xf[kCodesPerChunk];
+  chunk_activations<XT>(reinterpret_cast<const uint4*>(x), c, xf);
+#pragma unroll
+  for (int r = 0; r < kCoreRows; ++r) {
+    float codes[kCodesPerChunk];
+    chunk_codes<XT>(w[r], codes);
+    float even = 0.f, odd = 0.f;  // two FMA chains
+#pragma unroll
+    for (int k = 0; k < kCodesPerChunk; k += 2) {
+      even = fmaf(codes[k], xf[k], even);
+      odd = fmaf(codes[k + 1], xf[k + 1], odd);
+    }
+    acc[r][0] = fmaf(even + odd, scale[r], acc[r][0]);
+  }
+}
+
+__device__ __forceinline__ int widen(int8_t multiplier) { return multiplier; }
+__device__ __forceinline__ float widen(__half scale) { return __half2float(scale); }
+
 // Sums over chunks [begin, end) of rows row0..row0+R-1 (rows past N re-read row N - 1; the caller
-// drops them) against the one x row. Returns, in lane r, the warp's sum for row0 + r.
-template <typename XT>
-__device__ __forceinline__ float w4a16_row_group_sums(const uint4* __restrict__ x, const uint8_t* __restrict__ w,
-                                                      const __half* __restrict__ scales, int N, int chunks,
-                                                      int groups, GroupOf group_of, int row0, int begin, int end,
-                                                      int lane) {
+// drops them). Returns, in lane r * M + m, the warp's sum for (row0 + r, m).
+template <typename F, int M>
+__device__ __forceinline__ typename F::Total core_row_group_sums(
+    const typename F::X* __restrict__ x, const uint8_t* __restrict__ w, const typename F::Scale* __restrict__ scales,
+    int N, int chunks, int groups, GroupOf group_of, int row0, int begin, int end, int lane) {
+  // (16 loads per lane for M <= 2, so that in_proj's rows take one pass, was slower on the H100
+  // for W4A8: 8.5 vs 7.4 us for in_proj at M = 1, from the registers it costs.)
   constexpr int R = kCoreRows;
   constexpr int kSteps = kLoadsPerLane / R;
   const int4* w_rows[R];
-  const __half* s_rows[R];
+  const typename F::Scale* s_rows[R];
 #pragma unroll
   for (int r = 0; r < R; ++r) {
     const int64_t row = min(row0 + r, N - 1);
     w_rows[r] = reinterpret_cast<const int4*>(w + row * chunks * 16);
     s_rows[r] = scales + row * groups;
   }
-  float acc[R][1] = {};
+  typename F::Total acc[R][M] = {};
   bool waited = false;
   for (int c = begin + lane; c < end; c += 32 * kSteps) {
     int4 wv[kSteps][R];
-    float scale[kSteps][R];
+    typename F::Total scale[kSteps][R];  // as the accumulators
 #pragma unroll
     for (int s = 0; s < kSteps; ++s)
       if (c + 32 * s < end) {
@@ -363,7 +340,7 @@ __device__ __forceinline__ float w4a16_row_group_sums(const uint4* __restrict__ 
 #pragma unroll
         for (int r = 0; r < R; ++r) {
           wv[s][r] = load_streaming(w_rows[r] + c + 32 * s);
-          scale[s][r] = __half2float(__ldg(s_rows[r] + group));
+          scale[s][r] = widen(__ldg(s_rows[r] + group));
         }
       }
     if (!waited) {  // the first weights are on their way: now wait for x (pdl.cuh)
@@ -371,74 +348,53 @@ __device__ __forceinline__ float w4a16_row_group_sums(const uint4* __restrict__ 
       waited = true;
     }
 #pragma unroll
-    for (int s = 0; s < kSteps; ++s) {
-      if (c + 32 * s >= end) continue;
-      float xf[kCodesPerChunk];
-      chunk_activations<XT>(x, c + 32 * s, xf);
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        float codes[kCodesPerChunk];
-        chunk_codes<XT>(wv[s][r], codes);
-        float even = 0.f, odd = 0.f;  // two FMA chains
-#pragma unroll
-        for (int k = 0; k < kCodesPerChunk; k += 2) {
-          even = fmaf(codes[k], xf[k], even);
-          odd = fmaf(codes[k + 1], xf[k + 1], odd);
-        }
-        acc[r][0] = fmaf(even + odd, scale[s][r], acc[r][0]);
-      }
-    }
+    for (int s = 0; s < kSteps; ++s)
+      if (c + 32 * s < end) add_chunk<M>(acc, x, chunks, c + 32 * s, wv[s], scale[s]);
   }
   return gemm::lane_sum(acc, lane);
 }
 
-template <typename XT, typename OutT>
+template <typename F, int M, typename OutT, typename Finish>
 __global__ void __launch_bounds__(kThreads)
-w4a16_core_gemv_kernel(const XT* __restrict__ x, const uint8_t* __restrict__ w, const __half* __restrict__ scales,
-                       OutT* __restrict__ out, int N, int K, GroupOf group_of, int splits) {
-  __shared__ float partial[kWarps][1][32];
+core_gemv_kernel(const typename F::X* __restrict__ x, const uint8_t* __restrict__ w,
+                 const typename F::Scale* __restrict__ scales, OutT* __restrict__ out, int N, int K,
+                 GroupOf group_of, int splits, Finish finish) {
+  constexpr int R = kCoreRows;
+  static_assert(R * M <= 32, "one output per lane");
+  __shared__ typename F::Total partial[kWarps][1][32];
   pdl_launch_dependents();
   const int chunks = K / kCodesPerChunk;
   const int groups = chunks / group_of.per_group;
-  const gemm::WarpShare s = gemm::warp_share(kCoreRows, N, chunks, splits);
-  float sum = w4a16_row_group_sums<XT>(reinterpret_cast<const uint4*>(x), w, scales, N, chunks, groups, group_of,
-                                       s.row0, s.begin, s.end, s.lane);
+  const gemm::WarpShare s = gemm::warp_share(R, N, chunks, splits);
+  typename F::Total sum =
+      core_row_group_sums<F, M>(x, w, scales, N, chunks, groups, group_of, s.row0, s.begin, s.end, s.lane);
   pdl_wait();  // warps with no share of K have not waited yet
   if (!gemm::combine_splits<1>(partial, &sum, s, splits)) return;
-  const int n = s.row0 + s.lane;
-  if (s.lane < kCoreRows && n < N) out[n] = from_float<OutT>(sum);
+  const int n = s.row0 + s.lane / M;
+  if (s.lane < R * M && n < N)
+    out[static_cast<int64_t>(s.lane % M) * N + n] = finish.template apply<OutT>(sum, n);
 }
 
-template <typename XT, typename OutT>
-void launch_w4a16_core_kernel(const W4A16Args& a, int splits) {
-  const auto kernel = w4a16_core_gemv_kernel<XT, OutT>;
-  gemm::check_kernel_image(reinterpret_cast<const void*>(kernel), "w4a16 GEMV");
+int choose_splits(int work_items, int sweeps, int target_warps) {
+  int splits = 1;
+  while (splits < kWarps && work_items * splits < target_warps && sweeps >= 2 * splits) splits *= 2;
+  return splits;
+}
+
+template <typename F, int M, typename OutT, typename Finish>
+void launch_core_kernel(const Operands<F>& a, int splits, Finish finish) {
+  const auto kernel = core_gemv_kernel<F, M, OutT, Finish>;
+  gemm::check_kernel_image(reinterpret_cast<const void*>(kernel), "4-bit CUDA-core GEMV");
   const int groups_per_block = kWarps / splits;
   const int blocks = ((a.N + kCoreRows - 1) / kCoreRows + groups_per_block - 1) / groups_per_block;
-  launch_with_pdl(kernel, blocks, kThreads, 0, a.stream, static_cast<const XT*>(a.x), a.w,
-                  static_cast<const __half*>(a.scales), static_cast<OutT*>(a.out), a.N, a.K,
-                  GroupOf::make(a.group_size), splits);
+  launch_with_pdl(kernel, blocks, kThreads, 0, a.stream, a.x, a.w, a.scales, static_cast<OutT*>(a.out), a.N, a.K,
+                  GroupOf::make(a.group_size), splits, finish);
 }
 
-// The two tensor-core GEMVs differ in their activations, group scales and accumulators only.
-// W4A16: f16/bf16 activations, fp16 group scales, fp32 totals.
-template <typename XT>
-struct HalfFormat {
-  using X = XT;
-  using Scale = __half;
-  using Total = float;
-  static constexpr int kXVectors = 4;  // 16-byte vectors of x per lane and step: 32 activations
-  static constexpr bool kWideWarps = true;  // 4 tiles per warp where N is large (w4a16_wide_warps)
-};
+// ---------------------------------------------------------------------------------------------
+// On tensor cores (mma.sync; W4A16 m16n8k16, W4A8 m16n8k32)
 
-// W4A8: int8 activations, int8 group multipliers, int32 totals (exact).
-struct Int8Format {
-  using X = int8_t;
-  using Scale = int8_t;
-  using Total = int;
-  static constexpr int kXVectors = 2;
-  static constexpr bool kWideWarps = false;  // one tile per warp was always faster (launch_w4a8_mma)
-};
+constexpr int kTileRows = 16;  // weight rows of one mma tile (A)
 
 // What one step (128 k) needs from memory, per lane: chunk 4 * step + t of the lane's weight rows
 // (rows g and g + 8 of tile r in w[2r], w[2r + 1]), their scales for the step's H groups, and the
@@ -573,12 +529,6 @@ __device__ __forceinline__ void accumulate_step(int (&total)[R][4], const Stage<
   add_passes(total, d, s.scale, [](int sum, int8_t multiplier) { return (sum >> 4) * multiplier; });
 }
 
-// W4A16's output: the fp32 total cast to the output type.
-struct CastOutput {
-  template <typename OutT>
-  __device__ __forceinline__ OutT apply(float total, int) const { return from_float<OutT>(total); }
-};
-
 // Blocks of `Warps` warps: kWarps, or one row group's 8 or 16 splits (block_splits), held to 128
 // registers so that 16 warps fit an SM.
 template <int Warps>
@@ -657,19 +607,8 @@ mma_gemv_kernel(const typename F::X* __restrict__ x, const uint8_t* __restrict__
 // D = 2 (in_proj 7.7 us against 11.2 with R = 1, D = 6; x's loads and permutes shared by 64 rows).
 bool w4a16_wide_warps(int N, int sms) { return (N + kTileRows - 1) / kTileRows > 2 * sms; }
 
-// A tensor-core GEMV's operands, typed by its format.
-template <typename F>
-struct MmaOperands {
-  const typename F::X* x;
-  const uint8_t* w;
-  const typename F::Scale* scales;
-  void* out;
-  int M, N, K, group_size;
-  cudaStream_t stream;
-};
-
 template <typename F, typename OutT, int R, int D, int H, int Warps = kWarps, typename Finish>
-void launch_mma_kernel(const MmaOperands<F>& a, int splits, int sms, Finish finish) {
+void launch_mma_kernel(const Operands<F>& a, int splits, int sms, Finish finish) {
   const auto kernel = mma_gemv_kernel<F, OutT, R, D, H, Warps, Finish>;
   gemm::check_kernel_image(reinterpret_cast<const void*>(kernel), "4-bit tensor-core GEMV");
   const int tiles = (a.N + kTileRows * R - 1) / (kTileRows * R);
@@ -699,7 +638,7 @@ int block_splits(int N, int K, int sms) {
 // H: how many groups one 4-chunk step (128 codes) can touch; with H = 1, 4 tiles per warp where
 // the format takes them and N is large.
 template <typename F, typename OutT, typename Finish>
-void launch_mma_for_groups(const MmaOperands<F>& a, int splits, int sms, Finish finish) {
+void launch_mma_for_groups(const Operands<F>& a, int splits, int sms, Finish finish) {
   if (splits == 0 && a.group_size % 128 == 0) splits = block_splits(a.N, a.K, sms);
   if (splits > kWarps) {  // check_splits: G % 128 == 0
     if (splits == 8) launch_mma_kernel<F, OutT, 1, 3, 1, 8>(a, splits, sms, finish);
@@ -734,30 +673,45 @@ void dispatch_w4a16_types(const W4A16Args& a, Fn fn) {
   else for_x(__nv_bfloat16{});
 }
 
+template <typename F>
+Operands<F> w4a16_operands(const W4A16Args& a) {
+  return {static_cast<const typename F::X*>(a.x), a.w, static_cast<const __half*>(a.scales), a.out, a.M, a.N, a.K,
+          a.group_size, a.stream};
+}
+
 void launch_w4a16_mma(const W4A16Args& a, int splits, int sms) {
   dispatch_w4a16_types(a, [&](auto x_tag, auto out_tag) {
     using F = HalfFormat<decltype(x_tag)>;
-    const MmaOperands<F> operands{static_cast<const typename F::X*>(a.x), a.w, static_cast<const __half*>(a.scales),
-                                  a.out, a.M, a.N, a.K, a.group_size, a.stream};
-    launch_mma_for_groups<F, decltype(out_tag)>(operands, splits, sms, CastOutput{});
+    launch_mma_for_groups<F, decltype(out_tag)>(w4a16_operands<F>(a), splits, sms, CastOutput{});
   });
 }
 
 void launch_w4a16_core(const W4A16Args& a, int splits, int sms) {
-  static_assert(kW4A16CoreMaxM == 1, "the CUDA-core W4A16 kernel takes one x row");
   if (splits == 0) splits = choose_splits((a.N + kCoreRows - 1) / kCoreRows, a.K / kCodesPerChunk / 32, 16 * sms);
   dispatch_w4a16_types(a, [&](auto x_tag, auto out_tag) {
-    launch_w4a16_core_kernel<decltype(x_tag), decltype(out_tag)>(a, splits);
+    using F = HalfFormat<decltype(x_tag)>;
+    launch_core_kernel<F, kW4A16CoreMaxM, decltype(out_tag)>(w4a16_operands<F>(a), splits, CastOutput{});
   });
 }
+
+Operands<Int8Format> w4a8_operands(const W4A8Args& a) {
+  return {a.x, a.w, a.group_multiplier, a.out, a.M, a.N, a.K, a.group_size, a.stream};
+}
+
+Epilogue w4a8_epilogue(const W4A8Args& a) { return {a.multiplier, a.multiplier_per_channel, nullptr}; }
 
 // W4A8 on tensor cores: one 16-row tile per warp (more tiles per warp were slower on the H100 at
 // every Mamba-2.8B layer and M = 1..8: in_proj 7.5 us with one, 8.1 and 8.8 with 2 and 4).
 void launch_w4a8_mma(const W4A8Args& a, int splits, int sms) {
-  const MmaOperands<Int8Format> operands{a.x, a.w, a.group_multiplier, a.out, a.M, a.N, a.K, a.group_size, a.stream};
-  const Epilogue epilogue{a.multiplier, a.multiplier_per_channel, nullptr};
   gemm::dispatch_out_type(a.out_type, [&](auto tag) {
-    launch_mma_for_groups<Int8Format, decltype(tag)>(operands, splits, sms, epilogue);
+    launch_mma_for_groups<Int8Format, decltype(tag)>(w4a8_operands(a), splits, sms, w4a8_epilogue(a));
+  });
+}
+
+template <int M>
+void launch_w4a8_core(const W4A8Args& a, int splits) {
+  gemm::dispatch_out_type(a.out_type, [&](auto tag) {
+    launch_core_kernel<Int8Format, M, decltype(tag)>(w4a8_operands(a), splits, w4a8_epilogue(a));
   });
 }
 
@@ -799,14 +753,14 @@ void launch_w4a8_gemv(const W4A8Args& a, int rows, int splits) {
   if (splits == 0)
     splits = choose_splits((a.N + kCoreRows - 1) / kCoreRows, a.K / kCodesPerChunk / 32, (a.M <= 2 ? 16 : 8) * sms);
   switch (a.M) {
-    case 1: launch_w4a8_for_m<1>(a, splits); break;
-    case 2: launch_w4a8_for_m<2>(a, splits); break;
-    case 3: launch_w4a8_for_m<3>(a, splits); break;
-    case 4: launch_w4a8_for_m<4>(a, splits); break;
-    case 5: launch_w4a8_for_m<5>(a, splits); break;
-    case 6: launch_w4a8_for_m<6>(a, splits); break;
-    case 7: launch_w4a8_for_m<7>(a, splits); break;
-    case 8: launch_w4a8_for_m<8>(a, splits); break;
+    case 1: launch_w4a8_core<1>(a, splits); break;
+    case 2: launch_w4a8_core<2>(a, splits); break;
+    case 3: launch_w4a8_core<3>(a, splits); break;
+    case 4: launch_w4a8_core<4>(a, splits); break;
+    case 5: launch_w4a8_core<5>(a, splits); break;
+    case 6: launch_w4a8_core<6>(a, splits); break;
+    case 7: launch_w4a8_core<7>(a, splits); break;
+    case 8: launch_w4a8_core<8>(a, splits); break;
   }
 }
 

@@ -1,10 +1,11 @@
 """``w4a8_linear`` and ``w4a16_linear`` on the 4-bit kernels of ``quamba._C`` (csrc/gemm4).
 
 Up to 8 rows run the decode GEMVs (W4A8: exact for any int8 group multiplier; W4A16: fp32
-accumulation, on tensor cores, or on CUDA cores for one row of a layer with few weight rows). More rows run the prefill GEMMs: W4A8 expands the codes to an int8
-weight (code × group multiplier) and runs the W8A8 GEMM, which is exact only while every product
-fits int8 — multipliers in 1…18 for codes in -7…7 (quamba.ops.quant4). That is checked here, on
-the device, once per weight: the verdict is cached per (packed weight, group multiplier) tensor
+accumulation, on tensor cores, or on CUDA cores for one row of a layer with few weight rows).
+More rows run the prefill GEMMs: W4A8 expands the codes to an int8 weight (code × group
+multiplier) and runs the W8A8 GEMM, which is exact only while every product fits int8 —
+multipliers in 1…18 for codes in -7…7 (quamba.ops.quant4). That is checked here, on the device,
+once per weight: the verdict is cached per (packed weight, group multiplier) tensor
 pair and their ``_version`` counters, so later calls cost no host sync (the first prefill call of a
 weight does one; run it before any CUDA-graph capture of a prefill). A weight that overflows is
 refused with an error. W4A16 dequantizes to x's dtype and calls cuBLAS; float32 activations (no
