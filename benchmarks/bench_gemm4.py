@@ -2,7 +2,7 @@
 shapes of Mamba-2.8B that take 4-bit weights (in_proj, x_proj, out_proj; groups of 128), each
 W4A8 layer with the output type Quamba gives it, W4A16 with fp16 activations and outputs.
 Decode (GEMV, M = 1, 2, 4, 8) reports the packed weight bytes moved per second and their share
-of the device's copy bandwidth; prefill (M = 1024, 2048) the speed-up over fp16 and where the
+of the device's copy bandwidth, beside the share that a copy moving as many bytes reaches; prefill (M = 1024, 2048) the speed-up over fp16 and where the
 time goes (the W4A8 int8 expansion and the W8A8 GEMM timed alone). Also times every GEMV work
 split, which is how the dispatcher's choices are checked. Every call reads its own copy of the
 operands (common.time_graph_ms): weights come from device memory.
@@ -73,6 +73,16 @@ class Layer:
             return lambda: op(x, w, scales, GROUP, out, *extra)
         return 1e3 * time_graph_ms(make, self.w4a16_bytes)
 
+    def copy_us(self):
+        """A device-to-device copy moving as many bytes as the packed weight (half of them read,
+        half written): the share of the copy bandwidth that one stream of this size reaches, ramp-up
+        and tail included."""
+        def make(_):
+            src = torch.empty(self.weight_bytes // 2, dtype=torch.uint8, device="cuda")
+            dst = torch.empty_like(src)
+            return lambda: dst.copy_(src)
+        return 1e3 * time_graph_ms(make, self.weight_bytes)
+
     def expand_us(self):
         N, K = self.N, self.K
 
@@ -124,11 +134,12 @@ def bench_decode(layer, copy_gbs):
     sweep16 = {f"r{rows}s{splits}": layer.w4a16_us(torch.ops.quamba.w4a16_gemv_out, rows, splits)
                for rows, splits in W4A16_GEMV_SHAPES if rows == 16 or layer.M <= W4A16_CORE_MAX_M}
     best8, best16 = min(sweep8, key=sweep8.get), min(sweep16, key=sweep16.get)
-    floor_us = layer.weight_bytes / copy_gbs / 1e3
+    floor_us, copy_us = layer.weight_bytes / copy_gbs / 1e3, layer.copy_us()
     return {**layer.row(), "fp16_us": fp16, "w4a8_us": w4a8, "w4a8_speedup": fp16 / w4a8,
             "w4a8_weight_GBps": w4a8_gbs, "w4a8_of_copy_bw": w4a8_gbs / copy_gbs,
             "w4a16_us": w4a16, "w4a16_speedup": fp16 / w4a16, "w4a16_weight_GBps": w4a16_gbs,
-            "w4a16_of_copy_bw": w4a16_gbs / copy_gbs, "floor_us": floor_us,
+            "w4a16_of_copy_bw": w4a16_gbs / copy_gbs, "floor_us": floor_us, "copy_same_bytes_us": copy_us,
+            "copy_same_bytes_of_copy_bw": floor_us / copy_us,
             "fp16_GBps": layer.fp16_bytes / fp16 / 1e3,
             "best_w4a8_gemv": best8, "best_w4a8_gemv_us": sweep8[best8], "w4a8_gemv_sweep_us": sweep8,
             "best_w4a16_gemv": best16, "best_w4a16_gemv_us": sweep16[best16], "w4a16_gemv_sweep_us": sweep16}
@@ -165,7 +176,8 @@ def main():
           f"{meta['date']}; copy bandwidth {copy_gbs:.0f} GB/s (read + write)")
     print(format_table(decode, ["layer", "M", "N", "K", "fp16_us", "w4a8_us", "w4a8_speedup", "w4a8_weight_GBps",
                                 "w4a8_of_copy_bw", "w4a16_us", "w4a16_speedup", "w4a16_weight_GBps",
-                                "w4a16_of_copy_bw", "floor_us", "best_w4a8_gemv", "best_w4a8_gemv_us",
+                                "w4a16_of_copy_bw", "floor_us", "copy_same_bytes_us",
+                                "copy_same_bytes_of_copy_bw", "best_w4a8_gemv", "best_w4a8_gemv_us",
                                 "best_w4a16_gemv", "best_w4a16_gemv_us"],
                        "\nW4A8 / W4A16 GEMV (decode) vs fp16 F.linear (GB/s: packed weight bytes only)"))
     print(format_table(prefill, ["layer", "M", "N", "K", "out", "fp16_us", "w4a8_us", "w4a8_speedup", "expand_us",

@@ -246,8 +246,8 @@ def test_small_w4a8_backend_refuses_overflowing_weight_for_prefill_only():
 
 # ---- W4A16 ----
 
-def w4a16_case(M, N, K, G, x_dtype, out_dtype):
-    x = torch.randn(M, K, device=DEVICE).to(x_dtype)
+def w4a16_case(M, N, K, G, x_dtype, out_dtype, x_offset=0.0):
+    x = (x_offset + torch.randn(M, K, device=DEVICE)).to(x_dtype)
     scales = ((0.5 + torch.rand(N, K // G, device=DEVICE)) * 0.02).half()
     return dict(x=x, weight_packed=random_packed(N, K), scales=scales, group_size=G, out_dtype=out_dtype)
 
@@ -269,8 +269,8 @@ def assert_close_w4a16(out, ref, relative=1e-3):
                                atol=relative * scale)
 
 
-def check_w4a16(run, M, N, K, G, x_dtype, out_dtype, relative=1e-3):
-    case = w4a16_case(M, N, K, G, x_dtype, out_dtype)
+def check_w4a16(run, M, N, K, G, x_dtype, out_dtype, relative=1e-3, x_offset=0.0):
+    case = w4a16_case(M, N, K, G, x_dtype, out_dtype, x_offset)
     out = poisoned_out(M, N, out_dtype)
     run(case, out)
     assert_close_w4a16(out, w4a16_reference(case), relative)
@@ -306,6 +306,18 @@ def test_w4a16_gemv_every_work_split(M, N, K, G, rows, splits):
     seed_for("w4a16 splits", M, N, K, G, rows, splits)
     check_w4a16(lambda case, out: ops.w4a16_gemv_out(*w4a16_op_arguments(case), out, rows, splits), M, N, K, G,
                 torch.float16, torch.float16)
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("M,N,K,G,splits", [(1, 2560, 5120, 128, 8), (8, 10280, 256, 128, 4), (1, 72, 256, 32, 2),
+                                            (3, 48, 320, 160, 1)])
+def test_w4a16_gemv_activations_far_from_zero(M, N, K, G, splits, x_dtype):
+    """The tensor-core GEMV multiplies codes plus a bias (1032 for f16) and takes the bias times
+    the activations' sum off again: activations with a large common offset make that cancellation
+    largest."""
+    seed_for("w4a16 offset", M, N, K, G, splits, x_dtype)
+    check_w4a16(lambda case, out: ops.w4a16_gemv_out(*w4a16_op_arguments(case), out, 16, splits), M, N, K, G,
+                x_dtype, torch.float32, x_offset=30.0)
 
 
 @pytest.mark.parametrize("out_dtype", W4A16_OUT, ids=str)
