@@ -39,8 +39,12 @@
 // (2.72 in 16 splits, 1.98 on CUDA cores). Per-warp latency still bounds it (the fastest split is
 // always the most warps): tried and slower were batches of steps loaded together and then used
 // (in_proj 8.3 us at best), x loaded only one step ahead of use, L2 prefetches of x or of the
-// weights further ahead, and splitting a tile's K over the blocks of a thread block cluster (sm_90;
-// x_proj 2.68 us in 32 splits, out_proj 6.19 in 8).
+// weights further ahead, splitting a tile's K over the blocks of a thread block cluster (sm_90;
+// x_proj 2.68 us in 32 splits, out_proj 6.19 in 8), weights copied 4-8 steps ahead into shared
+// memory with cp.async (every tensor-core variant 0-18% slower), and W4A16 codes left biased (no
+// fma, the bias taken off by constant mmas: no faster). Nsight Compute on out_proj (8 splits: 160
+// blocks on 132 SMs) finds the SMs active only 59-62% of the time, the blocks spread unevenly
+// (benchmarks/RESULTS.md).
 #include <ATen/cuda/CUDAContextLight.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/util/Exception.h>
