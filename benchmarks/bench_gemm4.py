@@ -2,10 +2,11 @@
 shapes of Mamba-2.8B that take 4-bit weights (in_proj, x_proj, out_proj; groups of 128), each
 W4A8 layer with the output type Quamba gives it, W4A16 with fp16 activations and outputs.
 Decode (GEMV, M = 1, 2, 4, 8) reports the packed weight bytes moved per second and their share
-of the device's copy bandwidth, beside the share that a copy moving as many bytes reaches; prefill (M = 1024, 2048) the speed-up over fp16 and where the
-time goes (the W4A8 int8 expansion and the W8A8 GEMM timed alone). Also times every GEMV work
-split, which is how the dispatcher's choices are checked. Every call reads its own copy of the
-operands (common.time_graph_ms): weights come from device memory.
+of the device's copy bandwidth, beside the share that a copy moving as many bytes reaches;
+prefill (M = 1024, 2048) the speed-up over fp16 and where the time goes (the W4A8 int8 expansion
+and the W8A8 GEMM timed alone). Also times every GEMV work split, which is how the dispatcher's
+choices are checked. Every call reads its own copy of the operands (common.time_graph_ms):
+weights come from device memory.
 
     python benchmarks/bench_gemm4.py [--out results.json] [--quick]
 """

@@ -312,9 +312,9 @@ def test_w4a16_gemv_every_work_split(M, N, K, G, rows, splits):
 @pytest.mark.parametrize("M,N,K,G,splits", [(1, 2560, 5120, 128, 8), (8, 10280, 256, 128, 4), (1, 72, 256, 32, 2),
                                             (3, 48, 320, 160, 1)])
 def test_w4a16_gemv_activations_far_from_zero(M, N, K, G, splits, x_dtype):
-    """The tensor-core GEMV multiplies codes plus a bias (1032 for f16) and takes the bias times
-    the activations' sum off again: activations with a large common offset make that cancellation
-    largest."""
+    """Activations with a large common offset: the tensor-core GEMV's f16 codes come from the
+    magic number 1024 + code + 8 and an fma that takes 1032 off; any code arithmetic that left
+    that bias to be cancelled against the activations' sum later would lose most here."""
     seed_for("w4a16 offset", M, N, K, G, splits, x_dtype)
     check_w4a16(lambda case, out: ops.w4a16_gemv_out(*w4a16_op_arguments(case), out, 16, splits), M, N, K, G,
                 x_dtype, torch.float32, x_offset=30.0)
