@@ -52,6 +52,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "float_convert.cuh"
 #include "gemm/epilogue.cuh"
 #include "gemm/gemv_common.cuh"
 #include "gemm4/gemm4.h"
@@ -110,15 +111,6 @@ struct Operands {
   int M, N, K, group_size;
   cudaStream_t stream;
 };
-
-template <typename OutT>
-__device__ __forceinline__ OutT from_float(float v);
-template <>
-__device__ __forceinline__ float from_float<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 
 // W4A16's output: the fp32 total cast to the output type (W4A8's: gemm::Epilogue).
 struct CastOutput {

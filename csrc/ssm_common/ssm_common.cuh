@@ -13,6 +13,8 @@
 #include <string>
 #include <type_traits>
 
+#include "../float_convert.cuh"
+
 namespace quamba_ssm {
 
 constexpr float kInt8Max = 127.f;
@@ -73,16 +75,7 @@ struct FloatSource {
   }
 };
 
-template <typename T>
-__device__ __forceinline__ T from_float(float x);
-template <>
-__device__ __forceinline__ float from_float<float>(float x) { return x; }
-template <>
-__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
-  return __float2bfloat16_rn(x);
-}
+using quamba::from_float;
 
 // ---- host side -----------------------------------------------------------------------------
 
