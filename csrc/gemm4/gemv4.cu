@@ -55,6 +55,7 @@
 #include "float_convert.cuh"
 #include "gemm/epilogue.cuh"
 #include "gemm/gemv_common.cuh"
+#include "gemm/mma.cuh"
 #include "gemm4/gemm4.h"
 #include "pdl.cuh"
 
@@ -487,14 +488,6 @@ __device__ __forceinline__ void accumulate_step(float (&total)[R][4], const Stag
   add_passes(total, d, s.scale, [](float sum, __half scale) { return sum * __half2float(scale); });
 }
 
-__device__ __forceinline__ void mma_s8(int (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
-                                       uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};"
-      : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 // W4A8's step (m16n8k32, int8 in, int32 accumulate). Word j of a weight chunk gives 16 * its even
 // codes ((w << 4) & 0xF0F0F0F0) and 16 * its odd codes (w & 0xF0F0F0F0) as int8 in one or two
 // operations, against the even and odd bytes of the same 8 activations: the k of an mma only
@@ -518,7 +511,7 @@ __device__ __forceinline__ void accumulate_step(int (&total)[R][4], const Stage<
 #pragma unroll
       for (int h = 0; h < H; ++h) {
         const bool use = H == 1 || phase == h;
-        mma_s8(d[h][r][j % 2], lo_even, hi_even, lo_odd, hi_odd, use ? x_even : 0u, use ? x_odd : 0u);
+        gemm::mma_s8(d[h][r][j % 2], {lo_even, hi_even, lo_odd, hi_odd}, use ? x_even : 0u, use ? x_odd : 0u);
       }
     }
   }
