@@ -8,7 +8,12 @@
 #
 #   --baseline    also build mamba-ssm 2.3.2.post1 and causal-conv1d 1.7.0 (the FP16 baseline) from
 #                 the sdists in .whl/, for sm_90 only, beside quamba._C (413 s alone on the 16-core
-#                 H200 machine; with the other build it nearly fills one 10-minute device command)
+#                 H200 machine, ~610 s beside quamba._C on the H100 one: more than one 10-minute
+#                 device command). There, start it detached in one command,
+#                   mkdir -p /tmp/gc; (OUT=/tmp/gc setsid nohup scripts/gpu_check.sh --baseline
+#                     --no-tests --no-bench >/tmp/gc/main.log 2>&1 </dev/null &)
+#                 wait in the next one until /tmp/gc/baseline.status exists (0: built), then run
+#                 this script again with --no-build
 #   --sanitizer   also run the tests named *small* under compute-sanitizer --tool memcheck, and the
 #                 small conv, scan and norm tests (the kernels that share memory between threads)
 #                 under --tool racecheck (each stopped after $SANITIZER_TIMEOUT seconds, default 1800)

@@ -41,8 +41,10 @@
 // (in_proj 8.3 us at best), x loaded only one step ahead of use, L2 prefetches of x or of the
 // weights further ahead, splitting a tile's K over the blocks of a thread block cluster (sm_90;
 // x_proj 2.68 us in 32 splits, out_proj 6.19 in 8), weights copied 4-8 steps ahead into shared
-// memory with cp.async (every tensor-core variant 0-18% slower), and W4A16 codes left biased (no
-// fma, the bias taken off by constant mmas: no faster). Nsight Compute on out_proj (8 splits: 160
+// memory with cp.async (every tensor-core variant 0-18% slower), W4A16 codes left biased (no
+// fma, the bias taken off by constant mmas: no faster), four mma chains per tile instead of two (no
+// faster) and x staged once per block in shared memory instead of the ring (no registers freed;
+// -2% to +36% at the same ring depths, deeper rings spilled). Nsight Compute on out_proj (8 splits: 160
 // blocks on 132 SMs) finds the SMs active only 59-62% of the time, the blocks spread unevenly
 // (benchmarks/RESULTS.md).
 #include <ATen/cuda/CUDAContextLight.h>
