@@ -26,7 +26,7 @@ from quamba.ops.qlinear4 import w4a16_linear
 
 N, K, GROUP = 10240, 2560, 128
 SLEEP_CYCLES = 400_000_000  # ~0.2 s at the H100's clock: longer than any run of calls below
-SYNC_US = 20_000  # a call this slow on the host waited for the sleep
+WAITED_S = 0.05  # a run of calls this long waited for the sleep (or did 1 ms of host work per call)
 
 
 def operands(M: int) -> dict:
@@ -59,8 +59,8 @@ def calls(o: dict) -> dict:
     }
 
 
-def host_us(fn, repeats: int) -> float:
-    """Mean host time of one call over ``repeats`` calls issued behind a sleeping GPU."""
+def host_seconds(fn, repeats: int) -> float:
+    """Host time of ``repeats`` calls issued behind a sleeping GPU."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
@@ -70,7 +70,7 @@ def host_us(fn, repeats: int) -> float:
         fn()
     elapsed = time.perf_counter() - start
     torch.cuda.synchronize()
-    return 1e6 * elapsed / repeats
+    return elapsed
 
 
 def profiler_events(fn, repeats: int, top: int = 15) -> list[dict]:
@@ -99,8 +99,9 @@ def main():
     with torch.inference_mode():
         for M in (1024, 1):
             for name, fn in calls(operands(M)).items():
-                us = host_us(fn, repeats)
-                rows.append({"M": M, "call": name, "host_us": us, "waits_for_gpu": us > SYNC_US})
+                seconds = host_seconds(fn, repeats)
+                rows.append({"M": M, "call": name, "host_us": 1e6 * seconds / repeats,
+                             "waits_for_gpu": seconds > WAITED_S})
             events[f"w4a16_linear op, M={M}"] = profiler_events(calls(operands(M))["w4a16_linear op"], repeats)
     print(format_table(rows, ["M", "call", "host_us", "waits_for_gpu"], "host time per call"))
     for title, table in events.items():
