@@ -50,6 +50,13 @@ class MixerState:
     ssm: torch.Tensor  # [batch, d_inner, d_state], fp32
 
 
+def _watched(module: nn.Module) -> bool:
+    """Whether forward hooks (the module's own or global ones) would see a call of ``module``."""
+    hooks = nn.modules.module
+    return bool(module._forward_hooks or module._forward_pre_hooks or hooks._global_forward_hooks
+                or hooks._global_forward_pre_hooks)
+
+
 class MambaMixer(nn.Module):
     """The Mamba1 mixer: in_proj → causal conv1d + SiLU → x_proj → dt_proj → selective scan →
     out_proj. ``online_hadamard`` (set by the rotation pass) rotates y before out_proj."""
@@ -96,12 +103,27 @@ class MambaMixer(nn.Module):
         B, C = (t.reshape(b, l, -1).transpose(1, 2).contiguous() for t in (B, C))
         return dt, B, C
 
+    def _in_proj_channel_major(self, h):
+        """in_proj(h) as [batch, 2·d_inner, seqlen] held as [2·d_inner, batch · seqlen] (W · hᵀ, as
+        mamba_ssm computes it): x, z, the conv output, dt and y are then views that the conv and
+        scan kernels, and x_proj's and out_proj's GEMMs, read through their strides, where
+        in_proj(h) (time-major) costs copies of u and z before the scan. An in_proj that is not an
+        nn.Linear (W4A16), or one that hooks watch (calibration, GPTQ), is called as a module."""
+        proj = self.in_proj
+        if not isinstance(proj, nn.Linear) or _watched(proj):
+            return proj(h).transpose(1, 2)
+        b, l, _ = h.shape
+        xz = proj.weight @ h.reshape(b * l, -1).t()
+        if proj.bias is not None:
+            xz = xz + proj.bias[:, None]
+        return xz.view(-1, b, l).transpose(0, 1)
+
     def forward(self, h, state: MixerState | None = None, step: bool = False):
         """h: [batch, seqlen, d_model] → [batch, seqlen, d_model]. With ``state`` a prefill fills it;
         with ``step=True`` (seqlen 1) one decode step updates it in place."""
         if step:
             return self._step(h, state)
-        xz = self.in_proj(h).transpose(1, 2)  # [b, 2·d_inner, l]
+        xz = self._in_proj_channel_major(h)  # [b, 2·d_inner, l]
         x, z = xz.chunk(2, dim=1)
         conv_weight = self.conv1d.weight.squeeze(1)
         if state is not None:

@@ -145,3 +145,27 @@ def test_a_copy_of_the_model_holds_no_decode_graphs(saved):
         assert deepcopy(model).__dict__["_decode_graphs"] == {}
     finally:
         del model.__dict__["_decode_graphs"]
+
+
+@pytest.mark.parametrize("batch, seqlen", [(1, 7), (3, 13)])
+def test_in_proj_channel_major_matches_the_module_call(saved, batch, seqlen):
+    """The prefill computes in_proj as W · hᵀ, [2·d_inner, batch · seqlen] (no copies before the scan);
+    with a hook on in_proj (calibration, GPTQ) it calls the module instead: same logits."""
+    model, _ = saved
+    mixer = next(iter(model.mixers()))
+    h = torch.randn(batch, seqlen, model.config.d_model, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        xz = mixer._in_proj_channel_major(h)
+        assert xz.shape == (batch, 2 * model.config.d_inner, seqlen)
+        assert xz.stride() == (seqlen, batch * seqlen, 1)
+        torch.testing.assert_close(xz, mixer.in_proj(h).transpose(1, 2), rtol=1e-5, atol=1e-6)
+        ids = random_ids(model.config, batch, seqlen, seed=6)
+        fast = model(ids)
+        seen = []
+        handle = mixer.in_proj.register_forward_hook(lambda module, inputs, output: seen.append(output))
+        try:
+            hooked = model(ids)
+        finally:
+            handle.remove()
+    assert len(seen) == 1
+    assert max_relative_error(fast, hooked) <= 1e-5
