@@ -7,7 +7,7 @@ import torch.nn as nn
 
 from quamba.layers.base import QuantModule
 from quamba.ops.qlinear import w8a8_linear
-from quamba.ops.qlinear4 import w4a8_linear, w4a16_linear
+from quamba.ops.qlinear4 import w4a8_linear, w4a16_linear, w4a16_linear_channel_major
 from quamba.ops.quant import dequantize, fake_quantize, quantize_weight
 from quamba.ops.quant4 import (dequantize_int4, effective_scales, group_size_for, pack_int4,
                                quantize_weight_w4a8, quantize_weight_w4a16)
@@ -133,6 +133,11 @@ class W4A16Linear(nn.Module):
     def forward(self, x):
         return w4a16_linear(x.contiguous(), self.weight, self.scales, self.group_size,
                             backend_name=self.backend)
+
+    def forward_channel_major(self, x):
+        """W · xᵀ: [out, M] for x [M, in], the transpose of ``forward(x)``; no hooks run."""
+        return w4a16_linear_channel_major(x, self.weight, self.scales, self.group_size,
+                                          backend_name=self.backend)
 
     def extra_repr(self) -> str:
         return f"in={self.weight.shape[1] * 2}, out={self.weight.shape[0]}, group={self.group_size}"

@@ -107,15 +107,20 @@ class MambaMixer(nn.Module):
         """in_proj(h) as [batch, 2·d_inner, seqlen] held as [2·d_inner, batch · seqlen] (W · hᵀ, as
         mamba_ssm computes it): x, z, the conv output, dt and y are then views that the conv and
         scan kernels, and x_proj's and out_proj's GEMMs, read through their strides, where
-        in_proj(h) (time-major) costs copies of u and z before the scan. An in_proj that is not an
-        nn.Linear (W4A16), or one that hooks watch (calibration, GPTQ), is called as a module."""
+        in_proj(h) (time-major) costs copies of u and z before the scan. An in_proj that hooks
+        watch (calibration, GPTQ) is called as a module; a 4-bit one (W4A16Linear) computes its own
+        W · hᵀ."""
         proj = self.in_proj
-        if not isinstance(proj, nn.Linear) or _watched(proj):
+        if _watched(proj):
             return proj(h).transpose(1, 2)
         b, l, _ = h.shape
-        xz = proj.weight @ h.reshape(b * l, -1).t()
-        if proj.bias is not None:
-            xz = xz + proj.bias[:, None]
+        h2d = h.reshape(b * l, -1)
+        if isinstance(proj, nn.Linear):
+            xz = proj.weight @ h2d.t()
+            if proj.bias is not None:
+                xz = xz + proj.bias[:, None]
+        else:
+            xz = proj.forward_channel_major(h2d)
         return xz.view(-1, b, l).transpose(0, 1)
 
     def forward(self, h, state: MixerState | None = None, step: bool = False):

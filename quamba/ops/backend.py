@@ -26,6 +26,8 @@ _REQUIREMENTS: dict[str, Callable[[], str | None]] = {}
 # ops whose cuda implementation is an optional accelerator from another package (the FP16
 # baseline kernels): asking for cuda where it is missing runs the torch reference instead
 _OPTIONAL: set[str] = set()
+# op → the quamba._C ops its cuda implementation runs, where they are not the one of its own name
+_KERNELS: dict[str, tuple[str, ...]] = {}
 _LOGGED: set[tuple[str, str]] = set()
 
 
@@ -33,16 +35,20 @@ class BackendError(QuambaError):
     """A requested backend cannot run the op here."""
 
 
-def register(op: str, backend: str, requires: Callable[[], str | None] | None = None):
+def register(op: str, backend: str, requires: Callable[[], str | None] | None = None,
+             kernels: tuple[str, ...] | None = None):
     """Decorator registering ``fn`` as ``backend``'s implementation of ``op``. ``requires`` marks an
     optional cuda implementation from another package (the FP ops on mamba-ssm's kernels) and
     says whether it can run here: None, or why not. Where it cannot, both ``cuda`` and ``auto``
-    run the torch reference: only quamba's own kernels make ``cuda`` strict."""
+    run the torch reference: only quamba's own kernels make ``cuda`` strict. ``kernels`` names the
+    quamba._C ops a cuda implementation runs when it composes others (default: ``op`` itself)."""
     def wrap(fn):
         _IMPLS.setdefault(op, {})[backend] = fn
         if requires is not None:
             _REQUIREMENTS[op] = requires
             _OPTIONAL.add(op)
+        if kernels is not None:
+            _KERNELS[op] = kernels
         return fn
     return wrap
 
@@ -96,10 +102,12 @@ def cuda_missing(op: str) -> str | None:
 @functools.lru_cache(maxsize=None)
 def _kernel_missing(op: str) -> str | None:
     """quamba._C built with some kernel families only (setup.py's QUAMBA_CUDA_FAMILIES) lacks the
-    others' ops; each cuda implementation of ours runs the torch op of its own name."""
-    if hasattr(torch.ops.quamba, op):
-        return None
-    return f"quamba._C was built without the {op} kernel (QUAMBA_CUDA_FAMILIES)"
+    others' ops; each cuda implementation of ours runs the torch op of its own name, or those
+    registered as its ``kernels``."""
+    for kernel in _KERNELS.get(op, (op,)):
+        if not hasattr(torch.ops.quamba, kernel):
+            return f"quamba._C was built without the {kernel} kernel (QUAMBA_CUDA_FAMILIES)"
+    return None
 
 
 def _use(op: str, backend: str, impls: dict) -> Callable:

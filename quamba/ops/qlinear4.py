@@ -35,6 +35,15 @@ def w4a16_linear(x, weight_packed, scales, group_size: int, out_dtype=None, back
     return impl(x, weight_packed, scales, group_size, out_dtype or x.dtype)
 
 
+def w4a16_linear_channel_major(x, weight_packed, scales, group_size: int, out_dtype=None,
+                               backend_name=None):
+    """W · xᵀ: [N, M] for x [M, K], the transpose of ``w4a16_linear(x)`` with the same arithmetic
+    (the layout in which the FP mixer's prefill keeps in_proj's output, see
+    quamba.models.mamba.MambaMixer)."""
+    impl = backend.select("w4a16_linear_channel_major", x.device, backend_name)
+    return impl(x, weight_packed, scales, group_size, out_dtype or x.dtype)
+
+
 @backend.register("w4a8_linear", "torch")
 def _w4a8_linear_torch(x, x_scale, weight_packed, group_multiplier, channel_scale, group_size,
                        out_scale, out_dtype):
@@ -53,3 +62,9 @@ def _w4a8_linear_torch(x, x_scale, weight_packed, group_multiplier, channel_scal
 def _w4a16_linear_torch(x, weight_packed, scales, group_size, out_dtype):
     weight = dequantize_int4(weight_packed, scales, group_size)
     return (x.float() @ weight.t().to(x.device)).to(out_dtype)
+
+
+@backend.register("w4a16_linear_channel_major", "torch")
+def _w4a16_linear_channel_major_torch(x, weight_packed, scales, group_size, out_dtype):
+    weight = dequantize_int4(weight_packed, scales, group_size)
+    return (weight.to(x.device) @ x.float().t()).to(out_dtype)

@@ -147,11 +147,20 @@ def test_a_copy_of_the_model_holds_no_decode_graphs(saved):
         del model.__dict__["_decode_graphs"]
 
 
+@pytest.mark.parametrize("weights", ["fp", "w4a16"])
 @pytest.mark.parametrize("batch, seqlen", [(1, 7), (3, 13)])
-def test_in_proj_channel_major_matches_the_module_call(saved, batch, seqlen):
-    """The prefill computes in_proj as W · hᵀ, [2·d_inner, batch · seqlen] (no copies before the scan);
-    with a hook on in_proj (calibration, GPTQ) it calls the module instead: same logits."""
+def test_in_proj_channel_major_matches_the_module_call(saved, weights, batch, seqlen):
+    """The prefill computes in_proj as W · hᵀ, [2·d_inner, batch · seqlen] (no copies before the scan),
+    also for a 4-bit in_proj; with a hook on in_proj (calibration, GPTQ) it calls the module instead:
+    same logits."""
     model, _ = saved
+    if weights == "w4a16":
+        from copy import deepcopy
+
+        from quamba.layers.weight_only import weight_only_mixer_from_float
+        model = deepcopy(model)
+        for block in model.backbone.layers:
+            block.mixer = weight_only_mixer_from_float(block.mixer, group_size=64)
     mixer = next(iter(model.mixers()))
     h = torch.randn(batch, seqlen, model.config.d_model, generator=torch.Generator().manual_seed(5))
     with torch.no_grad():

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from quamba.ops import backend
-from quamba.ops.qlinear4 import w4a8_linear, w4a16_linear
+from quamba.ops.qlinear4 import w4a8_linear, w4a16_linear, w4a16_linear_channel_major
 from quamba.ops.quant4 import dequantize_int4, pack_int4
 
 pytestmark = pytest.mark.gpu
@@ -351,6 +351,21 @@ def test_w4a16_linear_cuda_backend_matches_torch(M, x_dtype):
     out = w4a16_linear(wide[:, :K].reshape(2, M, K), case["weight_packed"], case["scales"], G, backend_name="cuda")
     assert out.shape == (2, M, N) and out.dtype == x_dtype
     assert_close_w4a16(out.reshape(2 * M, N), w4a16_reference(case), gemm_tolerance(x_dtype))
+
+
+@pytest.mark.parametrize("M", [1, 8, 9, 64, 1024])
+@pytest.mark.parametrize("x_dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_w4a16_linear_channel_major_cuda_matches_torch(M, x_dtype):
+    """W · xᵀ [N, M] (the FP mixer's prefill layout for a 4-bit in_proj), x also a column-major view
+    (a transposed activation): the transpose of the reference."""
+    seed_for("w4a16 channel major", M, x_dtype)
+    N, K, G = 2560, 5120, 128
+    case = w4a16_case(M, N, K, G, x_dtype, x_dtype)
+    expected = w4a16_reference(case).t()
+    for x in (case["x"], case["x"].t().contiguous().t()):
+        out = w4a16_linear_channel_major(x, case["weight_packed"], case["scales"], G, backend_name="cuda")
+        assert out.shape == (N, M) and out.dtype == x_dtype
+        assert_close_w4a16(out, expected, gemm_tolerance(x_dtype))
 
 
 @pytest.mark.parametrize("M", [1, 3, 8, 9, 17])

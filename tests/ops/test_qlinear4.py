@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from quamba.ops.qlinear4 import w4a8_linear, w4a16_linear
+from quamba.ops.qlinear4 import w4a8_linear, w4a16_linear, w4a16_linear_channel_major
 from quamba.ops.quant4 import (dequantize_int4, effective_scales, expand_groups, pack_int4,
                                quantize_weight_w4a8, quantize_weight_w4a16)
 
@@ -48,6 +48,18 @@ def test_w4a8_linear_runs_multipliers_of_old_checkpoints():
     exact = (x.double() @ weight.t()) * 0.02 * channel_scale.double()
     assert multiplier.max() > 18
     torch.testing.assert_close(out.double(), exact, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 9, 37])
+def test_w4a16_linear_channel_major_is_the_transpose(dtype, m):
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(m, 256, generator=gen).to(dtype)
+    packed, scales, size = quantize_weight_w4a16(random_weight(48, 256, 8))
+    out = w4a16_linear_channel_major(x, packed, scales, size)
+    assert out.dtype == dtype and out.shape == (48, m)
+    tolerance = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out, w4a16_linear(x, packed, scales, size).t(), rtol=tolerance, atol=tolerance)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1,4 +1,5 @@
-"""``w4a8_linear`` and ``w4a16_linear`` on the 4-bit kernels of ``quamba._C`` (csrc/gemm4).
+"""``w4a8_linear``, ``w4a16_linear`` and ``w4a16_linear_channel_major`` on the 4-bit kernels of
+``quamba._C`` (csrc/gemm4).
 
 Up to 8 rows run the decode GEMVs (W4A8: exact for any int8 group multiplier; W4A16: fp32
 accumulation, on tensor cores, or on CUDA cores for one row of a layer with few weight rows).
@@ -57,6 +58,17 @@ def _w4a16_linear_cuda(x, weight_packed, scales, group_size, out_dtype):
     x2d = x.reshape(-1, x.shape[-1]).contiguous()
     out = torch.ops.quamba.w4a16_linear(x2d, weight_packed, scales, group_size, out_dtype)
     return out.reshape(*x.shape[:-1], weight_packed.shape[0])
+
+
+@backend.register("w4a16_linear_channel_major", "cuda", kernels=("w4a16_linear", "w4a16_dequantize_out"))
+def _w4a16_linear_channel_major_cuda(x, weight_packed, scales, group_size, out_dtype):
+    """Up to 8 rows: the GEMV's [M, N], transposed (a view). More: the weight dequantized to x's
+    dtype times xᵀ in one cuBLAS call, [N, M] as it comes, with x read through its strides."""
+    if x.dtype not in (torch.float16, torch.bfloat16) or x.shape[0] <= GEMV_MAX_M:
+        return _w4a16_linear_cuda(x, weight_packed, scales, group_size, out_dtype).t()
+    weight = torch.empty(weight_packed.shape[0], 2 * weight_packed.shape[1], dtype=x.dtype, device=x.device)
+    torch.ops.quamba.w4a16_dequantize_out(weight_packed, scales, group_size, weight)
+    return (weight @ x.t()).to(out_dtype)
 
 
 def check_expandable(weight_packed: torch.Tensor, group_multiplier: torch.Tensor, group_size: int) -> None:
