@@ -30,6 +30,18 @@ W4A16_GEMV_SHAPES = [(rows, splits) for rows in (4, 16) for splits in (1, 2, 4)]
 W4A16_CORE_MAX_M = 1  # rows 4 (CUDA cores) take M = 1
 
 
+def gemv_operands(M: int, N: int, K: int) -> dict:
+    """Random operands of one W4A8 and one W4A16 call at [M, K] x [N, K] (groups of GROUP)."""
+    return {
+        "x8": torch.randint(-127, 128, (M, K), dtype=torch.int8, device="cuda"),
+        "x16": torch.randn(M, K, dtype=torch.float16, device="cuda"),
+        "packed": torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, device="cuda"),
+        "multipliers": torch.randint(1, 19, (N, K // GROUP), dtype=torch.int8, device="cuda"),
+        "per_channel": torch.full((N,), 1e-6, device="cuda"),
+        "scales": (torch.rand(N, K // GROUP, device="cuda") * 0.01).half(),
+    }
+
+
 def elem(dtype) -> int:
     return torch.empty(0, dtype=dtype).element_size()
 

@@ -21,25 +21,21 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
+from bench_gemm4 import GROUP, gemv_operands
 from common import format_table, parse_args, run_metadata, write_json
 from quamba.ops.qlinear4 import w4a16_linear
 
-N, K, GROUP = 10240, 2560, 128
+N, K = 10240, 2560
 SLEEP_CYCLES = 400_000_000  # ~0.2 s at the H100's clock: longer than any run of calls below
 WAITED_S = 0.05  # a run of calls this long waited for the sleep (or did 1 ms of host work per call)
 
 
 def operands(M: int) -> dict:
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    """The 4-bit calls' operands and the fp16 and int8 weights of the others."""
     return {
-        "x16": torch.randn(M, K, dtype=torch.float16, device="cuda", generator=gen),
-        "x8": torch.randint(-127, 128, (M, K), dtype=torch.int8, device="cuda", generator=gen),
-        "w16": torch.randn(N, K, dtype=torch.float16, device="cuda", generator=gen) / K ** 0.5,
-        "w8": torch.randint(-127, 128, (N, K), dtype=torch.int8, device="cuda", generator=gen),
-        "packed": torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, device="cuda", generator=gen),
-        "scales": (torch.rand(N, K // GROUP, device="cuda", generator=gen) * 0.01).half(),
-        "multipliers": torch.randint(1, 19, (N, K // GROUP), dtype=torch.int8, device="cuda", generator=gen),
-        "per_channel": torch.full((N,), 1e-6, device="cuda"),
+        **gemv_operands(M, N, K),
+        "w16": torch.randn(N, K, dtype=torch.float16, device="cuda") / K ** 0.5,
+        "w8": torch.randint(-127, 128, (N, K), dtype=torch.int8, device="cuda"),
         "dequantized": torch.empty(N, K, dtype=torch.float16, device="cuda"),
     }
 

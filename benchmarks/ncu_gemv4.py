@@ -12,7 +12,7 @@ import argparse
 
 import torch
 
-from bench_gemm4 import GROUP, LAYERS
+from bench_gemm4 import GROUP, LAYERS, gemv_operands
 
 
 def main():
@@ -26,17 +26,13 @@ def main():
 
     ops = torch.ops.quamba
     _, N, K, _ = next(layer for layer in LAYERS if layer[0] == args.layer)
-    w = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, device="cuda")
-    x8 = torch.randint(-127, 128, (args.M, K), dtype=torch.int8, device="cuda")
-    multipliers = torch.randint(1, 19, (N, K // GROUP), dtype=torch.int8, device="cuda")
-    per_channel = torch.full((N,), 1e-6, device="cuda")
-    x16 = torch.randn(args.M, K, dtype=torch.float16, device="cuda")
-    scales = (torch.rand(N, K // GROUP, device="cuda") * 0.01).half()
+    o = gemv_operands(args.M, N, K)
     out = torch.empty(args.M, N, dtype=torch.float16, device="cuda")
     for _ in range(2):
-        ops.w4a8_gemv_out(x8, w, multipliers, GROUP, 0.0, per_channel, out, args.rows, args.splits)
+        ops.w4a8_gemv_out(o["x8"], o["packed"], o["multipliers"], GROUP, 0.0, o["per_channel"], out, args.rows,
+                          args.splits)
     for _ in range(2):
-        ops.w4a16_gemv_out(x16, w, scales, GROUP, out, args.rows, args.splits)
+        ops.w4a16_gemv_out(o["x16"], o["packed"], o["scales"], GROUP, out, args.rows, args.splits)
     torch.cuda.synchronize()
 
 
