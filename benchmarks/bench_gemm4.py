@@ -25,8 +25,8 @@ LAYERS = [("in_proj", 10240, 2560, torch.int8), ("x_proj", 192, 5120, torch.int8
 GROUP = 128
 PREFILL_M = [1024, 2048]
 DECODE_M = [1, 2, 4, 8]
-W4A8_GEMV_SHAPES = [(rows, splits) for rows in (4, 16) for splits in (1, 2, 4)] + [(16, 8), (16, 16), (16, -1)]
-W4A16_GEMV_SHAPES = [(rows, splits) for rows in (4, 16) for splits in (1, 2, 4)] + [(16, 8), (16, 16), (16, -1)]
+W4A8_GEMV_SHAPES = [(rows, splits) for rows in (4, 16) for splits in (1, 2, 4)] + [(16, 8), (16, 16)]
+W4A16_GEMV_SHAPES = [(rows, splits) for rows in (4, 16) for splits in (1, 2, 4)] + [(16, 8), (16, 16)]
 W4A16_CORE_MAX_M = 1  # rows 4 (CUDA cores) take M = 1
 
 

@@ -71,14 +71,11 @@ def time_graph_ms(make_call: Callable[[int], Callable[[], object]], bytes_per_ca
     l2_bytes = torch.cuda.get_device_properties(0).L2_cache_size
     copies = min(max(2, -(-l2_multiple * l2_bytes // max(bytes_per_call, 1))), max_copies)
     calls = [make_call(i) for i in range(copies)]
-    torch.cuda.synchronize()
-    side = torch.cuda.Stream()
-    with torch.cuda.stream(side):  # warm-up outside the capture, on its stream: handles, per-stream
-        for call in calls:         # workspaces, kernel attributes
-            call()
+    for call in calls:  # warm-up outside the capture: handles, workspaces, kernel attributes
+        call()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=side):
+    with torch.cuda.graph(graph):
         for call in calls:
             call()
     graph.replay()

@@ -55,17 +55,9 @@ struct W4A16Args {
 // Decode GEMVs (M <= kGemvMaxM). `rows` weight rows per warp: 4 on CUDA cores (W4A8: dp4a;
 // W4A16: fp32 fma, M = 1) or 16 on tensor cores (W4A8: mma.sync m16n8k32; W4A16: m16n8k16, 16
 // or 64 rows chosen from N); `splits` (1, 2, 4; on tensor cores with G % 128 == 0 also 8 and 16, a
-// block per tile, or kBalancedSplits) warps sharing a row group's K range; 0 picks either from the
-// shape.
-constexpr int kBalancedSplits = -1;  // each tile's K split over warps of any block, every SM equally loaded
+// block per tile) warps sharing a row group's K range; 0 picks either from the shape.
 void launch_w4a8_gemv(const W4A8Args& args, int rows = 0, int splits = 0);
 void launch_w4a16_gemv(const W4A16Args& args, int rows = 0, int splits = 0);
-
-// The balanced GEMVs' workspace on `stream` (the current device's), at least `bytes`, zero where a
-// kernel has not used it; kernels leave its arrival counts at zero. One per stream, so that GEMVs
-// on different streams never share one. Null when it would have to be allocated during a CUDA-graph
-// capture of the stream (linear4.cpp).
-void* gemv_workspace(int64_t bytes, cudaStream_t stream);
 
 // Expansion for the prefill GEMMs. W4A8: out int8 [N, K] = code * group_multiplier; a product
 // outside [-128, 127] is stored truncated and sets *overflow to 1 (when overflow is not null).

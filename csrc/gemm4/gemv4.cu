@@ -54,8 +54,6 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include <algorithm>
-
 #include "float_convert.cuh"
 #include "gemm/epilogue.cuh"
 #include "gemm/gemv_common.cuh"
@@ -527,28 +525,34 @@ __device__ __forceinline__ void accumulate_step(int (&total)[R][4], const Stage<
 template <int Warps>
 constexpr int kMinBlocks = Warps == kWarps ? 1 : 16 / Warps;
 
-// A warp's totals over steps [begin, end) of R tiles of 16 weight rows from row0: D steps in flight
-// per lane, in a ring refilled as each step is used. Waits for x (pdl_wait) once the first weights
-// are on their way.
-template <typename F, int R, int D, int H>
-__device__ __forceinline__ void tile_totals(typename F::Total (&total)[R][4], const typename F::X* __restrict__ x,
-                                            const uint8_t* __restrict__ w,
-                                            const typename F::Scale* __restrict__ scales, int M, int N, int K,
-                                            GroupOf group_of, int row0, int begin, int end, int lane) {
+// R tiles of 16 weight rows per warp; D steps in flight per lane, in a ring refilled as each step
+// is used. `finish` turns a row's total into its output (W4A8: gemm::Epilogue).
+template <typename F, typename OutT, int R, int D, int H, int Warps, typename Finish>
+__global__ void __launch_bounds__(Warps * 32, kMinBlocks<Warps>)
+mma_gemv_kernel(const typename F::X* __restrict__ x, const uint8_t* __restrict__ w,
+                const typename F::Scale* __restrict__ scales, OutT* __restrict__ out, int M, int N, int K,
+                GroupOf group_of, int splits, Finish finish) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  using Total = typename F::Total;
+  __shared__ Total partial[Warps][4 * R][32];
+  pdl_launch_dependents();
   const int chunks = K / kCodesPerChunk;
-  const int g = lane / 4, t = lane % 4;
+  const int groups = chunks / group_of.per_group;
+  const gemm::WarpShare share = gemm::warp_share<Warps>(kTileRows * R, N, (chunks + 3) / 4, splits);
+  const int begin = share.begin, end = share.end;
+  const int g = share.lane / 4, t = share.lane % 4;
   LaneRows<F, R> rows;
 #pragma unroll
   for (int i = 0; i < 2 * R; ++i) {
-    const int64_t row = min(row0 + 8 * i + g, N - 1);
+    const int64_t row = min(share.row0 + 8 * i + g, N - 1);
     rows.w[i] = reinterpret_cast<const int4*>(w) + row * chunks;
-    rows.scales[i] = scales + row * (chunks / group_of.per_group);
+    rows.scales[i] = scales + row * groups;
   }
   rows.x = reinterpret_cast<const uint4*>(x + static_cast<int64_t>(min(g, M - 1)) * K);
   rows.has_x = g < M;
   rows.t = t;
   rows.chunks = chunks;
-  rows.groups = chunks / group_of.per_group;
+  rows.groups = groups;
   rows.group_of = group_of;
 
   Stage<F, R, H> ring[D] = {};  // lanes without x keep zero activations
@@ -559,6 +563,7 @@ __device__ __forceinline__ void tile_totals(typename F::Total (&total)[R][4], co
 #pragma unroll
   for (int b = 0; b < D; ++b)
     if (begin + b < end) load_x(ring[b], rows, begin + b);
+  Total total[R][4] = {};
   for (int s0 = begin; s0 < end; s0 += D) {
 #pragma unroll
     for (int b = 0; b < D; ++b) {
@@ -572,93 +577,14 @@ __device__ __forceinline__ void tile_totals(typename F::Total (&total)[R][4], co
       }
     }
   }
-}
-
-// out[m, n] = finish(total) for the lane's outputs of R tiles from row0 (inside M and N).
-template <int R, typename Total, typename OutT, typename Finish>
-__device__ __forceinline__ void store_tiles(OutT* __restrict__ out, const Total (&total)[R][4], int row0, int M,
-                                            int N, int lane, const Finish& finish) {
-  const int g = lane / 4, t = lane % 4;
+  if (!gemm::combine_splits<4 * R>(partial, &total[0][0], share, splits)) return;
 #pragma unroll
   for (int r = 0; r < R; ++r)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int n = row0 + kTileRows * r + 8 * (e / 2) + g, m = 2 * t + e % 2;
+      const int n = share.row0 + kTileRows * r + 8 * (e / 2) + g, m = 2 * t + e % 2;
       if (m < M && n < N) out[static_cast<int64_t>(m) * N + n] = finish.template apply<OutT>(total[r][e], n);
     }
-}
-
-// R tiles of 16 weight rows per warp, `splits` warps of a block sharing their K range. `finish`
-// turns a row's total into its output (W4A8: gemm::Epilogue).
-template <typename F, typename OutT, int R, int D, int H, int Warps, typename Finish>
-__global__ void __launch_bounds__(Warps * 32, kMinBlocks<Warps>)
-mma_gemv_kernel(const typename F::X* __restrict__ x, const uint8_t* __restrict__ w,
-                const typename F::Scale* __restrict__ scales, OutT* __restrict__ out, int M, int N, int K,
-                GroupOf group_of, int splits, Finish finish) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  using Total = typename F::Total;
-  __shared__ Total partial[Warps][4 * R][32];
-  pdl_launch_dependents();
-  const int chunks = K / kCodesPerChunk;
-  const gemm::WarpShare share = gemm::warp_share<Warps>(kTileRows * R, N, (chunks + 3) / 4, splits);
-  Total total[R][4] = {};
-  tile_totals<F, R, D, H>(total, x, w, scales, M, N, K, group_of, share.row0, share.begin, share.end, share.lane);
-  if (!gemm::combine_splits<4 * R>(partial, &total[0][0], share, splits)) return;
-  store_tiles<R>(out, total, share.row0, M, N, share.lane, finish);
-#else
-  __trap();  // never launched: the host requires compute capability 8.0 (mma.sync)
-#endif
-}
-
-// Balanced splits (G % 128 == 0): item i = (tile i / splits, split i % splits) is warp i of the
-// grid, so every SM holds the same number of warps whatever the tile count (160 tiles in blocks of
-// one tile leave 28 of 132 SMs two blocks). A warp writes its totals to the workspace, then counts
-// itself in its tile's arrivals (fence, then atomic add); the tile's last warp adds the splits'
-// totals in split order (the same sums in the same order whichever warp comes last) and puts its
-// arrival count back to zero for the next launch.
-constexpr int kBalancedWarps = 8;  // 2 blocks per SM at 128 registers
-
-template <typename Total>
-struct Workspace {
-  int* arrivals;    // [tiles], zero between launches
-  Total* partials;  // [tiles * splits][4][32]
-};
-
-template <typename F, typename OutT, int D, typename Finish>
-__global__ void __launch_bounds__(kBalancedWarps * 32, kMinBlocks<kBalancedWarps>)
-balanced_gemv_kernel(const typename F::X* __restrict__ x, const uint8_t* __restrict__ w,
-                     const typename F::Scale* __restrict__ scales, OutT* __restrict__ out, int M, int N, int K,
-                     GroupOf group_of, int splits, Workspace<typename F::Total> workspace, Finish finish) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  using Total = typename F::Total;
-  pdl_launch_dependents();
-  const int lane = threadIdx.x % 32, item = blockIdx.x * kBalancedWarps + threadIdx.x / 32;
-  const int tiles = (N + kTileRows - 1) / kTileRows, steps = K / 128;
-  if (item >= tiles * splits) {
-    pdl_wait();  // every warp of the grid waits for the kernel before it (pdl.cuh)
-    return;
-  }
-  const int tile = item / splits, split = item % splits;
-  Total total[1][4] = {};
-  tile_totals<F, 1, D, 1>(total, x, w, scales, M, N, K, group_of, kTileRows * tile, split * steps / splits,
-                          (split + 1) * steps / splits, lane);
-  Total* mine = workspace.partials + static_cast<int64_t>(item) * 4 * 32;
-#pragma unroll
-  for (int e = 0; e < 4; ++e) __stcg(mine + 32 * e + lane, total[0][e]);
-  __threadfence();
-  __syncwarp();
-  int arrived = 0;
-  if (lane == 0) arrived = atomicAdd(workspace.arrivals + tile, 1);
-  if (__shfl_sync(0xffffffffu, arrived, 0) != splits - 1) return;
-  __threadfence();  // the other splits' totals are visible from here on
-  const Total* first = workspace.partials + static_cast<int64_t>(tile) * splits * 4 * 32;
-#pragma unroll
-  for (int e = 0; e < 4; ++e) total[0][e] = __ldcg(first + 32 * e + lane);
-  for (int k = 1; k < splits; ++k)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) total[0][e] += __ldcg(first + (4 * k + e) * 32 + lane);
-  if (lane == 0) workspace.arrivals[tile] = 0;
-  store_tiles<1>(out, total, kTileRows * tile, M, N, lane, finish);
 #else
   __trap();  // never launched: the host requires compute capability 8.0 (mma.sync)
 #endif
@@ -686,27 +612,6 @@ void launch_mma_kernel(const Operands<F>& a, int splits, int sms, Finish finish)
                   a.N, a.K, GroupOf::make(a.group_size), splits, finish);
 }
 
-// The balanced GEMV's splits per tile: as many as give every SM 16 warps, each with at least 2
-// steps where K has them. Launched when the stream's workspace can hold the partial totals (never
-// grown inside a CUDA-graph capture: gemv_workspace); false otherwise.
-template <typename F, typename OutT, typename Finish>
-bool launch_balanced_kernel(const Operands<F>& a, int sms, Finish finish) {
-  using Total = typename F::Total;
-  const int tiles = (a.N + kTileRows - 1) / kTileRows, steps = a.K / 128;
-  const int splits = std::max(1, std::min(16 * sms / tiles, std::max(1, steps / 2)));
-  const int64_t items = static_cast<int64_t>(tiles) * splits;
-  const int64_t arrival_bytes = (static_cast<int64_t>(tiles) * sizeof(int) + 255) / 256 * 256;
-  char* base = static_cast<char*>(gemv_workspace(arrival_bytes + items * 4 * 32 * sizeof(Total), a.stream));
-  if (base == nullptr) return false;
-  const Workspace<Total> workspace{reinterpret_cast<int*>(base), reinterpret_cast<Total*>(base + arrival_bytes)};
-  const auto kernel = balanced_gemv_kernel<F, OutT, 3, Finish>;
-  gemm::check_kernel_image(reinterpret_cast<const void*>(kernel), "4-bit balanced GEMV");
-  const int blocks = static_cast<int>((items + kBalancedWarps - 1) / kBalancedWarps);
-  launch_with_pdl(kernel, blocks, kBalancedWarps * 32, 0, a.stream, a.x, a.w, a.scales, static_cast<OutT*>(a.out),
-                  a.M, a.N, a.K, GroupOf::make(a.group_size), splits, workspace, finish);
-  return true;
-}
-
 // Splits past kWarps take a block of as many warps per 16-row tile, with a ring of 3 steps (128
 // registers). Where the tiles are few, the most splits (16 or 8) whose warps fit one wave at 16
 // per SM and leave each warp 2 steps; 0 where none does (G % 128 == 0 only). Measured on the H100
@@ -721,22 +626,10 @@ int block_splits(int N, int K, int sms) {
   return 0;
 }
 
-// The balanced GEMV where the block splits would leave SMs unevenly loaded: more 16-row tiles
-// than SMs, few enough for 8 splits (out_proj of Mamba-2.8B: 160 tiles on 132 SMs).
-bool use_balanced(int N, int K, int sms) {
-  const int tiles = (N + kTileRows - 1) / kTileRows;
-  return tiles > sms && block_splits(N, K, sms) == 8;
-}
-
 // H: how many groups one 4-chunk step (128 codes) can touch; with H = 1, 4 tiles per warp where
 // the format takes them and N is large.
 template <typename F, typename OutT, typename Finish>
 void launch_mma_for_groups(const Operands<F>& a, int splits, int sms, Finish finish) {
-  if (splits == 0 && a.group_size % 128 == 0 && use_balanced(a.N, a.K, sms)) splits = kBalancedSplits;
-  if (splits == kBalancedSplits) {
-    if (launch_balanced_kernel<F, OutT>(a, sms, finish)) return;
-    splits = 0;  // no workspace for this stream inside a capture
-  }
   if (splits == 0 && a.group_size % 128 == 0) splits = block_splits(a.N, a.K, sms);
   if (splits > kWarps) {  // check_splits: G % 128 == 0
     if (splits == 8) launch_mma_kernel<F, OutT, 1, 3, 1, 8>(a, splits, sms, finish);
@@ -825,13 +718,12 @@ bool use_tensor_cores(int M, int N, int sms, int core_max_m) {
   return tiles >= sms || M > core_max_m;
 }
 
-// `tensor_cores`: 8 and 16 splits are allowed too, a block per 16-row tile, and balanced splits
-// (kBalancedSplits), for whole 128-code steps (G % 128 == 0).
+// `tensor_cores`: 8 and 16 splits are allowed too, a block per 16-row tile, for whole 128-code
+// steps (G % 128 == 0).
 void check_splits(const char* op, int splits, bool tensor_cores, int group_size) {
-  const bool wide = tensor_cores && (splits == 8 || splits == 16 || splits == kBalancedSplits);
+  const bool wide = tensor_cores && (splits == 8 || splits == 16);
   TORCH_CHECK(splits == 0 || splits == 1 || splits == 2 || splits == 4 || wide, op, ": splits must be 0 (auto), ",
-              tensor_cores ? "1, 2, 4, 8, 16 or -1 (balanced)" : "1, 2 or 4 (8, 16 and -1: rows 16)", ", got ",
-              splits);
+              tensor_cores ? "1, 2, 4, 8 or 16" : "1, 2 or 4 (8 and 16: rows 16)", ", got ", splits);
   TORCH_CHECK(!wide || group_size % 128 == 0, op, ": ", splits, " splits need group_size % 128 == 0, got ",
               group_size);
 }
@@ -844,7 +736,7 @@ void launch_w4a8_gemv(const W4A8Args& a, int rows, int splits) {
               " (dp4a) or ", kTileRows, " (tensor cores), got ", rows);
   check_splits("w4a8 GEMV", splits, rows != kCoreRows, a.group_size);
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  if (rows == 0) rows = splits > kWarps || splits == kBalancedSplits || use_tensor_cores(a.M, a.N, sms, kW4A8CoreMaxM) ? kTileRows : kCoreRows;
+  if (rows == 0) rows = splits > kWarps || use_tensor_cores(a.M, a.N, sms, kW4A8CoreMaxM) ? kTileRows : kCoreRows;
   if (rows == kTileRows) {
     launch_w4a8_mma(a, splits, sms);
     return;
@@ -871,7 +763,7 @@ void launch_w4a16_gemv(const W4A16Args& a, int rows, int splits) {
               " (CUDA cores) takes M = 1, got ", a.M);
   check_splits("w4a16 GEMV", splits, rows != kCoreRows, a.group_size);
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  if (rows == 0) rows = splits > kWarps || splits == kBalancedSplits || use_tensor_cores(a.M, a.N, sms, kW4A16CoreMaxM) ? kTileRows : kCoreRows;
+  if (rows == 0) rows = splits > kWarps || use_tensor_cores(a.M, a.N, sms, kW4A16CoreMaxM) ? kTileRows : kCoreRows;
   if (rows == kCoreRows) launch_w4a16_core(a, splits, sms);
   else launch_w4a16_mma(a, splits, sms);  // M needs no template: every M <= 8 costs the same mmas
 }

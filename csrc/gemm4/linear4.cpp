@@ -35,10 +35,6 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
-#include <map>
-#include <mutex>
-#include <utility>
-
 #include "gemm/checks.h"
 #include "gemm/gemm.h"
 #include "gemm4/gemm4.h"
@@ -327,24 +323,6 @@ void register_impls(torch::Library& m) {
 }
 
 }  // namespace
-
-void* gemv_workspace(int64_t bytes, cudaStream_t stream) {
-  static std::mutex mutex;
-  // Never destroyed: freeing CUDA memory at process exit may outlive the caching allocator.
-  static auto* workspaces = new std::map<std::pair<int, cudaStream_t>, at::Tensor>();
-  const int device = c10::cuda::current_device();
-  const std::lock_guard<std::mutex> lock(mutex);
-  at::Tensor& workspace = (*workspaces)[{device, stream}];
-  if (workspace.defined() && workspace.numel() >= bytes) return workspace.data_ptr();
-  cudaStreamCaptureStatus capture;
-  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-  if (capture != cudaStreamCaptureStatusNone) return nullptr;
-  // Zeroed on `stream` (the current one) before any kernel that uses it; one it replaces is freed
-  // in that stream's order by the caching allocator.
-  workspace = at::zeros({bytes}, at::TensorOptions().dtype(at::kByte).device(at::kCUDA, device));
-  return workspace.data_ptr();
-}
-
 }  // namespace quamba::gemm4
 
 TORCH_LIBRARY_FRAGMENT(quamba, m) {

@@ -39,9 +39,8 @@ class GraphedStep:
     ``step_fn(input_ids [batch, 1]) -> logits [batch, vocab]`` may read only ``input_ids`` and
     tensors that outlive the graph (weights, a preallocated cache updated in place); it runs twice
     on a side stream before the capture (as CUDA graphs need), which changes the cache, so fill the
-    cache (prefill) after building this. The capture runs on that same stream, whose per-stream
-    kernel workspaces (the balanced 4-bit GEMVs') the warm-up calls have allocated. Calling it with
-    the next ids [batch] returns the logits in a static tensor that the next call overwrites.
+    cache (prefill) after building this. Calling it with the next ids [batch] returns the logits
+    in a static tensor that the next call overwrites.
     """
 
     def __init__(self, step_fn: Callable, batch_size: int, device, pool=None, warmups: int = 2):
@@ -54,7 +53,7 @@ class GraphedStep:
                 step_fn(self.input_ids)
         torch.cuda.current_stream(device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool, stream=side):
+        with torch.cuda.graph(self.graph, pool=pool):
             self.logits = step_fn(self.input_ids)
 
     def __call__(self, next_ids: torch.Tensor) -> torch.Tensor:
