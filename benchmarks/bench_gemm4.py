@@ -18,6 +18,7 @@ import torch
 
 from common import (copy_bandwidth_gbs, format_table, fp16_linear_us, parse_args, run_metadata, time_graph_ms,
                     write_json)
+from quamba.ops.qlinear4 import w4a16_linear
 
 # name, N, K, W4A8 output dtype (Mamba-2.8B: d_model 2560, d_inner 5120, dt_rank 160, d_state 16)
 LAYERS = [("in_proj", 10240, 2560, torch.int8), ("x_proj", 192, 5120, torch.int8),
@@ -28,6 +29,7 @@ DECODE_M = [1, 2, 4, 8]
 W4A8_GEMV_SHAPES = [(rows, splits) for rows in (4, 16) for splits in (1, 2, 4)] + [(16, 8), (16, 16)]
 W4A16_GEMV_SHAPES = [(rows, splits) for rows in (4, 16) for splits in (1, 2, 4)] + [(16, 8), (16, 16)]
 W4A16_CORE_MAX_M = 1  # rows 4 (CUDA cores) take M = 1
+TRANSPOSED_BATCH = 8  # sequences of the transposed prefill activations (Layer.transposed_us)
 
 
 def gemv_operands(M: int, N: int, K: int) -> dict:
@@ -86,6 +88,24 @@ class Layer:
             return lambda: op(x, w, scales, GROUP, out, *extra)
         return 1e3 * time_graph_ms(make, self.w4a16_bytes)
 
+    def transposed_us(self, kind):
+        """A prefill call on x as the FP mixer hands x_proj and out_proj their input: [batch, M /
+        batch, K], a transposed view of a channel-major [batch, K, M / batch] tensor. ``kind``:
+        fp16 F.linear, the library's W4A16 linear (cuda backend), or that linear on a contiguous
+        copy of x (what it did before it read strided activations)."""
+        M, N, K, batch = self.M, self.N, self.K, TRANSPOSED_BATCH
+
+        def make(_):
+            x = torch.randn(batch, K, M // batch, dtype=torch.float16, device="cuda").transpose(1, 2)
+            if kind == "fp16":
+                w = torch.randn(N, K, dtype=torch.float16, device="cuda") / K ** 0.5
+                return lambda: torch.nn.functional.linear(x, w)
+            w, scales = self._packed(), (torch.rand(N, K // GROUP, device="cuda") * 0.01).half()
+            if kind == "w4a16":
+                return lambda: w4a16_linear(x, w, scales, GROUP)
+            return lambda: w4a16_linear(x.contiguous(), w, scales, GROUP)
+        return 1e3 * time_graph_ms(make, self.fp16_bytes if kind == "fp16" else self.w4a16_bytes)
+
     def copy_us(self):
         """A device-to-device copy moving as many bytes as the packed weight (half of them read,
         half written): the share of the copy bandwidth that one stream of this size reaches, ramp-up
@@ -134,9 +154,12 @@ class Layer:
 
 def bench_prefill(layer):
     fp16, w4a8, w4a16 = layer.fp16_us(), layer.w4a8_us(), layer.w4a16_us()
+    fp16_t, w4a16_t = layer.transposed_us("fp16"), layer.transposed_us("w4a16")
     return {**layer.row(), "fp16_us": fp16, "w4a8_us": w4a8, "w4a8_speedup": fp16 / w4a8,
             "w4a16_us": w4a16, "w4a16_speedup": fp16 / w4a16, "expand_us": layer.expand_us(),
-            "w8a8_gemm_us": layer.w8a8_us(), "dequant_us": layer.dequantize_us()}
+            "w8a8_gemm_us": layer.w8a8_us(), "dequant_us": layer.dequantize_us(),
+            "fp16_transposed_us": fp16_t, "w4a16_transposed_us": w4a16_t,
+            "w4a16_transposed_speedup": fp16_t / w4a16_t, "w4a16_copied_us": layer.transposed_us("copied")}
 
 
 def bench_decode(layer, copy_gbs):
@@ -196,6 +219,10 @@ def main():
     print(format_table(prefill, ["layer", "M", "N", "K", "out", "fp16_us", "w4a8_us", "w4a8_speedup", "expand_us",
                                  "w8a8_gemm_us", "w4a16_us", "w4a16_speedup", "dequant_us"],
                        "\nW4A8 / W4A16 prefill vs fp16 F.linear"))
+    print(format_table(prefill, ["layer", "M", "fp16_transposed_us", "w4a16_transposed_us",
+                                 "w4a16_transposed_speedup", "w4a16_copied_us"],
+                       f"\nW4A16 prefill on transposed activations ({TRANSPOSED_BATCH} sequences, the FP mixer's "
+                       "layout) vs fp16 F.linear; copied: the W4A16 linear on a contiguous copy"))
     print(format_table(summary, ["stage", "M", "fp16_us", "w4a8_us", "w4a8_speedup", "w4a16_us", "w4a16_speedup"],
                        "\nOne Mamba-2.8B block's in_proj + x_proj + out_proj"))
     write_json(args.out, {"meta": meta, "copy_bandwidth_gbs": copy_gbs, "group_size": GROUP, "decode": decode,

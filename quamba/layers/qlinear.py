@@ -131,8 +131,7 @@ class W4A16Linear(nn.Module):
         return dequantize_int4(self.weight, self.scales, self.group_size)
 
     def forward(self, x):
-        return w4a16_linear(x.contiguous(), self.weight, self.scales, self.group_size,
-                            backend_name=self.backend)
+        return w4a16_linear(x, self.weight, self.scales, self.group_size, backend_name=self.backend)
 
     def forward_channel_major(self, x):
         """W · xᵀ: [out, M] for x [M, in], the transpose of ``forward(x)``; no hooks run."""

@@ -9,8 +9,8 @@ multipliers in 1…18 for codes in -7…7 (quamba.ops.quant4). That is checked h
 once per weight: the verdict is cached per (packed weight, group multiplier) tensor
 pair and their ``_version`` counters, so later calls cost no host sync (the first prefill call of a
 weight does one; run it before any CUDA-graph capture of a prefill). A weight that overflows is
-refused with an error. W4A16 dequantizes to x's dtype and calls cuBLAS; float32 activations (no
-kernel) run the reference computation on the GPU.
+refused with an error. W4A16 dequantizes to x's dtype and calls cuBLAS on x as strided as it comes;
+float32 activations (no kernel) run the reference computation on the GPU.
 
 The fp32 epilogue multiplier of W4A8 is computed by the W8A8 backend's ``_epilogue_multiplier``
 (the same function as the torch reference), so both backends round identically.
@@ -49,12 +49,27 @@ def _w4a8_linear_cuda(x, x_scale, weight_packed, group_multiplier, channel_scale
     return out.reshape(*x.shape[:-1], weight_packed.shape[0])
 
 
-@backend.register("w4a16_linear", "cuda")
+def _dequantized(weight_packed, scales, group_size, dtype):
+    """The [N, K] weight in ``dtype`` (fp32(code) · fp32(scale), rounded once): what the W4A16
+    prefill multiplies on cuBLAS."""
+    weight = torch.empty(weight_packed.shape[0], 2 * weight_packed.shape[1], dtype=dtype,
+                         device=weight_packed.device)
+    torch.ops.quamba.w4a16_dequantize_out(weight_packed, scales, group_size, weight)
+    return weight
+
+
+@backend.register("w4a16_linear", "cuda", kernels=("w4a16_linear", "w4a16_dequantize_out"))
 def _w4a16_linear_cuda(x, weight_packed, scales, group_size, out_dtype):
+    """Up to 8 rows: the GEMV. More: the op's own GEMM path (the dequantized weight on cuBLAS), with
+    x read through its strides: the FP mixer hands x_proj and out_proj transposed views of its
+    channel-major tensors, which torch.matmul passes to cuBLAS as they are, where a contiguous copy
+    for the op would move as many bytes as the GEMM reads."""
     if x.dtype not in (torch.float16, torch.bfloat16):
         # The kernels take 16-bit activations; fp32 models run the reference's own computation
         # (fp32 dequantized weight, torch matmul) on the GPU rather than failing.
         return _w4a16_linear_torch(x, weight_packed, scales, group_size, out_dtype)
+    if x.numel() > GEMV_MAX_M * x.shape[-1]:
+        return (x @ _dequantized(weight_packed, scales, group_size, x.dtype).t()).to(out_dtype)
     x2d = x.reshape(-1, x.shape[-1]).contiguous()
     out = torch.ops.quamba.w4a16_linear(x2d, weight_packed, scales, group_size, out_dtype)
     return out.reshape(*x.shape[:-1], weight_packed.shape[0])
@@ -66,9 +81,7 @@ def _w4a16_linear_channel_major_cuda(x, weight_packed, scales, group_size, out_d
     dtype times xᵀ in one cuBLAS call, [N, M] as it comes, with x read through its strides."""
     if x.dtype not in (torch.float16, torch.bfloat16) or x.shape[0] <= GEMV_MAX_M:
         return _w4a16_linear_cuda(x, weight_packed, scales, group_size, out_dtype).t()
-    weight = torch.empty(weight_packed.shape[0], 2 * weight_packed.shape[1], dtype=x.dtype, device=x.device)
-    torch.ops.quamba.w4a16_dequantize_out(weight_packed, scales, group_size, weight)
-    return (weight @ x.t()).to(out_dtype)
+    return (_dequantized(weight_packed, scales, group_size, x.dtype) @ x.t()).to(out_dtype)
 
 
 def check_expandable(weight_packed: torch.Tensor, group_multiplier: torch.Tensor, group_size: int) -> None:
