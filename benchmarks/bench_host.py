@@ -3,12 +3,12 @@ for a prefill (M = 1024) and a decode row (M = 1): fp16 F.linear, the W8A8, W4A8
 quamba._C, W4A16 through the library's backend selection, and the two halves of the W4A16 prefill
 (the dequantization alone, torch.mm alone).
 
-Why: at batch 1 the W4A16 model's prefill takes 0.17-0.26 ms more host time per linear than the
-FP16 model's (benchmarks/RESULTS.md, 2026-11-23), which its kernels do not explain. Each number is
-the wall time of a run of calls issued while a long sleep kernel queued first keeps the GPU busy,
-so that no call waits for it; a call that synchronizes with the GPU would wait for the sleep and
-is reported as such. A torch profiler pass over the W4A16 prefill call lists the CPU-side events
-(ATen ops and CUDA runtime calls) that take its time.
+Why: batch-1 prefill is bound by the host's Python on the lent H100 machine, for every
+precision (benchmarks/RESULTS.md, 2026-11-23); this shows what each linear call costs the host
+there. Each number is the wall time of a run of calls issued while a long sleep kernel queued
+first keeps the GPU busy, so that no call waits for it; a call that synchronizes with the GPU would
+wait for the sleep and is reported as such. A torch profiler pass over the W4A16 prefill call
+lists the CPU-side events (ATen ops and CUDA runtime calls) that take its time.
 
     python benchmarks/bench_host.py [--out results.json] [--quick]
 """
