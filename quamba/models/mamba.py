@@ -115,10 +115,10 @@ class MambaMixer(nn.Module):
             return proj(h).transpose(1, 2)
         b, l, _ = h.shape
         h2d = h.reshape(b * l, -1)
-        if isinstance(proj, nn.Linear):
+        if isinstance(proj, nn.Linear) and proj.bias is None:
             xz = proj.weight @ h2d.t()
-            if proj.bias is not None:
-                xz = xz + proj.bias[:, None]
+        elif isinstance(proj, nn.Linear):
+            xz = torch.addmm(proj.bias[:, None], proj.weight, h2d.t())  # the bias in the GEMM's epilogue
         else:
             xz = proj.forward_channel_major(h2d)
         return xz.view(-1, b, l).transpose(0, 1)
