@@ -152,28 +152,10 @@ class Layer:
                 "out": str(self.out_dtype).replace("torch.", "")}
 
 
-def w4a8_gemm_configs():
-    """w4a8_gemm_out's sm90 configurations: those expanding the weight in global memory for a W8A8
-    GEMM, then those expanding the codes in registers."""
-    expanded = torch.ops.quamba.w8a8_gemm_sm90_configs()
-    return range(expanded), range(expanded, torch.ops.quamba.w4a8_gemm_configs())
-
-
-def best_w4a8_config(layer, configs):
-    times = {f"config{c}_us": layer.w4a8_us(torch.ops.quamba.w4a8_gemm_out, c) for c in configs}
-    best = min(times, key=times.get) if times else None
-    return times, best, times.get(best)
-
-
 def bench_prefill(layer):
     fp16, w4a8, w4a16 = layer.fp16_us(), layer.w4a8_us(), layer.w4a16_us()
     fp16_t, w4a16_t = layer.transposed_us("fp16"), layer.transposed_us("w4a16")
-    expanded, in_registers = w4a8_gemm_configs()
-    expanded_us, best_expanded, best_expanded_us = best_w4a8_config(layer, expanded)
-    in_registers_us, best_in_registers, best_in_registers_us = best_w4a8_config(layer, in_registers)
     return {**layer.row(), "fp16_us": fp16, "w4a8_us": w4a8, "w4a8_speedup": fp16 / w4a8,
-            **expanded_us, **in_registers_us, "best_expanded": best_expanded, "best_expanded_us": best_expanded_us,
-            "best_in_registers": best_in_registers, "best_in_registers_us": best_in_registers_us,
             "w4a16_us": w4a16, "w4a16_speedup": fp16 / w4a16, "expand_us": layer.expand_us(),
             "w8a8_gemm_us": layer.w8a8_us(), "dequant_us": layer.dequantize_us(),
             "fp16_transposed_us": fp16_t, "w4a16_transposed_us": w4a16_t,
@@ -237,11 +219,6 @@ def main():
     print(format_table(prefill, ["layer", "M", "N", "K", "out", "fp16_us", "w4a8_us", "w4a8_speedup", "expand_us",
                                  "w8a8_gemm_us", "w4a16_us", "w4a16_speedup", "dequant_us"],
                        "\nW4A8 / W4A16 prefill vs fp16 F.linear"))
-    expanded, in_registers = w4a8_gemm_configs()
-    print(format_table(prefill, ["layer", "M", "fp16_us", "w4a8_us"] + [f"config{c}_us" for c in [*expanded, *in_registers]]
-                       + ["best_expanded", "best_in_registers"],
-                       f"\nW4A8 prefill GEMM configurations: {list(expanded)} expand the weight in global memory, "
-                       f"{list(in_registers)} expand the codes in registers"))
     print(format_table(prefill, ["layer", "M", "fp16_transposed_us", "w4a16_transposed_us",
                                  "w4a16_transposed_speedup", "w4a16_copied_us"],
                        f"\nW4A16 prefill on transposed activations ({TRANSPOSED_BATCH} sequences, the FP mixer's "

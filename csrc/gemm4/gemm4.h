@@ -59,14 +59,6 @@ struct W4A16Args {
 void launch_w4a8_gemv(const W4A8Args& args, int rows = 0, int splits = 0);
 void launch_w4a16_gemv(const W4A16Args& args, int rows = 0, int splits = 0);
 
-// W4A8 prefill GEMM on sm_90a with the codes expanded to int8 in registers (gemm4_sm90.cuh), config
-// in 0..kW4A8Sm90Configs-1. multipliers_n_major is group_multiplier transposed to [K / G, N]. Needs
-// G % 128 == 0 or G == K, N % 16 == 0, K % 32 == 0 and an int8, float16 or bfloat16 out (the op
-// checks). code * multiplier wraps to int8 as launch_w4a8_expand stores it.
-constexpr int kW4A8Sm90Configs = 3;
-bool w4a8_gemm_sm90_compiled();
-void launch_w4a8_gemm_sm90(const W4A8Args& args, const int8_t* multipliers_n_major, int config);
-
 // Expansion for the prefill GEMMs. W4A8: out int8 [N, K] = code * group_multiplier; a product
 // outside [-128, 127] is stored truncated and sets *overflow to 1 (when overflow is not null).
 // W4A16: out [N, K] of out_type (float16 or bfloat16) = round(fp32(code) * fp32(scale)).

@@ -6,7 +6,6 @@
 //   w4a8_linear_out(..., out)           the same into a preallocated out
 //   w4a8_gemv_out(..., out, rows, splits) / w4a8_gemm_out(..., out, config)
 //                                       one path, for tests and benchmarks
-//   w4a8_gemm_configs() -> int          configurations of w4a8_gemm_out from 0 built (0: no sm_90a)
 //   w4a8_expand_out(weight_packed, group_multiplier, group_size, out, overflow)
 //                                       int8 [N, K] = code * multiplier; sets overflow[0] = 1 when a
 //                                       product is outside [-128, 127]
@@ -146,23 +145,7 @@ bool sm90_can_run(const W4A8Args& a, const at::Tensor& out, const std::optional<
   return aligned16(out) && (!multiplier_per_channel || aligned16(*multiplier_per_channel));
 }
 
-// The in-register expansion also loads the multipliers with TMA (16-byte rows of N int8 values), and
-// a group spans whole 128-wide k tiles or all of K.
-bool fused_can_run(const W4A8Args& a, const at::Tensor& out, const std::optional<at::Tensor>& multiplier_per_channel) {
-  return w4a8_gemm_sm90_compiled() && sm90_can_run(a, out, multiplier_per_channel) && a.N % 16 == 0 &&
-         (a.group_size % 128 == 0 || a.group_size == a.K);
-}
-
-// w4a8_gemm_out's config: -2 expansion + mma.sync, -1 auto, 0..kSm90Configs-1 expansion + that W8A8
-// CUTLASS configuration, then the kW4A8Sm90Configs configurations of the in-register expansion.
-constexpr int64_t kConfigAuto = -1, kConfigMma = -2, kConfigFused = gemm::kSm90Configs;
-constexpr int64_t kConfigs = kConfigFused + kW4A8Sm90Configs;
-
-// The codes expanded in registers (gemm4_sm90.cuh), which takes the multipliers N-major.
-void run_w4a8_gemm_fused(const W4A8Args& a, const at::Tensor& group_multiplier, int64_t config) {
-  const at::Tensor multipliers_n_major = group_multiplier.t().contiguous();
-  launch_w4a8_gemm_sm90(a, multipliers_n_major.data_ptr<int8_t>(), static_cast<int>(config - kConfigFused));
-}
+constexpr int64_t kConfigAuto = -1, kConfigMma = -2;
 
 // Expansion into a temporary int8 [N, K] weight, then the W8A8 GEMM.
 void run_w4a8_gemm(const W4A8Args& a, const at::Tensor& x, const at::Tensor& out,
@@ -215,19 +198,13 @@ void w4a8_gemm_out(const at::Tensor& x, const at::Tensor& weight_packed, const a
   const auto guard = guard_for("w4a8_gemm", x);
   const W4A8Args a = make_w4a8_args("w4a8_gemm", x, weight_packed, group_multiplier, group_size, multiplier,
                                     multiplier_per_channel, out);
-  TORCH_CHECK(config >= kConfigMma && config < kConfigs, "w4a8_gemm: config must be -2 (mma.sync), -1 (auto), "
-              "a CUTLASS sm90 configuration 0..", kConfigFused - 1, " or one expanding in registers ", kConfigFused,
-              "..", kConfigs - 1, ", got ", config);
+  TORCH_CHECK(config >= kConfigMma && config < gemm::kSm90Configs, "w4a8_gemm: config must be -2 (mma.sync), "
+              "-1 (auto) or a CUTLASS sm90 configuration 0..", gemm::kSm90Configs - 1, ", got ", config);
   TORCH_CHECK(config < 0 || sm90_can_run(a, out, multiplier_per_channel),
               "w4a8_gemm: a CUTLASS sm90 configuration needs the sm_90a build on a compute capability 9.0 GPU, an "
               "int8/float16/bfloat16 out whose rows are multiples of 16 bytes, and 16-byte aligned out and "
               "multiplier_per_channel");
-  TORCH_CHECK(config < kConfigFused || fused_can_run(a, out, multiplier_per_channel),
-              "w4a8_gemm: expanding in registers needs N % 16 == 0 and group_size a multiple of 128 or equal to K, "
-              "got N = ", a.N, ", K = ", a.K, ", group_size ", a.group_size);
-  if (a.M == 0) return;
-  if (config >= kConfigFused) run_w4a8_gemm_fused(a, group_multiplier, config);
-  else run_w4a8_gemm(a, x, out, multiplier_per_channel, config);
+  if (a.M > 0) run_w4a8_gemm(a, x, out, multiplier_per_channel, config);
 }
 
 // K of a packed weight taken on its own (the expand and dequantize ops, which have no x): 2-D,
@@ -332,8 +309,6 @@ void w4a16_dequantize_out(const at::Tensor& weight_packed, const at::Tensor& sca
                           c10::cuda::getCurrentCUDAStream());
 }
 
-int64_t w4a8_gemm_configs() { return w4a8_gemm_sm90_compiled() ? kConfigs : 0; }
-
 void register_impls(torch::Library& m) {
   m.impl("w4a8_linear", &w4a8_linear);
   m.impl("w4a8_linear_out", &w4a8_linear_out);
@@ -359,7 +334,6 @@ TORCH_LIBRARY_FRAGMENT(quamba, m) {
         "Tensor? multiplier_per_channel, Tensor(a!) out, int rows=0, int splits=0) -> ()");
   m.def("w4a8_gemm_out(Tensor x, Tensor weight_packed, Tensor group_multiplier, int group_size, float multiplier, "
         "Tensor? multiplier_per_channel, Tensor(a!) out, int config=-1) -> ()");
-  m.def("w4a8_gemm_configs() -> int", &quamba::gemm4::w4a8_gemm_configs);
   m.def("w4a8_expand_out(Tensor weight_packed, Tensor group_multiplier, int group_size, Tensor(a!) out, "
         "Tensor(b!)? overflow=None) -> ()");
   m.def("w4a16_linear(Tensor x, Tensor weight_packed, Tensor scales, int group_size, ScalarType out_dtype) -> Tensor");

@@ -49,7 +49,6 @@ W4A8_OUT = [torch.int8, torch.float16, torch.bfloat16, torch.float32]
 W4A16_OUT = [torch.float16, torch.bfloat16, torch.float32]
 
 SM90_CONFIGS = ops.w8a8_gemm_sm90_configs()
-IN_REGISTER_CONFIGS = range(SM90_CONFIGS, ops.w4a8_gemm_configs())  # w4a8_gemm_out: codes expanded in registers
 IS_SM90 = torch.cuda.get_device_capability() == (9, 0)
 
 
@@ -179,52 +178,6 @@ def test_w4a8_gemm_mma_matches_reference(M, N, K, G, out_dtype):
 def test_w4a8_gemm_sm90_configs_match_reference(M, N, K, G, out_dtype, config):
     seed_for("w4a8 sm90", M, N, K, G, out_dtype, config)
     check_w4a8(lambda case, out: run_w4a8_gemm(case, out, config), M, N, K, G, out_dtype)
-
-
-needs_in_registers = pytest.mark.skipif(not (IS_SM90 and len(IN_REGISTER_CONFIGS)),
-                                        reason="needs the sm_90a build on a 9.0 GPU")
-
-
-@needs_in_registers
-@pytest.mark.parametrize("config", IN_REGISTER_CONFIGS)
-@pytest.mark.parametrize("out_dtype", [torch.int8, torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("N,K,G", MAMBA_2_8B + [(48, 96, 96), (32, 1024, 128), (64, 384, 128), (16, 512, 256)])
-@pytest.mark.parametrize("M", [9, 17, 100, 1024])
-def test_w4a8_gemm_in_registers_matches_reference(M, N, K, G, out_dtype, config):
-    seed_for("w4a8 in registers", M, N, K, G, out_dtype, config)
-    check_w4a8(lambda case, out: run_w4a8_gemm(case, out, config), M, N, K, G, out_dtype)
-
-
-@needs_in_registers
-@pytest.mark.parametrize("config", IN_REGISTER_CONFIGS)
-def test_w4a8_gemm_in_registers_takes_code_minus_8_and_wraps_as_the_expansion(config):
-    """Code -8 (the nibble 0b1000) with multipliers up to 16 fits int8; a product outside int8 wraps
-    to 8 bits exactly as the global expansion stores it (the cuda backend refuses such weights)."""
-    seed_for("w4a8 in registers -8", config)
-    M, N, K, G = 33, 64, 512, 128
-    case = w4a8_case(M, N, K, G, torch.int8, max_multiplier=16)
-    case["weight_packed"] = pack_int4(torch.randint(-8, 8, (N, K), dtype=torch.int8, device=DEVICE))
-    out = poisoned_out(M, N, torch.int8)
-    run_w4a8_gemm(case, out, config)
-    assert_exact(out, w4a8_reference(case))
-
-    case["group_multiplier"][3, 1] = 19  # codes up to 7 * 19 = 133 wrap
-    expanded = torch.empty(N, K, dtype=torch.int8, device=DEVICE)
-    ops.w4a8_expand_out(case["weight_packed"], case["group_multiplier"], G, expanded)
-    via_expansion, in_registers = poisoned_out(M, N, torch.int8), poisoned_out(M, N, torch.int8)
-    multiplier, per_channel = w4a8_op_arguments(case)[4:]
-    ops.w8a8_linear_out(case["x"], expanded, multiplier, per_channel, None, via_expansion)
-    run_w4a8_gemm(case, in_registers, config)
-    assert torch.equal(in_registers, via_expansion)
-
-
-@needs_in_registers
-def test_w4a8_gemm_in_registers_refuses_groups_it_cannot_take():
-    a = valid_w4a8(M=16, N=32, K=256, G=64)
-    args = (a["x"], a["weight_packed"], a["group_multiplier"], a["group_size"], a["multiplier"], None, a["out"])
-    with pytest.raises(RuntimeError, match="expanding in registers needs N % 16 == 0 and group_size a multiple of "
-                                           "128 or equal to K, got N = 32, K = 256, group_size 64"):
-        ops.w4a8_gemm_out(*args, IN_REGISTER_CONFIGS[0])
 
 
 @pytest.mark.parametrize("out_dtype", [torch.int8, torch.float16], ids=str)
