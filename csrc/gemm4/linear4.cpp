@@ -27,8 +27,11 @@
 // exact only while every |code * multiplier| fits int8 (multipliers in 1..18 for codes in -7..7):
 // this op does not check it (that needs a host sync); the Python cuda backend
 // (quamba/ops/cuda_backend/gemm4.py) checks each weight once with w4a8_expand_out's overflow flag
-// and refuses weights that overflow. W4A16 with M > 8 dequantizes to a temporary [N, K] weight of
-// x's dtype (fp32(code) * fp32(scale), rounded once) and calls cuBLAS (at::mm).
+// and refuses weights that overflow. Expanding the codes in registers instead, in CUTLASS's sm90
+// mixed-input mainloop (int4 codes, int8 group multipliers), was exact but 2.3x slower on the H100
+// (benchmarks/RESULTS.md, fb57a14): its conversion alone costs more than this expansion.
+// W4A16 with M > 8 dequantizes to a temporary [N, K] weight of x's dtype (fp32(code) * fp32(scale),
+// rounded once) and calls cuBLAS (at::mm).
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContextLight.h>
 #include <c10/cuda/CUDAGuard.h>
