@@ -123,11 +123,12 @@ class MambaMixer(nn.Module):
             xz = proj.forward_channel_major(h2d)
         return xz.view(-1, b, l).transpose(0, 1)
 
-    def forward(self, h, state: MixerState | None = None, step: bool = False):
+    def forward(self, h, state: MixerState | None = None, step: bool = False, ssm_A: torch.Tensor | None = None):
         """h: [batch, seqlen, d_model] → [batch, seqlen, d_model]. With ``state`` a prefill fills it;
-        with ``step=True`` (seqlen 1) one decode step updates it in place."""
+        with ``step=True`` (seqlen 1) one decode step updates it in place, with ``ssm_A`` as
+        -exp(A_log) where the caller computed it (see ``step_ssm_A``)."""
         if step:
-            return self._step(h, state)
+            return self._step(h, state, ssm_A)
         xz = self._in_proj_channel_major(h)  # [b, 2·d_inner, l]
         x, z = xz.chunk(2, dim=1)
         conv_weight = self.conv1d.weight.squeeze(1)
@@ -148,11 +149,11 @@ class MambaMixer(nn.Module):
                               "out_proj.input": y_rotated, "out": out})
         return out
 
-    def _step(self, h, state: MixerState):
+    def _step(self, h, state: MixerState, ssm_A: torch.Tensor | None = None):
         x, z = self.in_proj(h[:, 0]).chunk(2, dim=-1)
         u = causal_conv1d_update(x, state.conv, self.conv1d.weight.squeeze(1), self.conv1d.bias)
         dt, B, C = self._ssm_params(self.x_proj(u))
-        A = -torch.exp(self.A_log.float())
+        A = -torch.exp(self.A_log.float()) if ssm_A is None else ssm_A
         y = selective_state_update(state.ssm, u, dt, A, B, C, self.D, z=z,
                                    delta_bias=self.dt_proj.bias, delta_softplus=True)
         return self.out_proj(self.online_hadamard(y)).unsqueeze(1)
@@ -164,9 +165,25 @@ class Block(nn.Module):
         self.norm = norm
         self.mixer = mixer
 
-    def forward(self, hidden, residual=None, state=None, step=False):
+    def forward(self, hidden, residual=None, state=None, step=False, ssm_A=None):
         normed, residual = self.norm(hidden, residual)
+        if ssm_A is not None:  # only FP mixers take it (step_ssm_A)
+            return self.mixer(normed, state=state, step=step, ssm_A=ssm_A), residual
         return self.mixer(normed, state=state, step=step), residual
+
+
+def step_ssm_A(layers) -> list:
+    """Each block's A = -exp(A_log) for one decode step, None where the mixer takes no A (the int8
+    QMambaMixer). One multi-tensor exp and one neg for all FP mixers replace an exp and a neg per
+    layer: 128 kernels of a Mamba-2.8B decode step. Recomputed every step rather than cached:
+    A_log can be rewritten in place (weights loaded, ``.data`` edits) where no cache key sees it."""
+    fp_layers = [i for i, block in enumerate(layers) if isinstance(block.mixer, MambaMixer)]
+    ssm_A = [None] * len(layers)
+    if fp_layers:
+        A_logs = [layers[i].mixer.A_log.float() for i in fp_layers]
+        for i, A in zip(fp_layers, torch._foreach_neg(torch._foreach_exp(A_logs))):
+            ssm_A[i] = A
+    return ssm_A
 
 
 class MambaBackbone(nn.Module):
@@ -238,8 +255,9 @@ class MambaLMHeadModel(nn.Module):
 
     def _step(self, hidden, cache: InferenceCache):
         residual = None
-        for block, state in zip(self.backbone.layers, cache.states):
-            hidden, residual = block(hidden, residual, state=state, step=True)
+        layers = self.backbone.layers
+        for block, state, ssm_A in zip(layers, cache.states, step_ssm_A(layers)):
+            hidden, residual = block(hidden, residual, state=state, step=True, ssm_A=ssm_A)
         cache.seqlen_offset += 1
         return self._head(hidden, residual)
 

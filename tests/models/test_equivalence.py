@@ -7,6 +7,7 @@ from transformers import MambaForCausalLM
 from quamba.errors import QuambaError
 from quamba.models import MambaConfig, MambaLMHeadModel, load_model, randomize_, save_model
 from quamba.models.generation import sample_next
+from quamba.models.mamba import step_ssm_A
 
 CONFIGS = {
     "d64": dict(d_model=64, n_layer=2, vocab_size=100, d_state=8),
@@ -178,3 +179,36 @@ def test_in_proj_channel_major_matches_the_module_call(saved, weights, batch, se
             handle.remove()
     assert len(seen) == 1
     assert max_relative_error(fast, hooked) <= 1e-5
+
+
+def per_layer_A_step(model, ids, cache):
+    """One decode step with each mixer computing its own A = -exp(A_log), as before step_ssm_A."""
+    hidden, residual = model.backbone.embedding(ids), None
+    for block, state in zip(model.backbone.layers, cache.states):
+        hidden, residual = block(hidden, residual, state=state, step=True)
+    cache.seqlen_offset += 1
+    return model._head(hidden, residual)
+
+
+def test_decode_step_takes_A_of_all_layers_at_once_and_sees_A_log_edits(saved):
+    """The decode step takes every FP mixer's A from one multi-tensor exp and neg (step_ssm_A): the
+    mixer's own values, so logits equal to the bit to steps computing A per layer; A_log edited in
+    place between steps (``.data``, which no cache key would see) changes the next step."""
+    from copy import deepcopy
+    model = deepcopy(saved[0])
+    layers = model.backbone.layers
+    for block, A in zip(layers, step_ssm_A(layers)):
+        assert torch.equal(A, -torch.exp(block.mixer.A_log.float()))
+    ids = random_ids(model.config, 2, 6, seed=7)
+    with torch.no_grad():
+        batched, per_layer = model.allocate_cache(2), model.allocate_cache(2)
+        model(ids[:, :3], cache=batched)
+        model(ids[:, :3], cache=per_layer)
+        for t in (3, 4):
+            assert torch.equal(model(ids[:, t:t + 1], cache=batched),
+                               per_layer_A_step(model, ids[:, t:t + 1], per_layer))
+        before = model(ids[:, 5:6], cache=deepcopy(batched))
+        layers[0].mixer.A_log.data.mul_(0.5)
+        after = model(ids[:, 5:6], cache=batched)
+        assert torch.equal(after, per_layer_A_step(model, ids[:, 5:6], per_layer))
+    assert not torch.equal(after, before)
