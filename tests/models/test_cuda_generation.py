@@ -7,6 +7,7 @@ import torch
 
 import quamba
 from quamba.models.generation import graphed_decoder
+from quamba.models.mamba import step_ssm_A
 from quamba.ops import fp_kernels
 from quamba.ops.backend import cuda_extension_error, used_backends
 
@@ -45,6 +46,13 @@ def test_graph_decode_gives_the_eager_tokens(request, which, batch):
         eager = model.generate(ids, max_new_tokens=24)
         graphed = model.generate(ids, max_new_tokens=24, cache_graph=True)
         assert torch.equal(eager, graphed)
+
+
+def test_step_ssm_A_equals_each_mixers_own_A_on_the_gpu(fp_model):
+    """The multi-tensor exp and neg of the decode step give each mixer's -exp(A_log) to the bit."""
+    layers = fp_model.backbone.layers
+    for block, A in zip(layers, step_ssm_A(layers)):
+        assert A.is_cuda and torch.equal(A, -torch.exp(block.mixer.A_log.float()))
 
 
 def test_fp_model_runs_mamba_ssm_kernels_when_installed(fp_model):
