@@ -192,7 +192,7 @@ def per_layer_A_step(model, ids, cache):
 
 def test_decode_step_takes_A_of_all_layers_at_once_and_sees_A_log_edits(saved):
     """The decode step takes every FP mixer's A from one multi-tensor exp and neg (step_ssm_A): the
-    mixer's own values, so logits equal to the bit to steps computing A per layer; A_log edited in
+    mixer's own values, so the logits of steps computing A per layer to the bit; A_log edited in
     place between steps (``.data``, which no cache key would see) changes the next step."""
     from copy import deepcopy
     model = deepcopy(saved[0])
