@@ -436,6 +436,17 @@ def test_hadamard_quant_matches_reference(n, rows, dtype):
     assert_codes_close(q, hadamard_quant(x, out_scale, backend_name="torch"))
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("n", [1536, 5120])
+def test_small_hadamard_quant_unaligned_rows(n, dtype):
+    """x starting one element into its storage: the kernel cannot use its wide loads."""
+    seed_for("hadamard-unaligned", n, dtype)
+    x = torch.randn(3 * n + 1, device=DEVICE).to(dtype)[1:].view(3, n)
+    assert x.is_contiguous() and x.data_ptr() % 16 != 0
+    q = hadamard_quant(x, 4.0 / 127, backend_name="cuda")
+    assert_codes_close(q, hadamard_quant(x, 4.0 / 127, backend_name="torch"))
+
+
 def test_small_hadamard_quant_batched_rows():
     seed_for("hadamard-3d")
     x = torch.randn(2, 7, 384, device=DEVICE, dtype=torch.float16)
