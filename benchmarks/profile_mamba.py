@@ -17,7 +17,8 @@ Each is the median of --repeats runs timed with CUDA events after warm-up. Memor
 TTLT run with only that model on the GPU (the FP model waits on the CPU meanwhile). Ratios are to
 the mamba-ssm row of the same run (to quamba's FP16 row where mamba-ssm is not installed); the
 decode floor is the weight bytes over the measured copy bandwidth. --breakdown adds the per-kernel
-GPU time of one eager decode step and one prefill (torch profiler) for every row.
+GPU time of one eager decode step and one prefill (torch profiler) for every row, and of the graphed
+decode step as replayed, with the GPU's idle time between its kernels.
 Quantized models are calibrated on random tokens: their scales are meaningless, their speed is not.
 """
 from __future__ import annotations
@@ -183,6 +184,44 @@ def kernel_breakdown(fn, top: int = 12) -> list[dict]:
     return rows
 
 
+def graph_breakdown(step, replays: int = 5, top: int = 12) -> dict:
+    """The kernels of a graphed decode step as the GPU runs them (torch profiler over ``replays``
+    back-to-back replays of ``step``): per kernel name its calls and GPU time per replay; the GPU's
+    idle time between kernels per replay, by the kernel it waits for (the largest first); and the
+    step's busy time (kernel intervals merged: programmatically dependent kernels overlap) against
+    its kernel sum. An idle gap is launch and drain time the graph did not hide."""
+    from torch.profiler import ProfilerActivity, profile
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            step()
+        torch.cuda.synchronize()
+    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
+    if not kernels:
+        return {"note": "the profiler recorded no kernels inside the graph replays"}
+    times, counts, gaps, gap_counts = defaultdict(float), defaultdict(int), defaultdict(float), defaultdict(int)
+    frontier, busy = kernels[0].time_range.start, 0.0
+    for event in kernels:
+        start, end = event.time_range.start, event.time_range.end
+        times[event.name] += end - start
+        counts[event.name] += 1
+        if start > frontier:
+            gaps[event.name] += start - frontier
+            gap_counts[event.name] += 1
+        busy += max(0.0, end - max(start, frontier))
+        frontier = max(frontier, end)
+
+    def ranked(totals, calls):
+        names = sorted(totals, key=totals.get, reverse=True)
+        return [{"kernel": name[:90], "calls": calls[name] / replays, "us": totals[name] / replays}
+                for name in names[:top]]
+    return {"kernels": ranked(times, counts), "gaps_before": ranked(gaps, gap_counts),
+            "span_us": (frontier - kernels[0].time_range.start) / replays, "busy_us": busy / replays,
+            "idle_us": sum(gaps.values()) / replays, "kernel_sum_us": sum(times.values()) / replays}
+
+
 def measure(name: str, runner, weights: int, prompt, args, bandwidth_gbs: float) -> dict:
     first = runner.prefill(prompt).argmax(-1)
     row = {
@@ -201,6 +240,7 @@ def measure(name: str, runner, weights: int, prompt, args, bandwidth_gbs: float)
     row["peak_bytes"] = torch.cuda.max_memory_allocated()
     if args.breakdown:
         row["decode_kernels"] = kernel_breakdown(lambda: runner.eager_step(first))
+        row["graph_decode"] = graph_breakdown(lambda: runner.step(first))
         row["prefill_kernels"] = kernel_breakdown(lambda: runner.prefill(prompt))
     return row
 
@@ -327,6 +367,11 @@ def main(argv=None) -> int:
         for part in ("decode_kernels", "prefill_kernels"):
             if part in row:
                 print(format_table(row[part], ["kernel", "calls", "us"], f"{row['name']}: {part}"))
+        graph = row.get("graph_decode", {})
+        if "kernels" in graph:
+            summary = ", ".join(f"{key} {graph[key]:.1f}" for key in ("span_us", "busy_us", "idle_us", "kernel_sum_us"))
+            print(format_table(graph["kernels"], ["kernel", "calls", "us"], f"{row['name']}: graph replay ({summary})"))
+            print(format_table(graph["gaps_before"], ["kernel", "calls", "us"], f"{row['name']}: idle before"))
     write_json(args.out, result)
     return 0
 
