@@ -87,12 +87,11 @@ __device__ void walsh_hadamard_segments(const In* __restrict__ x, bool aligned, 
         }
 #pragma unroll
     for (int mask = 1; mask < 32; mask *= 2) {
-      const bool first = (lane & mask) == 0;
+      // The first of a pair takes v + other, the second other - v: fmaf(±1, v, other) rounds as
+      // each, in one instruction (a select between an add and a subtract takes four).
+      const float sign = (lane & mask) == 0 ? 1.f : -1.f;
 #pragma unroll
-      for (int r = 0; r < V; ++r) {
-        const float other = __shfl_xor_sync(0xffffffffu, v[r], mask);
-        v[r] = first ? __fadd_rn(v[r], other) : __fsub_rn(other, v[r]);
-      }
+      for (int r = 0; r < V; ++r) v[r] = fmaf(sign, v[r], __shfl_xor_sync(0xffffffffu, v[r], mask));
     }
 #pragma unroll
     for (int r = 0; r < V; ++r) buf[base + r] = v[r];
@@ -137,9 +136,11 @@ __device__ __forceinline__ void signed_sums(const float* buf, int8_t* __restrict
   }
 }
 
-// One block per row: the butterflies (registers, then shared memory), then the signed sums of
-// each position b, the M outputs of a position shared out among up to blockDim / p threads.
-// V = 0: p < 32, every stage in shared memory.
+// One block per row and slice of positions: the butterflies of the whole row (registers, then
+// shared memory), then the signed sums of each position b of the slice, the M outputs of a position
+// shared out among up to blockDim / (p / slices) threads. At decode a row is split into slices
+// (gridDim.y) so that more SMs issue its signed sums; each repeats the row's butterflies, which
+// cost less. V = 0: p < 32, every stage in shared memory.
 template <int M, int V, typename In>
 __global__ void __launch_bounds__(1024)
 hadamard_quant_kernel(const In* __restrict__ x, int8_t* __restrict__ q, int n, int p,
@@ -156,12 +157,13 @@ hadamard_quant_kernel(const In* __restrict__ x, int8_t* __restrict__ q, int n, i
     for (int i = threadIdx.x; i < n; i += blockDim.x) buf[i] = to_float(x[row + i]);
   }
   walsh_hadamard_shared(buf, n, p, first_half);
-  const int groups = max(1, min(M, static_cast<int>(blockDim.x) / p));
-  const int threads_per_group = blockDim.x / groups;
+  const int positions = p / gridDim.y, first_position = blockIdx.y * positions;
+  const int groups = max(1, min(M, static_cast<int>(blockDim.x) / positions));
+  const int threads_per_group = min(positions, static_cast<int>(blockDim.x) / groups);  // whole warps
   const int group = threadIdx.x / threads_per_group;
   if (group >= groups) return;
-  for (int b = threadIdx.x % threads_per_group; b < p; b += threads_per_group)
-    signed_sums<M>(buf, q + row, p, b, group, groups, signs, norm, out_inv_scale);
+  for (int b = threadIdx.x % threads_per_group; b < positions; b += threads_per_group)
+    signed_sums<M>(buf, q + row, p, first_position + b, group, groups, signs, norm, out_inv_scale);
 }
 
 // Registers hold segments of 32 · V values: V = p / 32 up to kSegmentValues (0 below p = 32).
@@ -172,6 +174,16 @@ int threads_for(int64_t rows) {
   return rows < 2 * at::cuda::getCurrentDeviceProperties()->multiProcessorCount ? 1024 : 256;
 }
 
+// Slices of a row's positions, one block each: up to 8 while the blocks fit on the SMs and a slice
+// keeps a warp's 32 positions. 1 row of 5120 = 20 · 256 (2.8B decode) on one block issues ~21k
+// warp instructions on one SM (Nsight Compute, H100).
+int slices_for(int64_t rows, int p) {
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  int slices = 1;
+  while (slices < 8 && p / (2 * slices) >= 32 && rows * 2 * slices <= sms) slices *= 2;
+  return slices;
+}
+
 template <int M, int V, typename In>
 void launch_hadamard(const at::Tensor& x, at::Tensor& q, int64_t rows, int n, int p,
                      const SignColumns& signs, float norm, float out_inv_scale) {
@@ -179,7 +191,8 @@ void launch_hadamard(const at::Tensor& x, at::Tensor& q, int64_t rows, int n, in
   check_kernel_image(kernel, "hadamard_quant");
   const int smem = n * sizeof(float);
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  quamba::launch_with_pdl(kernel, rows, threads_for(rows), smem, current_stream(),
+  const dim3 grid(static_cast<unsigned>(rows), slices_for(rows, p));
+  quamba::launch_with_pdl(kernel, grid, threads_for(rows), smem, current_stream(),
                           static_cast<const In*>(x.data_ptr()), q.data_ptr<int8_t>(), n, p, signs,
                           norm, out_inv_scale);
 }
