@@ -15,8 +15,9 @@ W4A16, at the shapes of a published Mamba size with random weights (no download)
 Each is the median of --repeats runs timed with CUDA events after warm-up. Memory: the weights
 (parameters and buffers, tied tensors once), the decode caches, and the peak allocated during one
 TTLT run with only that model on the GPU (the FP model waits on the CPU meanwhile). Ratios are to
-the mamba-ssm row of the same run (to quamba's FP16 row where mamba-ssm is not installed); the
-decode floor is the weight bytes over the measured copy bandwidth. --breakdown adds the per-kernel
+the mamba-ssm row of the same run; without mamba-ssm, FP16 and W4A16 (whose conv and scan would
+run as torch references) are skipped unless --reference_fp_ops is given, and the ratios are to
+quamba's FP16 row where there is one. The decode floor is the weight bytes over the measured copy bandwidth. --breakdown adds the per-kernel
 GPU time of one eager decode step and one prefill (torch profiler) for every row, and of the graphed
 decode step as replayed, with the GPU's idle time between its kernels.
 Quantized models are calibrated on random tokens: their scales are meaningless, their speed is not.
@@ -40,6 +41,7 @@ from quamba.models.mamba import MambaLMHeadModel, randomize_
 from quamba.ops import fp_kernels
 
 PRECISIONS = {"fp16": None, "w8a8": (8, 8), "w4a8": (4, 8), "w4a16": (4, 16)}
+FP_MIXER = ("fp16", "w4a16")  # run mamba-ssm's conv and scan kernels, or their torch references
 BASELINE = "mamba-ssm fp16"
 CALIB_SAMPLES, CALIB_SEQLEN = 4, 256
 
@@ -58,6 +60,9 @@ def parse_args(argv=None):
     parser.add_argument("--repeats", type=int, default=10, help="timed runs per number (median)")
     parser.add_argument("--group_size", type=int, default=128, help="4-bit weight group size")
     parser.add_argument("--no_baseline", action="store_true", help="skip mamba-ssm's own model")
+    parser.add_argument("--reference_fp_ops", action="store_true",
+                        help="without mamba-ssm, time fp16 and w4a16 on the torch references of its "
+                             "conv and scan kernels (minutes per row; skipped otherwise)")
     parser.add_argument("--breakdown", action="store_true",
                         help="per-kernel GPU time of one decode step and one prefill")
     parser.add_argument("--seed", type=int, default=0)
@@ -288,6 +293,9 @@ def run(args) -> dict:
         else:
             rows.append(_baseline_row(fp_model, prompt, args, bandwidth, notes))
     for precision in args.precisions:
+        if precision in FP_MIXER and fp_kernels.missing() and not args.reference_fp_ops:
+            notes[f"skipped {precision}"] = f"{fp_kernels.missing()}; see --reference_fp_ops"
+            continue
         print(f"profiling {precision} ...", file=sys.stderr, flush=True)
         if precision == "fp16":
             rows.append(measure_quamba("quamba fp16", fp_model, prompt, args, bandwidth))
