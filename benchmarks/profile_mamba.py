@@ -17,9 +17,10 @@ Each is the median of --repeats runs timed with CUDA events after warm-up. Memor
 TTLT run with only that model on the GPU (the FP model waits on the CPU meanwhile). Ratios are to
 the mamba-ssm row of the same run; without mamba-ssm, FP16 and W4A16 (whose conv and scan would
 run as torch references) are skipped unless --reference_fp_ops is given, and the ratios are to
-quamba's FP16 row where there is one. The decode floor is the weight bytes over the measured copy bandwidth. --breakdown adds the per-kernel
-GPU time of one eager decode step and one prefill (torch profiler) for every row, and of the graphed
-decode step as replayed, with the GPU's idle time between its kernels.
+quamba's FP16 row where there is one. The decode floor is the weight bytes over the measured copy
+bandwidth. --breakdown adds the per-kernel GPU time of one eager decode step and one prefill (torch
+profiler) for every row, and of the graphed decode step as replayed, with the GPU's idle time
+between its kernels.
 Quantized models are calibrated on random tokens: their scales are meaningless, their speed is not.
 """
 from __future__ import annotations
@@ -64,7 +65,7 @@ def parse_args(argv=None):
                         help="without mamba-ssm, time fp16 and w4a16 on the torch references of its "
                              "conv and scan kernels (minutes per row; skipped otherwise)")
     parser.add_argument("--breakdown", action="store_true",
-                        help="per-kernel GPU time of one decode step and one prefill")
+                        help="per-kernel GPU time of one decode step (eager and graphed) and one prefill")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", help="write the results as JSON to this path")
     args = parser.parse_args(argv)
@@ -206,7 +207,8 @@ def graph_breakdown(step, replays: int = 5, top: int = 12) -> dict:
                      key=lambda e: e.time_range.start)
     if not kernels:
         return {"note": "the profiler recorded no kernels inside the graph replays"}
-    times, counts, gaps, gap_counts = defaultdict(float), defaultdict(int), defaultdict(float), defaultdict(int)
+    times, counts = defaultdict(float), defaultdict(int)
+    gaps, gap_counts = defaultdict(float), defaultdict(int)
     frontier, busy = kernels[0].time_range.start, 0.0
     for event in kernels:
         start, end = event.time_range.start, event.time_range.end
@@ -377,9 +379,11 @@ def main(argv=None) -> int:
                 print(format_table(row[part], ["kernel", "calls", "us"], f"{row['name']}: {part}"))
         graph = row.get("graph_decode", {})
         if "kernels" in graph:
-            summary = ", ".join(f"{key} {graph[key]:.1f}" for key in ("span_us", "busy_us", "idle_us", "kernel_sum_us"))
-            print(format_table(graph["kernels"], ["kernel", "calls", "us"], f"{row['name']}: graph replay ({summary})"))
-            print(format_table(graph["gaps_before"], ["kernel", "calls", "us"], f"{row['name']}: idle before"))
+            summary = ", ".join(f"{key} {graph[key]:.1f}"
+                                for key in ("span_us", "busy_us", "idle_us", "kernel_sum_us"))
+            columns = ["kernel", "calls", "us"]
+            print(format_table(graph["kernels"], columns, f"{row['name']}: graph replay ({summary})"))
+            print(format_table(graph["gaps_before"], columns, f"{row['name']}: idle before"))
     write_json(args.out, result)
     return 0
 
