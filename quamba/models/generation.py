@@ -9,6 +9,14 @@ import torch
 from quamba.errors import QuambaError
 
 
+# Tokens between the checks for every row having finished, by default when decoding replays CUDA
+# graphs. A check waits for the device; between checks the host queues the next step while the
+# device runs this one, which hides the launch (replays queued back to back ran a Mamba-2.8B W8A8
+# step in 2.02 ms on an H100, one replay timed alone in 2.56: benchmarks/RESULTS.md). Eager steps
+# are slower to launch than to run, so there each token is checked.
+GRAPH_EOS_CHECK_EVERY = 8
+
+
 def sample_next(logits, temperature: float = 1.0, top_k: int = 1, top_p: float = 1.0,
                 generator: torch.Generator | None = None):
     """Next token ids [batch] from last-position logits [batch, vocab].
@@ -109,12 +117,18 @@ def _cuda_device(device) -> torch.device:
 def generate(model, input_ids, max_new_tokens: int | None = None, max_length: int | None = None,
              temperature: float = 1.0, top_k: int = 1, top_p: float = 1.0,
              eos_token_id: int | None = None, generator: torch.Generator | None = None,
-             streamer: Callable[[torch.Tensor], None] | None = None, cache_graph: bool = False):
+             streamer: Callable[[torch.Tensor], None] | None = None, cache_graph: bool = False,
+             eos_check_every: int | None = None):
     """Generate continuations of ``input_ids`` [batch, prompt_len]; returns [batch, total_len].
 
     Stops after ``max_new_tokens`` (or when the total reaches ``max_length``) or once every row
     has produced ``eos_token_id`` (default: the model config's eos). Rows that finished early are
-    padded with eos. ``streamer`` is called with each new column of tokens [batch].
+    padded with eos. That is checked every ``eos_check_every`` tokens (default: every token, or
+    GRAPH_EOS_CHECK_EVERY with ``cache_graph`` and no streamer), so up to ``eos_check_every - 1``
+    decode steps may run past it; their tokens are dropped, so the output does not depend on it
+    (a ``generator`` does advance by those steps).
+    ``streamer`` is called with each new column of tokens [batch]; with a streamer every token is
+    checked.
     ``cache_graph``: replay each decode step from a CUDA graph (graphed_decoder) instead of
     running it eagerly; the tokens are the same.
     """
@@ -127,6 +141,12 @@ def generate(model, input_ids, max_new_tokens: int | None = None, max_length: in
         max_new_tokens = max_length - prompt_len
     if max_new_tokens < 0:
         raise ValueError(f"max_length {max_length} is shorter than the prompt ({prompt_len} tokens)")
+    if eos_check_every is not None and eos_check_every < 1:
+        raise ValueError(f"eos_check_every must be at least 1, got {eos_check_every}")
+    if streamer is not None:
+        eos_check_every = 1
+    elif eos_check_every is None:
+        eos_check_every = GRAPH_EOS_CHECK_EVERY if cache_graph else 1
     if eos_token_id is None:
         eos_token_id = model.config.eos_token_id
     if cache_graph:
@@ -140,6 +160,7 @@ def generate(model, input_ids, max_new_tokens: int | None = None, max_length: in
     logits = model(input_ids, cache=cache, num_last_tokens=1)[:, -1]
     tokens = [input_ids]
     finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+    all_finished = []  # per token since the last check: whether every row had finished (on the device)
     for i in range(max_new_tokens):
         next_ids = sample_next(logits, temperature, top_k, top_p, generator)
         next_ids = torch.where(finished, torch.full_like(next_ids, eos_token_id), next_ids)
@@ -147,7 +168,14 @@ def generate(model, input_ids, max_new_tokens: int | None = None, max_length: in
         if streamer is not None:
             streamer(next_ids)
         finished |= next_ids == eos_token_id
-        if bool(finished.all()) or i == max_new_tokens - 1:
+        all_finished.append(finished.all())
+        if len(all_finished) == eos_check_every or i == max_new_tokens - 1:
+            done = torch.stack(all_finished).nonzero()  # waits for the device
+            if len(done):  # drop the tokens after the first at which every row had finished
+                del tokens[len(tokens) - len(all_finished) + int(done[0]) + 1:]
+                break
+            all_finished.clear()
+        if i == max_new_tokens - 1:
             break
         logits = step(next_ids)
     return torch.cat(tokens, dim=1)

@@ -48,6 +48,19 @@ def test_graph_decode_gives_the_eager_tokens(request, which, batch):
         assert torch.equal(eager, graphed)
 
 
+@pytest.mark.parametrize("which", ["fp", "w8a8"])
+def test_graph_decode_stops_at_eos_as_the_eager_path(request, which):
+    """Graphed decoding checks for every row having finished every few tokens, the eager path
+    after each one: the same tokens, eos where rows stopped, both cut where all had."""
+    model = request.getfixturevalue(f"{which}_model")
+    ids = prompts(2, 21, 2)
+    free = model.generate(ids, max_new_tokens=30, eos_token_id=-1)[:, 21:]
+    for eos in {int(free[0, 3]), int(free[0, 12]), int(free[1, 20])}:
+        eager = model.generate(ids, max_new_tokens=30, eos_token_id=eos)
+        graphed = model.generate(ids, max_new_tokens=30, eos_token_id=eos, cache_graph=True)
+        assert torch.equal(eager, graphed)
+
+
 def test_step_ssm_A_equals_each_mixers_own_A_on_the_gpu(fp_model):
     """The multi-tensor exp and neg of the decode step give each mixer's -exp(A_log) to the bit."""
     layers = fp_model.backbone.layers

@@ -94,6 +94,39 @@ def test_sampling_is_reproducible_with_a_seeded_generator(saved, sampling):
     assert runs[0].shape == (2, 12)
 
 
+@pytest.mark.parametrize("batch", [1, 2])
+def test_generate_stops_once_every_row_has_produced_eos(saved, batch):
+    """Checking for every row having finished every 8 tokens gives the output of checking after
+    each: it ends with the first token by which every row has produced eos, rows that finished
+    earlier padded with eos."""
+    model, _ = saved
+    prompt = random_ids(model.config, batch, 5, seed=5)
+
+    def run(eos, every):
+        return model.generate(prompt, max_new_tokens=40, temperature=1.0, top_k=0, eos_token_id=eos,
+                              generator=torch.Generator().manual_seed(0), eos_check_every=every)[:, 5:]
+    free = run(-1, 1)
+    lengths = []
+    for eos in sorted(set.intersection(*(set(row.tolist()) for row in free))):
+        new = run(eos, 8)
+        assert torch.equal(new, run(eos, 1))
+        first_eos = [int((row == eos).nonzero()[0]) for row in new if (row == eos).any()]
+        if new.shape[1] < 40:
+            assert len(first_eos) == batch and new.shape[1] == max(first_eos) + 1
+        for row, first in zip(new, first_eos):
+            assert (row[first:] == eos).all()
+        lengths.append(new.shape[1])
+    assert any(length < 40 and length % 8 for length in lengths)  # between two checks
+    if batch == 1:
+        assert any(length < 8 for length in lengths)  # before the first check
+
+
+def test_generate_rejects_a_check_interval_below_one(saved):
+    model, _ = saved
+    with pytest.raises(ValueError, match="eos_check_every must be at least 1"):
+        model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, eos_check_every=0)
+
+
 def test_top_k_samples_only_the_k_most_likely_tokens():
     logits = torch.tensor([[0.1, 2.0, -1.0, 1.5, 0.0, 1.8]]).repeat(3000, 1)
     picked = sample_next(logits, temperature=1.0, top_k=3, generator=torch.Generator().manual_seed(0))
