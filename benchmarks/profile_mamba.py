@@ -12,6 +12,8 @@ W4A16, at the shapes of a published Mamba size with random weights (no download)
 * TPOT: one decode step replayed from a CUDA graph (quamba.models.generation.GraphedStep; the same
   capture for mamba-ssm's model).
 * TTLT: the prefill and gen_len decode steps, the next token chosen greedily on the device.
+* generate (quamba rows): the same through quamba's generate(cache_graph=True), eos ignored, which
+  checks for eos every 8 tokens (its default; `generate_ms`) or after each (`generate_each_ms`).
 Each is the median of --repeats runs timed with CUDA events after warm-up. Memory: the weights
 (parameters and buffers, tied tensors once), the decode caches, and the peak allocated during one
 TTLT run with only that model on the GPU (the FP model waits on the CPU meanwhile). Ratios are to
@@ -97,6 +99,10 @@ class QuambaRunner:
     def eager_step(self, next_ids):
         self.cache.seqlen_offset = max(self.cache.seqlen_offset, 1)
         return self.model(next_ids[:, None], cache=self.cache)[:, -1]
+
+    def generate(self, prompt, gen_len: int, **kwargs):
+        return self.model.generate(prompt, max_new_tokens=gen_len, eos_token_id=-1, cache_graph=True,
+                                   **kwargs)
 
     def cache_bytes(self) -> int:
         return sum(t.nbytes for state in self.cache.states for t in (state.conv, state.ssm))
@@ -240,6 +246,10 @@ def measure(name: str, runner, weights: int, prompt, args, bandwidth_gbs: float)
         "cache_bytes": runner.cache_bytes(),
         "tpot_floor_ms": weights / (bandwidth_gbs * 1e9) * 1e3,
     }
+    if isinstance(runner, QuambaRunner):
+        row["generate_ms"] = median_ms(lambda: runner.generate(prompt, args.gen_len), args.repeats, warmup=1)
+        row["generate_each_ms"] = median_ms(lambda: runner.generate(prompt, args.gen_len, eos_check_every=1),
+                                            args.repeats, warmup=1)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     greedy(runner, prompt, args.gen_len)
@@ -359,8 +369,9 @@ def _add_ratios(rows: list[dict]) -> None:
             row["weights_ratio"] = row["weights_bytes"] / anchor["weights_bytes"]
 
 
-COLUMNS = ["name", "ttft_ms", "tpot_ms", "tpot_floor_ms", "ttlt_ms", "weights_gb", "cache_mb",
-           "peak_gb", "ttft_speedup", "tpot_speedup", "ttlt_speedup", "weights_ratio"]
+COLUMNS = ["name", "ttft_ms", "tpot_ms", "tpot_floor_ms", "ttlt_ms", "generate_ms", "generate_each_ms",
+           "weights_gb", "cache_mb", "peak_gb", "ttft_speedup", "tpot_speedup", "ttlt_speedup",
+           "weights_ratio"]
 
 
 def main(argv=None) -> int:
