@@ -35,21 +35,24 @@ struct SignColumns {
   float sign[kMaxBaseOrder][kMaxBaseOrder];
 };
 
-// V consecutive values from src as fp32: in 16-, 8-, 4- or 2-byte loads when src is aligned to
-// them (`aligned`: the whole tensor is), else one element at a time.
+// The widest load (16, 8, 4 or 2 bytes) that divides V values of In: load_values' unit.
+template <int V, typename In, int kBytes = V * static_cast<int>(sizeof(In))>
+using LoadChunk = std::conditional_t<
+    kBytes % 16 == 0, uint4,
+    std::conditional_t<kBytes % 8 == 0, uint2, std::conditional_t<kBytes % 4 == 0, uint32_t, uint16_t>>>;
+
+// V consecutive values from src as fp32: in LoadChunk loads when src is aligned to them
+// (`aligned`: the whole tensor is), else one element at a time.
 template <int V, typename In>
 __device__ __forceinline__ void load_values(const In* __restrict__ src, bool aligned, float (&v)[V]) {
-  constexpr int kBytes = V * static_cast<int>(sizeof(In));
-  using Chunk = std::conditional_t<
-      kBytes % 16 == 0, uint4,
-      std::conditional_t<kBytes % 8 == 0, uint2, std::conditional_t<kBytes % 4 == 0, uint32_t, uint16_t>>>;
+  using Chunk = LoadChunk<V, In>;
+  constexpr int kChunks = V * sizeof(In) / sizeof(Chunk);
   if (aligned) {
-    Chunk chunks[kBytes / sizeof(Chunk)];
+    Chunk chunks[kChunks];
 #pragma unroll
-    for (int i = 0; i < kBytes / static_cast<int>(sizeof(Chunk)); ++i)
-      chunks[i] = __ldg(reinterpret_cast<const Chunk*>(src) + i);
+    for (int i = 0; i < kChunks; ++i) chunks[i] = __ldg(reinterpret_cast<const Chunk*>(src) + i);
     In values[V];
-    memcpy(values, chunks, kBytes);
+    memcpy(values, chunks, sizeof(values));
 #pragma unroll
     for (int r = 0; r < V; ++r) v[r] = to_float(values[r]);
   } else {
@@ -61,9 +64,7 @@ __device__ __forceinline__ void load_values(const In* __restrict__ src, bool ali
 // Whether every load_values<V> of x can use its wide loads (the segments start at multiples of V).
 template <int V, typename In>
 __device__ __forceinline__ bool wide_loads_fit(const In* x) {
-  constexpr unsigned kBytes = V * sizeof(In);
-  constexpr unsigned kChunk = kBytes % 16 == 0 ? 16 : kBytes % 8 == 0 ? 8 : kBytes % 4 == 0 ? 4 : 2;
-  return reinterpret_cast<uintptr_t>(x) % kChunk == 0;
+  return reinterpret_cast<uintptr_t>(x) % sizeof(LoadChunk<V, In>) == 0;
 }
 
 // The Walsh–Hadamard butterflies of the reference (_walsh_hadamard): stage `half` maps each pair
