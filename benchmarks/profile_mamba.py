@@ -174,43 +174,47 @@ def greedy(runner, prompt, gen_len: int):
     return logits
 
 
-def kernel_breakdown(fn, top: int = 12) -> list[dict]:
-    """GPU time per kernel name (µs, summed over calls) of one call of ``fn``, largest first."""
+def cuda_events(fn, calls: int = 1) -> list:
+    """The GPU activity (kernels, copies) of ``calls`` back-to-back calls of ``fn`` under the torch
+    profiler, after one warm-up call, in order of start."""
     from torch.profiler import ProfilerActivity, profile
     fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
+        for _ in range(calls):
+            fn()
         torch.cuda.synchronize()
+    return sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                  key=lambda e: e.time_range.start)
+
+
+def top_kernels(totals: dict, counts: dict, top: int) -> list[dict]:
+    """Rows of the ``top`` largest ``totals`` (µs per kernel name) with their ``counts``."""
+    names = sorted(totals, key=totals.get, reverse=True)
+    return [{"kernel": name[:90], "calls": counts[name], "us": totals[name]} for name in names[:top]]
+
+
+def kernel_breakdown(fn, top: int = 12) -> list[dict]:
+    """GPU time per kernel name (µs, summed over calls) of one call of ``fn``, largest first."""
     totals, counts = defaultdict(float), defaultdict(int)
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            totals[event.name] += event.device_time
-            counts[event.name] += 1
-    ranked = sorted(totals, key=totals.get, reverse=True)
-    rows = [{"kernel": name[:90], "calls": counts[name], "us": totals[name]} for name in ranked[:top]]
-    rest = sum(totals[name] for name in ranked[top:])
+    for event in cuda_events(fn):
+        totals[event.name] += event.device_time
+        counts[event.name] += 1
+    rows = top_kernels(totals, counts, top)
+    rest = sum(sorted(totals.values(), reverse=True)[top:])
     if rest:
-        rows.append({"kernel": f"({len(ranked) - top} other kernels)", "us": rest})
+        rows.append({"kernel": f"({len(totals) - top} other kernels)", "us": rest})
     rows.append({"kernel": "total", "calls": sum(counts.values()), "us": sum(totals.values())})
     return rows
 
 
 def graph_breakdown(step, replays: int = 5, top: int = 12) -> dict:
-    """The kernels of a graphed decode step as the GPU runs them (torch profiler over ``replays``
-    back-to-back replays of ``step``): per kernel name its calls and GPU time per replay; the GPU's
-    idle time between kernels per replay, by the kernel it waits for (the largest first); and the
-    step's busy time (kernel intervals merged: programmatically dependent kernels overlap) against
-    its kernel sum. An idle gap is launch and drain time the graph did not hide."""
-    from torch.profiler import ProfilerActivity, profile
-    step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(replays):
-            step()
-        torch.cuda.synchronize()
-    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
-                     key=lambda e: e.time_range.start)
+    """The kernels of a graphed decode step as the GPU runs them (``replays`` back-to-back replays
+    of ``step``): per kernel name its calls and GPU time per replay; the GPU's idle time between
+    kernels per replay, by the kernel it waits for (the largest first); and the step's busy time
+    (kernel intervals merged: programmatically dependent kernels overlap) against its kernel sum.
+    An idle gap is launch and drain time the graph did not hide."""
+    kernels = cuda_events(step, replays)
     if not kernels:
         return {"note": "the profiler recorded no kernels inside the graph replays"}
     times, counts = defaultdict(float), defaultdict(int)
@@ -225,12 +229,10 @@ def graph_breakdown(step, replays: int = 5, top: int = 12) -> dict:
             gap_counts[event.name] += 1
         busy += max(0.0, end - max(start, frontier))
         frontier = max(frontier, end)
-
-    def ranked(totals, calls):
-        names = sorted(totals, key=totals.get, reverse=True)
-        return [{"kernel": name[:90], "calls": calls[name] / replays, "us": totals[name] / replays}
-                for name in names[:top]]
-    return {"kernels": ranked(times, counts), "gaps_before": ranked(gaps, gap_counts),
+    def per_replay(totals):
+        return {name: value / replays for name, value in totals.items()}
+    return {"kernels": top_kernels(per_replay(times), per_replay(counts), top),
+            "gaps_before": top_kernels(per_replay(gaps), per_replay(gap_counts), top),
             "span_us": (frontier - kernels[0].time_range.start) / replays, "busy_us": busy / replays,
             "idle_us": sum(gaps.values()) / replays, "kernel_sum_us": sum(times.values()) / replays}
 
