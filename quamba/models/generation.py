@@ -169,13 +169,14 @@ def generate(model, input_ids, max_new_tokens: int | None = None, max_length: in
             streamer(next_ids)
         finished |= next_ids == eos_token_id
         all_finished.append(finished.all())
-        if len(all_finished) == eos_check_every or i == max_new_tokens - 1:
+        last = i == max_new_tokens - 1
+        if last or len(all_finished) == eos_check_every:
             done = torch.stack(all_finished).nonzero()  # waits for the device
             if len(done):  # drop the tokens after the first at which every row had finished
                 del tokens[len(tokens) - len(all_finished) + int(done[0]) + 1:]
                 break
             all_finished.clear()
-        if i == max_new_tokens - 1:
+        if last:
             break
         logits = step(next_ids)
     return torch.cat(tokens, dim=1)
