@@ -14,9 +14,13 @@ namespace quamba::gemm::checks {
 
 inline bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
 
-inline void check_on_device(const char* op, const char* name, const at::Tensor& t, const at::Device& device) {
+inline void check_device(const char* op, const char* name, const at::Tensor& t, const at::Device& device) {
   TORCH_CHECK(t.is_cuda(), op, ": ", name, " must be a CUDA tensor, got one on ", t.device());
   TORCH_CHECK(t.device() == device, op, ": ", name, " is on ", t.device(), " but x is on ", device);
+}
+
+inline void check_on_device(const char* op, const char* name, const at::Tensor& t, const at::Device& device) {
+  check_device(op, name, t, device);
   TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
 }
 

@@ -1,7 +1,8 @@
 // W8A8 GEMM / GEMV launchers: out[m, n] = epilogue(sum_k x[m, k] * w[n, k]).
 //
-// x is int8 [M, K] and w int8 [N, K], both K-contiguous (w is the column-major B operand); the
-// int32 accumulator is exact. The epilogue follows quamba/ops/quant.py: fp32(acc) * multiplier
+// x is int8 [M, K] and w int8 [N, K], both K-contiguous (w is the column-major B operand); x's rows
+// start x_stride bytes apart, K for the GEMMs, a multiple of 16 >= K for the GEMV (which reads a
+// column slice such as dt_low in place). The int32 accumulator is exact. The epilogue follows quamba/ops/quant.py: fp32(acc) * multiplier
 // (one number, or one per output channel n), then either round-half-even and saturate to
 // [-127, 127] for an int8 output, or + bias (fp32, optional) and a round-to-nearest cast for a
 // float output. Inputs are checked by the op (w8a8_linear.cpp) before any launcher runs.
@@ -20,6 +21,7 @@ struct GemmArgs {
   const int8_t* w;
   void* out;  // [M, N] row-major, of out_type
   int M, N, K;
+  int x_stride;  // bytes from one row of x to the next
   OutType out_type;
   float multiplier;                     // used when multiplier_per_channel is null
   const float* multiplier_per_channel;  // [N] or null

@@ -137,6 +137,7 @@ gemm_mma_kernel(const int8_t* __restrict__ x, const int8_t* __restrict__ w, OutT
 }  // namespace
 
 void launch_gemm_mma(const GemmArgs& a) {
+  TORCH_CHECK(a.x_stride == a.K, "w8a8 GEMM (mma.sync): x's rows must be packed (row stride K)");
   dispatch_out_type(a.out_type, [&](auto tag) {
     using OutT = decltype(tag);
     const auto kernel = gemm_mma_kernel<OutT>;

@@ -1,5 +1,6 @@
 // Decode GEMV (M = 1..8): streams the int8 weight rows once with 16-byte loads and reads the few
-// activation rows from L2. Work comes in row groups of R weight rows; `splits` warps of one block
+// activation rows from L2, where they are (rows x_stride bytes apart: dt_low, sliced from x_proj's
+// output at batch > 1, is read in place rather than copied first). Work comes in row groups of R weight rows; `splits` warps of one block
 // share a group's K range and meet in shared memory. R = 1, 2, 4 multiply with dp4a; R = 8 with
 // tensor cores (mma.sync), far fewer instructions per weight byte as M grows.
 // Blocks are small (4 warps, one tile each) so that the block scheduler spreads the weight bytes
@@ -27,12 +28,13 @@ __device__ __forceinline__ int dot16(int4 a, int4 b, int acc) {
 }
 
 // Sums over chunks [begin, end) of rows row0..row0+R-1 (rows past N re-read row N - 1; the
-// caller drops them). Returns, in lane r * M + m, the warp's sum for (row0 + r, m). The
-// activations are read from L2 (ld.global.cg): with programmatic dependent launch the kernel that
-// writes them may still be running when this one starts, so no copy of them may sit in an L1.
+// caller drops them); x's rows start x_chunks chunks apart. Returns, in lane r * M + m, the warp's
+// sum for (row0 + r, m). The activations are read from L2 (ld.global.cg): with programmatic
+// dependent launch the kernel that writes them may still be running when this one starts, so no
+// copy of them may sit in an L1.
 template <int M, int R>
-__device__ __forceinline__ int row_group_sums(const int4* __restrict__ x, const int8_t* __restrict__ w, int N,
-                                              int chunks, int row0, int begin, int end, int lane) {
+__device__ __forceinline__ int row_group_sums(const int4* __restrict__ x, int x_chunks, const int8_t* __restrict__ w,
+                                              int N, int chunks, int row0, int begin, int end, int lane) {
   constexpr int kSteps = kLoadsPerLane / R;
   const int4* w_rows[R];
 #pragma unroll
@@ -57,7 +59,7 @@ __device__ __forceinline__ int row_group_sums(const int4* __restrict__ x, const 
       if (c + 32 * s >= end) continue;
 #pragma unroll
       for (int m = 0; m < M; ++m) {
-        const int4 xv = __ldcg(x + m * chunks + c + 32 * s);
+        const int4 xv = __ldcg(x + m * x_chunks + c + 32 * s);
 #pragma unroll
         for (int r = 0; r < R; ++r) acc[r][m] = dot16(wv[s][r], xv, acc[r][m]);
       }
@@ -68,8 +70,8 @@ __device__ __forceinline__ int row_group_sums(const int4* __restrict__ x, const 
 
 template <int M, int R, typename OutT>
 __global__ void __launch_bounds__(kThreads)
-gemv_kernel(const int8_t* __restrict__ x, const int8_t* __restrict__ w, OutT* __restrict__ out, int N, int K,
-            Epilogue epilogue, int splits) {
+gemv_kernel(const int8_t* __restrict__ x, int x_stride, const int8_t* __restrict__ w, OutT* __restrict__ out, int N,
+            int K, Epilogue epilogue, int splits) {
   static_assert(R * M <= 32, "one output per lane");
   __shared__ int partial[kWarps][1][32];
   pdl_launch_dependents();
@@ -77,7 +79,8 @@ gemv_kernel(const int8_t* __restrict__ x, const int8_t* __restrict__ w, OutT* __
   const WarpShare s = warp_share(R, N, chunks, splits);
   const int lane = s.lane;
 
-  int sum = row_group_sums<M, R>(reinterpret_cast<const int4*>(x), w, N, chunks, s.row0, s.begin, s.end, lane);
+  int sum = row_group_sums<M, R>(reinterpret_cast<const int4*>(x), x_stride / 16, w, N, chunks, s.row0, s.begin,
+                                 s.end, lane);
   pdl_wait();  // warps with no share of K have not waited yet
   if (!combine_splits<1>(partial, &sum, s, splits)) return;
   const int n = s.row0 + lane / M;
@@ -96,12 +99,12 @@ constexpr int kMmaRows = 8;
 constexpr int kMmaSteps = 8;
 
 template <int M>
-__device__ __forceinline__ void row_group_sums_mma(int (&d)[4], const int4* __restrict__ x,
+__device__ __forceinline__ void row_group_sums_mma(int (&d)[4], const int4* __restrict__ x, int x_chunks,
                                                    const int8_t* __restrict__ w, int N, int chunks, int row0,
                                                    int begin, int end, int lane) {
   const int g = lane / 4, t = lane % 4;
   const int4* w_row = reinterpret_cast<const int4*>(w + static_cast<int64_t>(min(row0 + g, N - 1)) * chunks * 16);
-  const int4* x_row = x + min(g, M - 1) * chunks;
+  const int4* x_row = x + min(g, M - 1) * x_chunks;
   const int4 zero = make_int4(0, 0, 0, 0);
   for (int c0 = begin; c0 < end; c0 += 4 * kMmaSteps) {
     int4 wv[kMmaSteps], xv[kMmaSteps];
@@ -128,8 +131,8 @@ __device__ __forceinline__ void row_group_sums_mma(int (&d)[4], const int4* __re
 
 template <int M, typename OutT>
 __global__ void __launch_bounds__(kThreads)
-gemv_mma_kernel(const int8_t* __restrict__ x, const int8_t* __restrict__ w, OutT* __restrict__ out, int N, int K,
-                Epilogue epilogue, int splits) {
+gemv_mma_kernel(const int8_t* __restrict__ x, int x_stride, const int8_t* __restrict__ w, OutT* __restrict__ out,
+                int N, int K, Epilogue epilogue, int splits) {
   __shared__ int partial[kWarps][2][32];
   pdl_launch_dependents();
   const int chunks = K / 16;
@@ -137,7 +140,8 @@ gemv_mma_kernel(const int8_t* __restrict__ x, const int8_t* __restrict__ w, OutT
   const int lane = s.lane;
 
   int d[4] = {};
-  row_group_sums_mma<M>(d, reinterpret_cast<const int4*>(x), w, N, chunks, s.row0, s.begin, s.end, lane);
+  row_group_sums_mma<M>(d, reinterpret_cast<const int4*>(x), x_stride / 16, w, N, chunks, s.row0, s.begin, s.end,
+                        lane);
   pdl_wait();  // warps with no share of K have not waited yet
   if (!combine_splits<2>(partial, d, s, splits)) return;  // d[0] and d[1] hold this lane's sums
   const int m = lane / 4, n = s.row0 + 2 * (lane % 4);
@@ -173,8 +177,8 @@ void launch_kernel(const GemmArgs& a, int splits) {
   check_kernel_image(reinterpret_cast<const void*>(kernel), "w8a8 GEMV");
   const int groups_per_block = kWarps / splits;
   const int blocks = ((a.N + R - 1) / R + groups_per_block - 1) / groups_per_block;
-  launch_with_pdl(kernel, blocks, kThreads, 0, a.stream, a.x, a.w, static_cast<OutT*>(a.out), a.N, a.K,
-                  Epilogue::from(a), splits);
+  launch_with_pdl(kernel, blocks, kThreads, 0, a.stream, a.x, a.x_stride, a.w, static_cast<OutT*>(a.out), a.N,
+                  a.K, Epilogue::from(a), splits);
 }
 
 template <int M>

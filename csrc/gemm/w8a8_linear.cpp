@@ -6,7 +6,10 @@
 //                                              one kernel, for tests and benchmarks
 //   w8a8_gemm_sm90_configs() -> int            CUTLASS sm90 configurations built (0: none)
 //
-// x int8 [M, K] and weight int8 [N, K], contiguous, K % 16 == 0, 16-byte aligned; multiplier is
+// x int8 [M, K] and weight int8 [N, K], K % 16 == 0, 16-byte aligned, weight contiguous; x contiguous
+// for the GEMM ops, and for w8a8_linear(_out) and w8a8_gemv_out rows of contiguous values whose
+// starts are a multiple of 16 bytes apart (a column slice: the GEMV reads it in place, w8a8_linear
+// copies it to packed rows for the GEMMs); multiplier is
 // the fp32 epilogue scale (quamba.ops.quant.requant_multiplier), replaced by
 // multiplier_per_channel (fp32 [N]) when given; bias fp32 [N] for float outputs; out [M, N] of
 // int8, float16, bfloat16 or float32.
@@ -35,32 +38,49 @@ namespace {
 
 using checks::aligned16;
 using checks::check_architecture;
+using checks::check_device;
 using checks::check_on_device;
 using checks::check_vector;
 using checks::guard_for;
 using checks::out_type_of;
 
-void check_matrix(const char* op, const char* name, const at::Tensor& t, const at::Device& device) {
-  check_on_device(op, name, t, device);
+enum class Rows { kPacked, kStrided };
+
+// Rows::kStrided also takes rows of contiguous values that start a multiple of 16 bytes apart (a
+// column slice), whose stride x_stride_of gives.
+void check_matrix(const char* op, const char* name, const at::Tensor& t, const at::Device& device,
+                  Rows rows = Rows::kPacked) {
+  check_device(op, name, t, device);
   TORCH_CHECK(t.scalar_type() == at::kChar, op, ": ", name, " must be int8, got ", t.scalar_type());
   TORCH_CHECK(t.dim() == 2, op, ": ", name, " must be 2-D, got shape ", t.sizes());
+  if (rows == Rows::kPacked) {
+    TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
+  } else {
+    const bool sliced_rows = t.stride(1) == 1 && (t.stride(0) >= t.size(1) && t.stride(0) % 16 == 0);
+    TORCH_CHECK(t.is_contiguous() || t.size(0) <= 1 || sliced_rows, op, ": ", name,
+                " must have contiguous rows that start a multiple of 16 bytes apart, got strides ", t.strides());
+  }
   TORCH_CHECK(t.size(1) > 0 && t.size(1) % 16 == 0, op, ": ", name,
               " must have a last dimension that is a positive multiple of 16, got ", t.size(1));
   TORCH_CHECK(aligned16(t), op, ": ", name, " must start at a 16-byte aligned address");
 }
 
+// Bytes between x's rows (a single row's stride can be anything: then K).
+int x_stride_of(const at::Tensor& x) { return static_cast<int>(x.size(0) <= 1 ? x.size(1) : x.stride(0)); }
+
 // Checks every argument and packs them for a launcher (the caller holds a device guard).
 GemmArgs make_args(const char* op, const at::Tensor& x, const at::Tensor& weight, double multiplier,
                    const std::optional<at::Tensor>& multiplier_per_channel, const std::optional<at::Tensor>& bias,
-                   const at::Tensor& out) {
+                   const at::Tensor& out, Rows x_rows = Rows::kPacked) {
   const at::Device device = x.device();
-  check_matrix(op, "x", x, device);
+  check_matrix(op, "x", x, device, x_rows);
   check_matrix(op, "weight", weight, device);
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   TORCH_CHECK(weight.size(1) == K, op, ": weight must have shape [N, ", K, "] to match x [", M, ", ", K,
               "], got ", weight.sizes());
   TORCH_CHECK(N > 0, op, ": weight must have at least one row");
-  TORCH_CHECK(M < INT32_MAX && N < INT32_MAX && K < INT32_MAX, op, ": sizes must be below 2^31");
+  TORCH_CHECK(M < INT32_MAX && N < INT32_MAX && K < INT32_MAX && (M <= 1 || x.stride(0) < INT32_MAX), op,
+              ": sizes and x's row stride must be below 2^31");
   if (multiplier_per_channel) check_vector(op, "multiplier_per_channel", *multiplier_per_channel, N, device);
   if (bias) check_vector(op, "bias", *bias, N, device);
   check_on_device(op, "out", out, device);
@@ -70,7 +90,7 @@ GemmArgs make_args(const char* op, const at::Tensor& x, const at::Tensor& weight
   TORCH_CHECK(!(bias && out_type == OutType::kInt8), op, ": bias is only supported with a float out");
   check_architecture(op);
   return GemmArgs{x.data_ptr<int8_t>(), weight.data_ptr<int8_t>(), out.data_ptr(),
-                  static_cast<int>(M), static_cast<int>(N), static_cast<int>(K), out_type,
+                  static_cast<int>(M), static_cast<int>(N), static_cast<int>(K), x_stride_of(x), out_type,
                   static_cast<float>(multiplier),
                   multiplier_per_channel ? multiplier_per_channel->data_ptr<float>() : nullptr,
                   bias ? bias->data_ptr<float>() : nullptr,
@@ -91,11 +111,13 @@ void w8a8_linear_out(const at::Tensor& x, const at::Tensor& weight, double multi
                      const std::optional<at::Tensor>& multiplier_per_channel, const std::optional<at::Tensor>& bias,
                      at::Tensor& out) {
   const auto guard = guard_for("w8a8_linear", x);
-  const GemmArgs args = make_args("w8a8_linear", x, weight, multiplier, multiplier_per_channel, bias, out);
+  GemmArgs args = make_args("w8a8_linear", x, weight, multiplier, multiplier_per_channel, bias, out, Rows::kStrided);
   if (args.M == 0) return;
-  if (args.M <= kGemvMaxM) {
-    launch_gemv(args);
-  } else if (sm90_can_run(args, out, multiplier_per_channel, bias)) {
+  if (args.M <= kGemvMaxM) return launch_gemv(args);
+  const at::Tensor x_packed = x.contiguous();  // the GEMMs read packed rows; a copy only for a slice
+  args.x = x_packed.data_ptr<int8_t>();
+  args.x_stride = args.K;
+  if (sm90_can_run(args, out, multiplier_per_channel, bias)) {
     launch_gemm_sm90(args);
   } else {
     launch_gemm_mma(args);
@@ -116,7 +138,7 @@ void w8a8_gemv_out(const at::Tensor& x, const at::Tensor& weight, double multipl
                    const std::optional<at::Tensor>& multiplier_per_channel, const std::optional<at::Tensor>& bias,
                    at::Tensor& out, int64_t rows, int64_t splits) {
   const auto guard = guard_for("w8a8_gemv", x);
-  const GemmArgs args = make_args("w8a8_gemv", x, weight, multiplier, multiplier_per_channel, bias, out);
+  const GemmArgs args = make_args("w8a8_gemv", x, weight, multiplier, multiplier_per_channel, bias, out, Rows::kStrided);
   TORCH_CHECK(args.M >= 1 && args.M <= kGemvMaxM, "w8a8_gemv: x must have 1 to ", kGemvMaxM, " rows, got ", args.M);
   launch_gemv(args, static_cast<int>(rows), static_cast<int>(splits));
 }

@@ -42,7 +42,7 @@ class W8A8Linear(QuantModule):
         if self.simulate:
             y = x.float() @ dequantize(self.weight, s["weight_scale"]).t()
             return fake_quantize(y, out_scale) if self.int8_out else y.to(self.out_dtype)
-        return w8a8_linear(x.contiguous(), s["in_scale"], self.weight, s["weight_scale"], out_scale,
+        return w8a8_linear(x, s["in_scale"], self.weight, s["weight_scale"], out_scale,
                            out_dtype=self.out_dtype, backend_name=self.backend)
 
     def extra_repr(self) -> str:

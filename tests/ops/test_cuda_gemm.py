@@ -225,6 +225,51 @@ def test_w8a8_linear_cuda_backend_matches_torch(M, out_dtype):
     assert_matches(out.reshape(M, N), reference(case))
 
 
+def column_slice(x, extra):
+    """x's values as the first columns of a wider tensor (rows K + extra bytes apart), as dt_low is
+    sliced from x_proj's output."""
+    wide = random_codes(x.shape[0], x.shape[1] + extra)
+    wide[:, :x.shape[1]] = x
+    return wide[:, :x.shape[1]]
+
+
+@pytest.mark.parametrize("rows", [0, 1, 2, 4, 8])
+@pytest.mark.parametrize("N,K,extra", [(5120, 160, 32), (1536, 48, 32), (80, 48, 16)])
+@pytest.mark.parametrize("M", DECODE_M)
+def test_gemv_reads_strided_rows_in_place(M, N, K, extra, rows):
+    """The GEMV reads x through its row stride (dt_low at batch > 1): the same int8 outputs as on
+    packed rows, for every row group size."""
+    seed_for("gemv strided", M, N, K, extra, rows)
+    case = make_case(M, N, K, torch.int8)
+    x, weight, multiplier, per_channel, bias = op_arguments(case)
+    out = poisoned_out(M, N, torch.int8)
+    ops.w8a8_gemv_out(column_slice(x, extra), weight, multiplier, per_channel, bias, out, rows, 0)
+    assert_matches(out, reference(case))
+
+
+@pytest.mark.parametrize("M", [1, 8, 9, 100])
+def test_small_w8a8_linear_op_takes_strided_rows(M):
+    """The dispatching op on a column slice: the GEMV in place, the GEMMs on a packed copy."""
+    seed_for("linear strided", M)
+    case = make_case(M, 1536, 48, torch.float16, per_channel=True, with_bias=True)
+    x, weight, multiplier, per_channel, bias = op_arguments(case)
+    out = poisoned_out(M, 1536, torch.float16)
+    ops.w8a8_linear_out(column_slice(x, 32), weight, multiplier, per_channel, bias, out)
+    assert_matches(out, reference(case))
+
+
+@pytest.mark.parametrize("extra", [8, 32])
+@pytest.mark.parametrize("M", [3, 20])
+def test_w8a8_linear_cuda_backend_any_view(M, extra):
+    """The backend passes a slice whose rows the kernels can read (32 extra bytes), and copies one
+    they cannot (8: rows not 16-byte multiples apart) instead of failing."""
+    seed_for("backend view", M, extra)
+    case = make_case(M, 5120, 160, torch.int8)
+    out = w8a8_linear(column_slice(case["x"], extra), case["x_scale"], case["weight"], case["weight_scale"],
+                      case["out_scale"], backend_name="cuda")
+    assert_matches(out, reference(case))
+
+
 def test_small_w8a8_linear_cuda_backend_scalar_tensor_scale():
     seed_for("0-d scale")
     case = make_case(16, 80, 48, torch.int8)
@@ -284,7 +329,10 @@ BAD_ARGUMENTS = {
     "x float": (lambda a: a.update(x=a["x"].float()), "x must be int8"),
     "x on cpu": (lambda a: a.update(x=a["x"].cpu()), "x must be a CUDA tensor"),
     "x 1-D": (lambda a: a.update(x=a["x"].reshape(-1)), "x must be 2-D"),
-    "x not contiguous": (lambda a: a.update(x=random_codes(4, 128)[:, :64]), "x must be contiguous"),
+    "x transposed": (lambda a: a.update(x=random_codes(64, 4).t()),
+                     "x must (be contiguous|have contiguous rows that start a multiple of 16 bytes apart)"),
+    "x rows 72 bytes apart": (lambda a: a.update(x=random_codes(4, 72)[:, :64]),
+                              "x must (be contiguous|have contiguous rows that start a multiple of 16 bytes apart)"),
     "x misaligned": (lambda a: a.update(x=misaligned(4, 64)), "x must start at a 16-byte aligned address"),
     "K not multiple of 16": (lambda a: a.update(x=random_codes(4, 40), weight=random_codes(32, 40)),
                              "x must have a last dimension that is a positive multiple of 16"),

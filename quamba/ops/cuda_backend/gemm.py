@@ -25,13 +25,23 @@ def _w8a8_linear_cuda(x, x_scale, weight, weight_scale, out_scale, bias, out_dty
     multiplier, per_channel = _epilogue_multiplier(x_scale, weight_scale, out_scale, weight)
     if bias is not None:
         bias = bias.to(torch.float32).contiguous()
-    # Only x is made contiguous (a copy where it is a view, e.g. dt_low sliced from x_proj's output).
-    x2d = x.reshape(-1, x.shape[-1]).contiguous()
+    x2d = x.reshape(-1, x.shape[-1])
     if x2d.shape[-1] % K_ALIGN:
         x2d, weight = _pad_k(x2d), _pad_k(weight)
+    elif not _rows_readable(x2d):
+        x2d = x2d.contiguous()
     dtype = torch.int8 if out_scale is not None else out_dtype
     out = torch.ops.quamba.w8a8_linear(x2d, weight, multiplier, per_channel, bias, dtype)
     return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _rows_readable(x2d: torch.Tensor) -> bool:
+    """Whether the op takes x2d as it is: rows of contiguous values, 16-byte aligned, starting a
+    multiple of 16 bytes apart. dt_low, the first dt_rank columns of x_proj's [M, dt_rank + 2 ·
+    d_state] output, is such a slice for every Mamba size: the decode GEMV reads it in place (the
+    copy was one extra kernel per layer and step at batch > 1); the GEMMs copy it in the op."""
+    return (x2d.stride(-1) == 1 and x2d.data_ptr() % K_ALIGN == 0
+            and (x2d.shape[0] <= 1 or (x2d.stride(0) >= x2d.shape[1] and x2d.stride(0) % K_ALIGN == 0)))
 
 
 def _pad_k(t: torch.Tensor) -> torch.Tensor:
