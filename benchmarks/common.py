@@ -13,6 +13,7 @@ import json
 import os
 import statistics
 import subprocess
+import time
 from typing import Callable, Iterable, Sequence
 
 import torch
@@ -98,6 +99,32 @@ def fp16_linear_us(M: int, N: int, K: int) -> float:
         w = torch.randn(N, K, dtype=torch.float16, device="cuda") / K ** 0.5
         return lambda: torch.nn.functional.linear(x, w)
     return 1e3 * time_graph_ms(make, 2 * (N * K + M * K + M * N))
+
+
+def graph_launch_timing(step, replays: int = 20) -> dict:
+    """How long ``step``, a call that replays CUDA graphs, keeps the GPU waiting for the host, in µs
+    (medians over ``replays``): the call waited on alone (CUDA events around it, as a decode step's
+    TPOT is timed) against calls queued back to back, which hide their launches behind the GPU's
+    work, and the host's time in the call without waiting. Run it before any torch profiler
+    session in the process (see bench_graph_launch.py)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    waited, host_calls = [], []
+    for _ in range(replays):
+        torch.cuda.synchronize()
+        began = time.perf_counter()
+        start.record()
+        step()
+        host_calls.append((time.perf_counter() - began) * 1e6)
+        end.record()
+        end.synchronize()
+        waited.append(start.elapsed_time(end) * 1e3)
+    start.record()
+    for _ in range(replays):
+        step()
+    end.record()
+    end.synchronize()
+    return {"waited_us": statistics.median(waited), "queued_us": start.elapsed_time(end) * 1e3 / replays,
+            "host_call_us": statistics.median(host_calls)}
 
 
 def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:

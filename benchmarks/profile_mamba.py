@@ -22,20 +22,24 @@ run as torch references) are skipped unless --reference_fp_ops is given, and the
 quamba's FP16 row where there is one. The decode floor is the weight bytes over the measured copy
 bandwidth. --breakdown adds the per-kernel GPU time of one eager decode step and one prefill (torch
 profiler) for every row, and of the graphed decode step as replayed, with the GPU's idle time
-between its kernels.
+between its kernels and the time from its launch call to its first kernel.
 Quantized models are calibrated on random tokens: their scales are meaningless, their speed is not.
 """
 from __future__ import annotations
 
 import argparse
 import gc
+import json
+import os
 import statistics
+import subprocess
 import sys
+import tempfile
 from collections import defaultdict
 
 import torch
 
-from common import copy_bandwidth_gbs, format_table, run_metadata, write_json
+from common import copy_bandwidth_gbs, format_table, graph_launch_timing, run_metadata, write_json
 
 from quamba import QuantConfig, quantize
 from quamba.models.config import PRESETS, preset_config
@@ -68,6 +72,7 @@ def parse_args(argv=None):
                              "conv and scan kernels (minutes per row; skipped otherwise)")
     parser.add_argument("--breakdown", action="store_true",
                         help="per-kernel GPU time of one decode step (eager and graphed) and one prefill")
+    parser.add_argument("--breakdown_only", action="store_true", help=argparse.SUPPRESS)  # the child's run
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", help="write the results as JSON to this path")
     args = parser.parse_args(argv)
@@ -238,7 +243,13 @@ def graph_breakdown(step, replays: int = 5, top: int = 12) -> dict:
 
 
 def measure(name: str, runner, weights: int, prompt, args, bandwidth_gbs: float) -> dict:
+    """The row of one model: its timings and memory, or with --breakdown_only its profiles."""
     first = runner.prefill(prompt).argmax(-1)
+    if args.breakdown_only:
+        return {"name": name,
+                "decode_kernels": kernel_breakdown(lambda: runner.eager_step(first)),
+                "graph_decode": graph_breakdown(lambda: runner.step(first)),
+                "prefill_kernels": kernel_breakdown(lambda: runner.prefill(prompt))}
     row = {
         "name": name,
         "ttft_ms": median_ms(lambda: runner.prefill(prompt), args.repeats),
@@ -247,6 +258,7 @@ def measure(name: str, runner, weights: int, prompt, args, bandwidth_gbs: float)
         "weights_bytes": weights,
         "cache_bytes": runner.cache_bytes(),
         "tpot_floor_ms": weights / (bandwidth_gbs * 1e9) * 1e3,
+        "graph_launch": graph_launch_timing(lambda: runner.step(first), max(args.repeats, 50)),
     }
     if isinstance(runner, QuambaRunner):
         row["generate_ms"] = median_ms(lambda: runner.generate(prompt, args.gen_len), args.repeats, warmup=1)
@@ -257,11 +269,23 @@ def measure(name: str, runner, weights: int, prompt, args, bandwidth_gbs: float)
     greedy(runner, prompt, args.gen_len)
     torch.cuda.synchronize()
     row["peak_bytes"] = torch.cuda.max_memory_allocated()
-    if args.breakdown:
-        row["decode_kernels"] = kernel_breakdown(lambda: runner.eager_step(first))
-        row["graph_decode"] = graph_breakdown(lambda: runner.step(first))
-        row["prefill_kernels"] = kernel_breakdown(lambda: runner.prefill(prompt))
     return row
+
+
+def breakdowns_in_child(argv: list[str]) -> dict:
+    """Row name -> the --breakdown profiles, taken by this script in a child process. After a torch
+    profiler session CUPTI stays attached to the process and every later launch is slower: a
+    graphed Mamba-2.8B W8A8 step waited on took 2.51 ms after a profile, 2.13 before (H100;
+    benchmarks/bench_graph_launch.py shows it on graphs of tiny kernels), so no timing may follow a
+    profile in one process."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "breakdowns.json")
+        # argparse keeps the last --out: the child's replaces the caller's
+        subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--breakdown_only", "--out", out],
+                       check=True)
+        with open(out) as f:
+            rows = json.load(f)["rows"]
+    return {row.pop("name"): row for row in rows}
 
 
 # --- the models ----------------------------------------------------------------------------------
@@ -321,7 +345,8 @@ def run(args) -> dict:
         del qmodel
         release()
         fp_model.to("cuda")
-    _add_ratios(rows)
+    if not args.breakdown_only:
+        _add_ratios(rows)
     config = fp_model.config.to_dict()
     return {"meta": run_metadata(), "copy_bandwidth_gbs": bandwidth, "model": args.model or args.config,
             "config": config, "batch": args.batch, "prompt_len": args.prompt_len,
@@ -377,8 +402,16 @@ COLUMNS = ["name", "ttft_ms", "tpot_ms", "tpot_floor_ms", "ttlt_ms", "generate_m
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     result = run(args)
+    if args.breakdown_only:
+        write_json(args.out, result)
+        return 0
+    if args.breakdown:
+        profiles = breakdowns_in_child(argv)
+        for row in result["rows"]:
+            row.update(profiles.get(row["name"], {}))
     meta = result["meta"]
     title = (f"{result['model']} batch {args.batch}, prompt {args.prompt_len}, {args.gen_len} new tokens "
              f"on {meta['device']} ({meta['date']}, commit {meta['commit']}); copy bandwidth "
@@ -397,6 +430,9 @@ def main(argv=None) -> int:
             columns = ["kernel", "calls", "us"]
             print(format_table(graph["kernels"], columns, f"{row['name']}: graph replay ({summary})"))
             print(format_table(graph["gaps_before"], columns, f"{row['name']}: idle before"))
+        if "graph_launch" in row:
+            print(f"{row['name']}: graph launch, µs: " +
+                  ", ".join(f"{key} {value:.1f}" for key, value in row["graph_launch"].items()))
     write_json(args.out, result)
     return 0
 
