@@ -71,7 +71,8 @@ def parse_args(argv=None):
                         help="without mamba-ssm, time fp16 and w4a16 on the torch references of its "
                              "conv and scan kernels (minutes per row; skipped otherwise)")
     parser.add_argument("--breakdown", action="store_true",
-                        help="per-kernel GPU time of one decode step (eager and graphed) and one prefill")
+                        help="per-kernel GPU time of one decode step (eager and graphed) and one "
+                             "prefill, profiled in a child process after the timings")
     parser.add_argument("--breakdown_only", action="store_true", help=argparse.SUPPRESS)  # the child's run
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", help="write the results as JSON to this path")
