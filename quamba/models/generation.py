@@ -11,9 +11,9 @@ from quamba.errors import QuambaError
 
 # Tokens between the checks for every row having finished, by default when decoding replays CUDA
 # graphs. A check waits for the device; between checks the host queues the next step while the
-# device runs this one, which hides the launch (replays queued back to back ran a Mamba-2.8B W8A8
-# step in 2.02 ms on an H100, one replay timed alone in 2.56: benchmarks/RESULTS.md). Eager steps
-# are slower to launch than to run, so there each token is checked.
+# device runs this one, which hides the launch (128 tokens of Mamba-2.8B W8A8 at batch 1 on an
+# H100: 310 ms, against 328 ms checking after each token: benchmarks/RESULTS.md). Eager steps are
+# slower to launch than to run, so there each token is checked.
 GRAPH_EOS_CHECK_EVERY = 8
 
 
