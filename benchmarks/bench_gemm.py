@@ -5,10 +5,11 @@ copy bandwidth. Also times every CUTLASS sm90 configuration, the mma.sync fallba
 work split (rows per warp x splits of K), which is how the dispatcher's choices were made. Every
 call reads its own copy of the operands (common.time_graph_ms): weights come from device memory.
 
-    python benchmarks/bench_gemm.py [--out results.json] [--quick]
+    python benchmarks/bench_gemm.py [--out results.json] [--quick] [--decode_m 1,2,...,8] [--no_prefill]
 """
 from __future__ import annotations
 
+import argparse
 import sys
 
 import torch
@@ -85,15 +86,30 @@ def totals(rows, stage):
     return out
 
 
+def decode_sizes(text):
+    sizes = [int(m) for m in text.split(",")]
+    if not all(1 <= m <= 8 for m in sizes):
+        raise argparse.ArgumentTypeError(f"decode batch sizes must be in 1..8, got {text}")
+    return sizes
+
+
+def add_options(parser):
+    parser.add_argument("--decode_m", type=decode_sizes, default=DECODE_M,
+                        help="decode batch sizes, comma-separated (1..8)")
+    parser.add_argument("--no_prefill", action="store_true", help="time the decode GEMVs only")
+
+
 def main():
-    args = parse_args(__doc__.splitlines()[0])
+    args = parse_args(__doc__.splitlines()[0], add_options)
     try:
         import quamba._C  # noqa: F401
     except ImportError as exc:
         sys.exit(f"bench_gemm: quamba._C is not built ({exc})")
     meta = run_metadata()
     copy_gbs = copy_bandwidth_gbs()
-    prefill_m, decode_m = (PREFILL_M[-1:], DECODE_M[:1]) if args.quick else (PREFILL_M, DECODE_M)
+    prefill_m, decode_m = (PREFILL_M[-1:], args.decode_m[:1]) if args.quick else (PREFILL_M, args.decode_m)
+    if args.no_prefill:
+        prefill_m = []
     prefill = [bench_prefill(Layer(name, N, K, dt, M)) for M in prefill_m for name, N, K, dt in LAYERS]
     decode = [bench_decode(Layer(name, N, K, dt, M), copy_gbs) for M in decode_m for name, N, K, dt in LAYERS]
     summary = totals(prefill, "prefill") + totals(decode, "decode")

@@ -1,8 +1,9 @@
 // Decode GEMV (M = 1..8): streams the int8 weight rows once with 16-byte loads and reads the few
 // activation rows from L2, where they are (rows x_stride bytes apart: dt_low, sliced from x_proj's
-// output at batch > 1, is read in place rather than copied first). Work comes in row groups of R weight rows; `splits` warps of one block
-// share a group's K range and meet in shared memory. R = 1, 2, 4 multiply with dp4a; R = 8 with
-// tensor cores (mma.sync), far fewer instructions per weight byte as M grows.
+// output at batch > 1, is read in place rather than copied first). Work comes in row groups of R
+// weight rows; `splits` warps of one block share a group's K range and meet in shared memory.
+// R = 1, 2, 4 multiply with dp4a; R = 8 with tensor cores (mma.sync), fewer instructions per weight
+// byte as M grows, but slower on Hopper at every M (choose_rows).
 // Blocks are small (4 warps, one tile each) so that the block scheduler spreads the weight bytes
 // evenly over the SMs (8-warp blocks gave e.g. 320 blocks for 132 SMs: 3 on some, 2 on others;
 // out_proj at M = 8 went from 8.9 to 7.4 us with 4). R and splits are chosen from the shape
@@ -93,8 +94,8 @@ gemv_kernel(const int8_t* __restrict__ x, int x_stride, const int8_t* __restrict
 // so the 16 bytes feed two m16n8k32 mmas as they are: A = the activations (rows 8..15 zero),
 // B = the 8 weight rows. Lane (g, t) ends with the sums for (row0 + 2t, g) and (row0 + 2t + 1, g).
 // Known limit (SASS, H200): ptxas interleaves the loads with the mmas, about two steps in flight
-// per warp, so this variant is latency-bound on long rows; it wins only where dp4a's instruction
-// count dominates (M >= 5). Issuing all weight loads first in source did not change that (slower).
+// per warp, so this variant is latency-bound on long rows. Issuing all weight loads first in
+// source did not change that (slower). The dispatcher no longer picks it (choose_rows).
 constexpr int kMmaRows = 8;
 constexpr int kMmaSteps = 8;
 
@@ -150,13 +151,14 @@ gemv_mma_kernel(const int8_t* __restrict__ x, int x_stride, const int8_t* __rest
   if (n + 1 < N) out[static_cast<int64_t>(m) * N + n + 1] = epilogue.apply<OutT>(d[1], n + 1);
 }
 
-// Chosen by measurement on the H200 (benchmarks/RESULTS.md). dp4a with 4 rows per warp, or 2
-// when N is too small to give every SM warps (x_proj); tensor cores from M = 5 on wide layers
-// (in_proj, dt_proj), where dp4a's instruction count grows with M. K is split until there are
-// about 8 warps per SM, keeping at least two lane sweeps of K per warp.
+// Chosen by measurement on the H100 and the H200 (benchmarks/RESULTS.md, 2026-11-24: every
+// variant at M = 1..8). dp4a with 4 rows per warp, or 2 when N is too small to give every SM
+// warps (x_proj) and M <= 5. The tensor-core rows (R = 8, still selectable) were slower on both
+// GPUs at every M: in_proj at M = 8 took 20.4 us against 14.7 for 4 dp4a rows on the H200. K is
+// split until there are about 8 warps per SM, keeping at least two lane sweeps of K per warp.
 int choose_rows(int M, int N, int sms) {
-  if (M >= 5 && N >= 4096) return kMmaRows;
-  return (N + 3) / 4 * kWarps < 8 * sms ? 2 : 4;
+  const bool few_rows = (N + 3) / 4 * kWarps < 8 * sms;
+  return few_rows && M <= 5 ? 2 : 4;
 }
 
 int choose_splits(int N, int K, int rows, int sms) {
