@@ -28,22 +28,47 @@ __device__ __forceinline__ int dot16(int4 a, int4 b, int acc) {
   return __dp4a(a.w, b.w, acc);
 }
 
+// Activations in shared memory: every warp reads all M rows of x over its K range, from L2 (see
+// below), so at M = 8 in_proj's warps read twice as many activation bytes as weight bytes. Where
+// the warps of a block share all of K (splits == 1) and M >= kStagedMinM, the block copies x to
+// shared memory once (M * K <= kMaxStagedBytes, under the 48 KB a launch gets without opting in,
+// beside the static `partial`), a quarter of those reads; while it waits for x its first weights
+// are prefetched to L2. On the H100 (benchmarks/RESULTS.md): in_proj at M = 8 13.5 us against
+// 16.1, dt_proj 3.4 against 4.8; no gain below M = 5 (dt_proj at M = 2 and 3 lost 0.3-0.6 us).
+constexpr int kStagedMinM = 5;
+constexpr int kMaxStagedBytes = 40 * 1024;
+
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
 // Sums over chunks [begin, end) of rows row0..row0+R-1 (rows past N re-read row N - 1; the
-// caller drops them); x's rows start x_chunks chunks apart. Returns, in lane r * M + m, the warp's
-// sum for (row0 + r, m). The activations are read from L2 (ld.global.cg): with programmatic
-// dependent launch the kernel that writes them may still be running when this one starts, so no
-// copy of them may sit in an L1.
-template <int M, int R>
-__device__ __forceinline__ int row_group_sums(const int4* __restrict__ x, int x_chunks, const int8_t* __restrict__ w,
-                                              int N, int chunks, int row0, int begin, int end, int lane) {
+// caller drops them); x's rows start x_chunks chunks apart, or are packed in staged_x (Staged,
+// where every thread of the block calls this: the copy meets at a barrier). Returns, in lane
+// r * M + m, the warp's sum for (row0 + r, m). The activations are read from L2 (ld.global.cg):
+// with programmatic dependent launch the kernel that writes them may still be running when this
+// one starts, so no copy of them may sit in an L1.
+template <int M, int R, bool Staged>
+__device__ __forceinline__ int row_group_sums(const int4* __restrict__ x, int x_chunks, int4* staged_x,
+                                              const int8_t* __restrict__ w, int N, int chunks, int row0, int begin,
+                                              int end, int lane) {
   constexpr int kSteps = kLoadsPerLane / R;
   const int4* w_rows[R];
 #pragma unroll
   for (int r = 0; r < R; ++r)
     w_rows[r] = reinterpret_cast<const int4*>(w + static_cast<int64_t>(min(row0 + r, N - 1)) * chunks * 16);
 
+  if constexpr (Staged) {
+#pragma unroll
+    for (int s = 0; s < kSteps; ++s)
+      if (begin + lane + 32 * s < end)
+#pragma unroll
+        for (int r = 0; r < R; ++r) prefetch_l2(w_rows[r] + begin + lane + 32 * s);
+    pdl_wait();
+    for (int i = threadIdx.x; i < M * chunks; i += kThreads)
+      staged_x[i] = __ldcg(x + i / chunks * x_chunks + i % chunks);
+    __syncthreads();
+  }
   int acc[R][M] = {};
-  bool waited = false;
+  bool waited = Staged;
   for (int c = begin + lane; c < end; c += 32 * kSteps) {
     int4 wv[kSteps][R];
 #pragma unroll
@@ -60,7 +85,7 @@ __device__ __forceinline__ int row_group_sums(const int4* __restrict__ x, int x_
       if (c + 32 * s >= end) continue;
 #pragma unroll
       for (int m = 0; m < M; ++m) {
-        const int4 xv = __ldcg(x + m * x_chunks + c + 32 * s);
+        const int4 xv = Staged ? staged_x[m * chunks + c + 32 * s] : __ldcg(x + m * x_chunks + c + 32 * s);
 #pragma unroll
         for (int r = 0; r < R; ++r) acc[r][m] = dot16(wv[s][r], xv, acc[r][m]);
       }
@@ -69,19 +94,20 @@ __device__ __forceinline__ int row_group_sums(const int4* __restrict__ x, int x_
   return lane_sum(acc, lane);
 }
 
-template <int M, int R, typename OutT>
+template <int M, int R, bool Staged, typename OutT>
 __global__ void __launch_bounds__(kThreads)
 gemv_kernel(const int8_t* __restrict__ x, int x_stride, const int8_t* __restrict__ w, OutT* __restrict__ out, int N,
             int K, Epilogue epilogue, int splits) {
   static_assert(R * M <= 32, "one output per lane");
+  extern __shared__ int4 staged_x[];  // M * K bytes when Staged
   __shared__ int partial[kWarps][1][32];
   pdl_launch_dependents();
   const int chunks = K / 16;
   const WarpShare s = warp_share(R, N, chunks, splits);
   const int lane = s.lane;
 
-  int sum = row_group_sums<M, R>(reinterpret_cast<const int4*>(x), x_stride / 16, w, N, chunks, s.row0, s.begin,
-                                 s.end, lane);
+  int sum = row_group_sums<M, R, Staged>(reinterpret_cast<const int4*>(x), x_stride / 16, staged_x, w, N, chunks,
+                                         s.row0, s.begin, s.end, lane);
   pdl_wait();  // warps with no share of K have not waited yet
   if (!combine_splits<1>(partial, &sum, s, splits)) return;
   const int n = s.row0 + lane / M;
@@ -172,15 +198,18 @@ int choose_splits(int N, int K, int rows, int sms) {
 
 template <int M, int R, typename OutT>
 void launch_kernel(const GemmArgs& a, int splits) {
-  const auto kernel = [] {
+  const bool staged = R != kMmaRows && M >= kStagedMinM && splits == 1 && M * a.K <= kMaxStagedBytes;
+  const auto kernel = [staged] {
     if constexpr (R == kMmaRows) return gemv_mma_kernel<M, OutT>;
-    else return gemv_kernel<M, R, OutT>;
+    else if constexpr (M >= kStagedMinM)
+      return staged ? gemv_kernel<M, R, true, OutT> : gemv_kernel<M, R, false, OutT>;
+    else return gemv_kernel<M, R, false, OutT>;
   }();
   check_kernel_image(reinterpret_cast<const void*>(kernel), "w8a8 GEMV");
   const int groups_per_block = kWarps / splits;
   const int blocks = ((a.N + R - 1) / R + groups_per_block - 1) / groups_per_block;
-  launch_with_pdl(kernel, blocks, kThreads, 0, a.stream, a.x, a.x_stride, a.w, static_cast<OutT*>(a.out), a.N,
-                  a.K, Epilogue::from(a), splits);
+  launch_with_pdl(kernel, blocks, kThreads, staged ? M * a.K : 0, a.stream, a.x, a.x_stride, a.w,
+                  static_cast<OutT*>(a.out), a.N, a.K, Epilogue::from(a), splits);
 }
 
 template <int M>

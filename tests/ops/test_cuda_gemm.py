@@ -247,6 +247,21 @@ def test_gemv_reads_strided_rows_in_place(M, N, K, extra, rows):
     assert_matches(out, reference(case))
 
 
+@pytest.mark.parametrize("splits", [1, 2])
+@pytest.mark.parametrize("rows", [2, 4])
+@pytest.mark.parametrize("M,K", [(4, 160), (5, 8192), (5, 8208), (8, 5120), (8, 5136)])
+def test_gemv_both_sides_of_the_staging_limit(M, K, rows, splits):
+    """With one split of K and M >= 5 the GEMV copies x to shared memory where its M * K bytes fit
+    40 KB, else it reads x from L2: both match the reference, on packed and on strided rows."""
+    seed_for("gemv staging", M, K, rows, splits)
+    case = make_case(M, 100, K, torch.int8)
+    x, weight, multiplier, per_channel, bias = op_arguments(case)
+    for x_rows in (x, column_slice(x, 48)):
+        out = poisoned_out(M, 100, torch.int8)
+        ops.w8a8_gemv_out(x_rows, weight, multiplier, per_channel, bias, out, rows, splits)
+        assert_matches(out, reference(case))
+
+
 @pytest.mark.parametrize("M", [1, 8, 9, 100])
 def test_small_w8a8_linear_op_takes_strided_rows(M):
     """The dispatching op on a column slice: the GEMV in place, the GEMMs on a packed copy."""
