@@ -20,9 +20,10 @@ TTLT run with only that model on the GPU (the FP model waits on the CPU meanwhil
 the mamba-ssm row of the same run; without mamba-ssm, FP16 and W4A16 (whose conv and scan would
 run as torch references) are skipped unless --reference_fp_ops is given, and the ratios are to
 quamba's FP16 row where there is one. The decode floor is the weight bytes over the measured copy
-bandwidth. --breakdown adds the per-kernel GPU time of one eager decode step and one prefill (torch
-profiler) for every row, and of the graphed decode step as replayed, with the GPU's idle time
-between its kernels and the time from its launch call to its first kernel.
+bandwidth. Every row also records how long a graphed step's launch keeps the GPU waiting
+(`graph_launch`). --breakdown adds the per-kernel GPU time of one eager decode step and one
+prefill (torch profiler) for every row, and of the graphed decode step as replayed, with the GPU's
+idle time between its kernels; the profiles run in a child process after the timings.
 Quantized models are calibrated on random tokens: their scales are meaningless, their speed is not.
 """
 from __future__ import annotations

@@ -2,10 +2,11 @@
 //
 // x is int8 [M, K] and w int8 [N, K], both K-contiguous (w is the column-major B operand); x's rows
 // start x_stride bytes apart, K for the GEMMs, a multiple of 16 >= K for the GEMV (which reads a
-// column slice such as dt_low in place). The int32 accumulator is exact. The epilogue follows quamba/ops/quant.py: fp32(acc) * multiplier
-// (one number, or one per output channel n), then either round-half-even and saturate to
-// [-127, 127] for an int8 output, or + bias (fp32, optional) and a round-to-nearest cast for a
-// float output. Inputs are checked by the op (w8a8_linear.cpp) before any launcher runs.
+// column slice such as dt_low in place). The int32 accumulator is exact. The epilogue follows
+// quamba/ops/quant.py: fp32(acc) * multiplier (one number, or one per output channel n), then
+// either round-half-even and saturate to [-127, 127] for an int8 output, or + bias (fp32, optional)
+// and a round-to-nearest cast for a float output. Inputs are checked by the op (w8a8_linear.cpp)
+// before any launcher runs.
 #pragma once
 
 #include <cstdint>

@@ -6,13 +6,12 @@
 //                                              one kernel, for tests and benchmarks
 //   w8a8_gemm_sm90_configs() -> int            CUTLASS sm90 configurations built (0: none)
 //
-// x int8 [M, K] and weight int8 [N, K], K % 16 == 0, 16-byte aligned, weight contiguous; x contiguous
-// for the GEMM ops, and for w8a8_linear(_out) and w8a8_gemv_out rows of contiguous values whose
-// starts are a multiple of 16 bytes apart (a column slice: the GEMV reads it in place, w8a8_linear
-// copies it to packed rows for the GEMMs); multiplier is
-// the fp32 epilogue scale (quamba.ops.quant.requant_multiplier), replaced by
-// multiplier_per_channel (fp32 [N]) when given; bias fp32 [N] for float outputs; out [M, N] of
-// int8, float16, bfloat16 or float32.
+// x int8 [M, K] and weight int8 [N, K], K % 16 == 0, 16-byte aligned, weight contiguous; x
+// contiguous for the GEMM ops, and for w8a8_linear(_out) and w8a8_gemv_out rows of contiguous
+// values whose starts are a multiple of 16 bytes apart (a column slice: the GEMV reads it in place,
+// w8a8_linear copies it to packed rows for the GEMMs); multiplier is the fp32 epilogue scale
+// (quamba.ops.quant.requant_multiplier), replaced by multiplier_per_channel (fp32 [N]) when given;
+// bias fp32 [N] for float outputs; out [M, N] of int8, float16, bfloat16 or float32.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContextLight.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -138,7 +137,8 @@ void w8a8_gemv_out(const at::Tensor& x, const at::Tensor& weight, double multipl
                    const std::optional<at::Tensor>& multiplier_per_channel, const std::optional<at::Tensor>& bias,
                    at::Tensor& out, int64_t rows, int64_t splits) {
   const auto guard = guard_for("w8a8_gemv", x);
-  const GemmArgs args = make_args("w8a8_gemv", x, weight, multiplier, multiplier_per_channel, bias, out, Rows::kStrided);
+  const GemmArgs args =
+      make_args("w8a8_gemv", x, weight, multiplier, multiplier_per_channel, bias, out, Rows::kStrided);
   TORCH_CHECK(args.M >= 1 && args.M <= kGemvMaxM, "w8a8_gemv: x must have 1 to ", kGemvMaxM, " rows, got ", args.M);
   launch_gemv(args, static_cast<int>(rows), static_cast<int>(splits));
 }
