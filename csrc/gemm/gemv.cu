@@ -108,7 +108,7 @@ gemv_kernel(const int8_t* __restrict__ x, int x_stride, const int8_t* __restrict
 
   int sum = row_group_sums<M, R, Staged>(reinterpret_cast<const int4*>(x), x_stride / 16, staged_x, w, N, chunks,
                                          s.row0, s.begin, s.end, lane);
-  pdl_wait();  // warps with no share of K have not waited yet
+  pdl_wait();  // warps with no share of K have not waited yet (Staged: all have; a no-op)
   if (!combine_splits<1>(partial, &sum, s, splits)) return;
   const int n = s.row0 + lane / M;
   if (lane < R * M && n < N) out[static_cast<int64_t>(lane % M) * N + n] = epilogue.apply<OutT>(sum, n);
