@@ -5,6 +5,15 @@
 // Included only by the gemm_sm90_*.cu files, whose code is compiled only when sm_90a is targeted.
 #pragma once
 
+// run() launches the kernels with programmatic dependence (../pdl.cuh), so their producer warps
+// must wait (griddepcontrol.wait) before touching global memory: CUTLASS_GDC_ENABLED turns those
+// waits on in sm_90a device code. CUTLASS_ENABLE_GDC_FOR_SM90, the switch that sets it, would also
+// add an early release (launch_dependents) whose stream-K scheduler code does not compile in
+// CUTLASS 4.2 (is_last_tile); without it the kernels release their dependents when they exit.
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define CUTLASS_GDC_ENABLED
+#endif
+
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContextLight.h>
 #include <c10/util/Exception.h>
@@ -132,7 +141,7 @@ void run(const GemmArgs& a) {
     workspace = at::empty({static_cast<int64_t>(workspace_bytes)},
                           at::TensorOptions().dtype(at::kByte).device(at::kCUDA, hw_info.device_id));
   check_status(gemm.initialize(args, workspace_bytes ? workspace.data_ptr() : nullptr, a.stream), "initialize");
-  check_status(gemm.run(a.stream), "run");
+  check_status(gemm.run(a.stream, /*cuda_adapter=*/nullptr, /*launch_with_pdl=*/true), "run");
 }
 
 }  // namespace quamba::gemm::sm90
