@@ -1,16 +1,17 @@
 // Online Hadamard transform fused with int8 quantization. Specification:
 // quamba/ops/qhadamard.py, with the factor order of quamba/ops/hadamard.py: n = m · p,
 // (x @ H_n).view(m, p) = S_mᵀ @ (x.view(m, p) @ W_p) / sqrt(n). The Walsh–Hadamard butterflies
-// run in the reference's order (bit-identical); the m × m signed sums then run in order of the
-// block index, which BLAS may not: int8 outputs agree to one step.
+// run in the reference's order (bit-identical); the m × m signed sums then run in an order of
+// their own, as BLAS does: int8 outputs agree to one step.
 // One row is one block's work; at decode (one row per step) the block's latency is the kernel's
 // time, so the butterflies below 256 run in registers and warp shuffles, without a barrier per
 // stage (2.8B decode: 14.3 µs per call with every stage in shared memory and 256 threads), and
-// the row's signed sums are spread over up to 8 blocks. Many rows (prefill) are bound by issue: the
-// signed sums are unrolled so that no sign needs a per-thread indexed load, and a shuffle stage is
-// one fmaf per value. Torch profiler on an H100, Mamba-2.8B (5120 = 20 · 256, fp16): 4.8 → 3.9 µs
-// per decode call, 21.9 → 17.2 µs for 1024 rows and 146.6 → 117.0 µs for 8192 (the bytes' floor
-// is 42 µs) before and after these changes.
+// the row's signed sums are spread over up to 8 blocks. Many rows (prefill) are bound by issue: a
+// shuffle stage is one fmaf per value, the signs of S_m are compile-time (base_column), and a
+// thread that makes all m outputs of a position shares sums of four columns between them
+// (signed_sums_by_quads). H100, Mamba-2.8B (5120 = 20 · 256, fp16), µs per call in CUDA graphs:
+// 3.6 → 2.9 for one row, 17.7 → 12.3 for 1024 rows, 117.5 → 84.9 for 8192 (the bytes' floor is
+// 42 µs) with the compile-time signs and quads (benchmarks/RESULTS.md).
 #include <torch/library.h>
 
 #include <algorithm>
@@ -25,15 +26,34 @@
 namespace quamba_ssm {
 namespace {
 
-constexpr int kMaxBaseOrder = 28;
 constexpr int kSegmentValues = 8;  // values per lane in the register stages: segments of 256
 
-// S_m as ±1.0f, entry [a][c] = S_m[c, a] (the transpose the product applies). Passed by value and
-// read at unrolled indices, so the signs come from the kernel's constant bank through uniform
-// registers, shared by the warp.
-struct SignColumns {
-  float sign[kMaxBaseOrder][kMaxBaseOrder];
-};
+// S_m of quamba/ops/hadamard.py (Paley I for m = 12 and 20, Paley II for 28; S_1 = [[1]]) as
+// column masks: bit c of entry a is set where S_m[c, a] = -1. Compile-time, so that no sign costs
+// an instruction and the signed sums can share partial sums between outputs; the op checks that
+// the masks it is given are these.
+template <int M>
+__host__ __device__ constexpr uint32_t base_column(int a) {
+  if constexpr (M == 12) {
+    constexpr uint32_t columns[12] = {0xffe, 0x474, 0x8e8, 0x1d2, 0x3a4, 0x748, 0xe90, 0xd22, 0xa46, 0x48e,
+                                      0x91c, 0x23a};
+    return columns[a];
+  } else if constexpr (M == 20) {
+    constexpr uint32_t columns[20] = {0xffffe, 0x615e4, 0xc2bc8, 0x85792, 0xaf26,  0x15e4c, 0x2bc98,
+                                      0x57930, 0xaf260, 0x5e4c2, 0xbc984, 0x7930a, 0xf2614, 0xe4c2a,
+                                      0xc9856, 0x930ae, 0x2615e, 0x4c2bc, 0x98578, 0x30af2};
+    return columns[a];
+  } else if constexpr (M == 28) {
+    constexpr uint32_t columns[28] = {
+        0x2,       0xaaaaaab, 0x30ff0c8, 0x9a55a6e, 0xc3fc320, 0x69569ba, 0xff0c8c,  0xa55a6e6, 0x3fc3230, 0x9569b9a,
+        0xff0c8c0, 0x55a6e6a, 0xfc3230c, 0x569b9a6, 0xf0c8c3c, 0x5a6e696, 0xc3230fc, 0x69b9a56, 0xc8c3fc,  0xa6e6956,
+        0x3230ff0, 0x9b9a55a, 0xc8c3fc0, 0x6e6956a, 0x230ff0c, 0xb9a55a6, 0x8c3fc30, 0xe69569a};
+    return columns[a];
+  } else {
+    static_assert(M == 1, "base orders are 1, 12, 20 and 28");
+    return 0;
+  }
+}
 
 // The widest load (16, 8, 4 or 2 bytes) that divides V values of In: load_values' unit.
 template <int V, typename In, int kBytes = V * static_cast<int>(sizeof(In))>
@@ -117,14 +137,22 @@ __device__ void walsh_hadamard_shared(float* buf, int n, int p, int first_half) 
   __syncthreads();
 }
 
-// The M outputs of position b of a block whose butterflies are in buf, out[a·p + b] =
-// Σ_c S[c, a] · buf[c·p + b] scaled by 1/sqrt(n) to int8, for the outputs a = group,
-// group + groups, ... of this thread. a and c are unrolled, so no sign is an indexed load (one
-// per two FFMAs with a runtime a); fmaf(±1, v, sum) rounds exactly as sum ± v.
+// sum ± v as the ±1 sign of S[c, a] has it (a compile-time choice, no instruction).
+template <int M>
+__device__ __forceinline__ float add_signed(float sum, float v, int a, int c) {
+  return (base_column<M>(a) >> c & 1) ? __fsub_rn(sum, v) : __fadd_rn(sum, v);
+}
+
+__device__ __forceinline__ int8_t quantize_output(float sum, float norm, float out_inv_scale) {
+  return quantize_rn(__fmul_rn(sum, norm), out_inv_scale);
+}
+
+// The outputs a = group, group + groups, ... of position b of a block whose butterflies are in
+// buf: out[a·p + b] = Σ_c S[c, a] · buf[c·p + b] scaled by 1/sqrt(n) to int8, c in order (M - 1
+// additions per output).
 template <int M>
 __device__ __forceinline__ void signed_sums(const float* buf, int8_t* __restrict__ out, int p, int b,
-                                            int group, int groups, const SignColumns& signs,
-                                            float norm, float out_inv_scale) {
+                                            int group, int groups, float norm, float out_inv_scale) {
   float v[M];
 #pragma unroll
   for (int c = 0; c < M; ++c) v[c] = buf[c * p + b];
@@ -133,11 +161,48 @@ __device__ __forceinline__ void signed_sums(const float* buf, int8_t* __restrict
   for (int a = 0; a < M; ++a) {
     if (a != next) continue;
     next += groups;
-    float sum = signs.sign[a][0] * v[0];
+    float sum = (base_column<M>(a) & 1) ? -v[0] : v[0];
 #pragma unroll
-    for (int c = 1; c < M; ++c) sum = fmaf(signs.sign[a][c], v[c], sum);
-    out[a * p + b] = quantize_rn(__fmul_rn(sum, norm), out_inv_scale);
+    for (int c = 1; c < M; ++c) sum = add_signed<M>(sum, v[c], a, c);
+    out[a * p + b] = quantize_output(sum, norm, out_inv_scale);
   }
+}
+
+// All M outputs of position b (a thread per position: prefill), the columns taken four at a
+// time: the 8 sums v0 ± v1 ± v2 ± v3 of a quad (12 additions) serve every output, which adds or
+// subtracts one of them, M / 4 terms per output instead of M (M = 20: 140 additions instead of
+// 380). This order of additions is not the reference's (BLAS has its own too): int8 outputs
+// agree to one step.
+template <int M>
+__device__ __forceinline__ void signed_sums_by_quads(const float* buf, int8_t* __restrict__ out, int p, int b,
+                                                     float norm, float out_inv_scale) {
+  static_assert(M % 4 == 0, "quads of columns");
+  float acc[M];
+#pragma unroll
+  for (int quad = 0; quad < M / 4; ++quad) {
+    const float* column = buf + 4 * quad * p + b;
+    const float v0 = column[0], v1 = column[p], v2 = column[2 * p], v3 = column[3 * p];
+    const float head[2] = {__fadd_rn(v0, v1), __fsub_rn(v0, v1)};  // v0 ± v1
+    const float tail[2] = {__fadd_rn(v2, v3), __fsub_rn(v2, v3)};  // v2 ± v3
+    // sums[t] = v0 + s1·v1 + s2·v2 + s3·v3, bit i - 1 of t set where s_i = -1:
+    // (v0 + s1·v1) + s2·(v2 + s2·s3·v3).
+    float sums[8];
+#pragma unroll
+    for (int t = 0; t < 8; ++t) {
+      const int s1 = t & 1, s2 = t >> 1 & 1, s3 = t >> 2 & 1;
+      sums[t] = s2 ? __fsub_rn(head[s1], tail[s2 ^ s3]) : __fadd_rn(head[s1], tail[s2 ^ s3]);
+    }
+#pragma unroll
+    for (int a = 0; a < M; ++a) {
+      const uint32_t signs = base_column<M>(a) >> (4 * quad) & 0xF;  // bit i: column 4 · quad + i
+      const bool negate = signs & 1;                                  // the term is ± sums[t]
+      const int t = ((negate ? signs ^ 0xF : signs) >> 1) & 7;
+      if (quad == 0) acc[a] = negate ? -sums[t] : sums[t];
+      else acc[a] = negate ? __fsub_rn(acc[a], sums[t]) : __fadd_rn(acc[a], sums[t]);
+    }
+  }
+#pragma unroll
+  for (int a = 0; a < M; ++a) out[a * p + b] = quantize_output(acc[a], norm, out_inv_scale);
 }
 
 // One block per row and slice of positions: the butterflies of the whole row (registers, then
@@ -147,8 +212,8 @@ __device__ __forceinline__ void signed_sums(const float* buf, int8_t* __restrict
 // cost less. V = 0: p < 32, every stage in shared memory.
 template <int M, int V, typename In>
 __global__ void __launch_bounds__(1024)
-hadamard_quant_kernel(const In* __restrict__ x, int8_t* __restrict__ q, int n, int p,
-                      SignColumns signs, float norm, float out_inv_scale) {
+hadamard_quant_kernel(const In* __restrict__ x, int8_t* __restrict__ q, int n, int p, float norm,
+                      float out_inv_scale) {
   quamba::pdl_launch_dependents();  // the next GEMV may start loading its weights (pdl.cuh)
   quamba::pdl_wait();                // x comes from the kernel before
   extern __shared__ float buf[];
@@ -167,8 +232,15 @@ hadamard_quant_kernel(const In* __restrict__ x, int8_t* __restrict__ q, int n, i
   const int threads_per_group = min(positions, static_cast<int>(blockDim.x) / groups);
   const int group = threadIdx.x / threads_per_group;
   if (group >= groups) return;
-  for (int b = threadIdx.x % threads_per_group; b < positions; b += threads_per_group)
-    signed_sums<M>(buf, q + row, p, first_position + b, group, groups, signs, norm, out_inv_scale);
+  for (int b = threadIdx.x % threads_per_group; b < positions; b += threads_per_group) {
+    if constexpr (M % 4 == 0) {
+      if (groups == 1) {
+        signed_sums_by_quads<M>(buf, q + row, p, first_position + b, norm, out_inv_scale);
+        continue;
+      }
+    }
+    signed_sums<M>(buf, q + row, p, first_position + b, group, groups, norm, out_inv_scale);
+  }
 }
 
 // Registers hold segments of 32 · V values: V = p / 32 up to kSegmentValues (0 below p = 32).
@@ -191,37 +263,52 @@ int slices_for(int64_t rows, int p) {
 
 template <int M, int V, typename In>
 void launch_hadamard(const at::Tensor& x, at::Tensor& q, int64_t rows, int n, int p,
-                     const SignColumns& signs, float norm, float out_inv_scale) {
+                     float norm, float out_inv_scale) {
   auto kernel = hadamard_quant_kernel<M, V, In>;
   check_kernel_image(kernel, "hadamard_quant");
   const int smem = n * sizeof(float);
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const dim3 grid(static_cast<unsigned>(rows), slices_for(rows, p));
   quamba::launch_with_pdl(kernel, grid, threads_for(rows), smem, current_stream(),
-                          static_cast<const In*>(x.data_ptr()), q.data_ptr<int8_t>(), n, p, signs,
-                          norm, out_inv_scale);
+                          static_cast<const In*>(x.data_ptr()), q.data_ptr<int8_t>(), n, p, norm,
+                          out_inv_scale);
 }
 
 template <int M, typename In>
 void dispatch_segment(const at::Tensor& x, at::Tensor& q, int64_t rows, int n, int p,
-                      const SignColumns& signs, float norm, float out_inv_scale) {
+                      float norm, float out_inv_scale) {
   switch (segment_values(p)) {
-    case 0: return launch_hadamard<M, 0, In>(x, q, rows, n, p, signs, norm, out_inv_scale);
-    case 1: return launch_hadamard<M, 1, In>(x, q, rows, n, p, signs, norm, out_inv_scale);
-    case 2: return launch_hadamard<M, 2, In>(x, q, rows, n, p, signs, norm, out_inv_scale);
-    case 4: return launch_hadamard<M, 4, In>(x, q, rows, n, p, signs, norm, out_inv_scale);
-    default: return launch_hadamard<M, kSegmentValues, In>(x, q, rows, n, p, signs, norm, out_inv_scale);
+    case 0: return launch_hadamard<M, 0, In>(x, q, rows, n, p, norm, out_inv_scale);
+    case 1: return launch_hadamard<M, 1, In>(x, q, rows, n, p, norm, out_inv_scale);
+    case 2: return launch_hadamard<M, 2, In>(x, q, rows, n, p, norm, out_inv_scale);
+    case 4: return launch_hadamard<M, 4, In>(x, q, rows, n, p, norm, out_inv_scale);
+    default: return launch_hadamard<M, kSegmentValues, In>(x, q, rows, n, p, norm, out_inv_scale);
   }
 }
 
 template <typename In>
 void dispatch_base_order(int m, const at::Tensor& x, at::Tensor& q, int64_t rows, int n, int p,
-                         const SignColumns& signs, float norm, float out_inv_scale) {
+                         float norm, float out_inv_scale) {
   switch (m) {
-    case 1: return dispatch_segment<1, In>(x, q, rows, n, p, signs, norm, out_inv_scale);
-    case 12: return dispatch_segment<12, In>(x, q, rows, n, p, signs, norm, out_inv_scale);
-    case 20: return dispatch_segment<20, In>(x, q, rows, n, p, signs, norm, out_inv_scale);
-    default: return dispatch_segment<28, In>(x, q, rows, n, p, signs, norm, out_inv_scale);
+    case 1: return dispatch_segment<1, In>(x, q, rows, n, p, norm, out_inv_scale);
+    case 12: return dispatch_segment<12, In>(x, q, rows, n, p, norm, out_inv_scale);
+    case 20: return dispatch_segment<20, In>(x, q, rows, n, p, norm, out_inv_scale);
+    default: return dispatch_segment<28, In>(x, q, rows, n, p, norm, out_inv_scale);
+  }
+}
+
+// Whether the m masks are base_column<m>'s (the size is checked before).
+bool are_base_columns(int64_t m, at::IntArrayRef sign_columns) {
+  auto equal = [&](auto order) {
+    for (int a = 0; a < decltype(order)::value; ++a)
+      if (sign_columns[a] != static_cast<int64_t>(base_column<decltype(order)::value>(a))) return false;
+    return true;
+  };
+  switch (m) {
+    case 1: return equal(std::integral_constant<int, 1>{});
+    case 12: return equal(std::integral_constant<int, 12>{});
+    case 20: return equal(std::integral_constant<int, 20>{});
+    default: return equal(std::integral_constant<int, 28>{});
   }
 }
 
@@ -233,7 +320,8 @@ int max_shared_floats(const at::Tensor& x) {
 }
 
 // x: contiguous [..., n] float with n = m · p (quamba.ops.hadamard.hadamard_factors);
-// sign_columns: the m column masks of S_m (bit c of entry a set where S_m[c, a] = -1);
+// sign_columns: the m column masks of S_m (bit c of entry a set where S_m[c, a] = -1), which
+// must be base_column<m>'s;
 // norm: fp32(1 / sqrt(n)). Returns int8 [..., n].
 at::Tensor hadamard_quant(const at::Tensor& x, int64_t m, int64_t p, at::IntArrayRef sign_columns,
                           double norm, double out_inv_scale) {
@@ -251,6 +339,8 @@ at::Tensor hadamard_quant(const at::Tensor& x, int64_t m, int64_t p, at::IntArra
               text(max_shared_floats(x)), " values one block can hold in shared memory");
   TORCH_CHECK(static_cast<int64_t>(sign_columns.size()) == m, "sign_columns must have m = ",
               text(m), " entries, got ", text(sign_columns.size()));
+  TORCH_CHECK(are_base_columns(m, sign_columns), "sign_columns must be the column masks of S_m, the "
+              "m = ", text(m), " base matrix of quamba.ops.hadamard (the kernel has them built in)");
   check_positive_scale(norm, "norm");
   check_positive_scale(out_inv_scale, "out_inv_scale");
   const int64_t rows = x.numel() / std::max<int64_t>(n, 1);
@@ -259,22 +349,16 @@ at::Tensor hadamard_quant(const at::Tensor& x, int64_t m, int64_t p, at::IntArra
 
   at::Tensor q = at::empty(x.sizes(), x.options().dtype(at::kChar));
   if (rows == 0 || n == 0) return q;
-  SignColumns signs{};
-  for (int64_t a = 0; a < m; ++a) {
-    TORCH_CHECK(sign_columns[a] >= 0 && sign_columns[a] < (int64_t{1} << m),
-                "sign_columns entries must be masks of m bits");
-    for (int64_t c = 0; c < m; ++c) signs.sign[a][c] = (sign_columns[a] >> c & 1) ? -1.f : 1.f;
-  }
   const float norm32 = to_fp32(norm), inv32 = to_fp32(out_inv_scale);
   switch (x.scalar_type()) {
     case at::kHalf:
-      dispatch_base_order<__half>(m, x, q, rows, n, p, signs, norm32, inv32);
+      dispatch_base_order<__half>(m, x, q, rows, n, p, norm32, inv32);
       break;
     case at::kBFloat16:
-      dispatch_base_order<__nv_bfloat16>(m, x, q, rows, n, p, signs, norm32, inv32);
+      dispatch_base_order<__nv_bfloat16>(m, x, q, rows, n, p, norm32, inv32);
       break;
     default:
-      dispatch_base_order<float>(m, x, q, rows, n, p, signs, norm32, inv32);
+      dispatch_base_order<float>(m, x, q, rows, n, p, norm32, inv32);
       break;
   }
   return q;

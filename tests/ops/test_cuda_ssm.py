@@ -455,6 +455,16 @@ def test_small_hadamard_quant_batched_rows():
     assert_codes_close(q, hadamard_quant(x, 0.03, backend_name="torch"))
 
 
+def test_small_hadamard_quant_rejects_other_sign_matrices():
+    """The kernel has S_m built in; masks of any other matrix are refused, not ignored."""
+    from quamba.ops.cuda_backend.ssm import _hadamard_plan
+    m, p, masks, norm = _hadamard_plan(20 * 16)
+    x = torch.randn(2, m * p, device=DEVICE, dtype=torch.float16)
+    torch.ops.quamba.hadamard_quant(x, m, p, masks, norm, 10.0)
+    with pytest.raises(RuntimeError, match="sign_columns must be the column masks of S_m"):
+        torch.ops.quamba.hadamard_quant(x, m, p, [masks[1]] + masks[1:], norm, 10.0)
+
+
 # ---- input checks ----------------------------------------------------------------------------
 
 def test_small_errors_name_the_argument():
