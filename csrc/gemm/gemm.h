@@ -40,7 +40,7 @@ void launch_gemm_mma(const GemmArgs& args);
 
 // CUTLASS 3.x wgmma GEMM for sm_90a: int8/fp16/bf16 out; needs 16-byte aligned rows of out.
 // config is in 0..kSm90Configs-1 (listed in gemm_sm90.cuh); -1 picks one from the shape.
-constexpr int kSm90Configs = 5;
+constexpr int kSm90Configs = 6;
 bool gemm_sm90_compiled();
 int gemm_sm90_num_configs();
 void launch_gemm_sm90(const GemmArgs& args, int config = -1);

@@ -15,14 +15,16 @@ void run_bf16(const GemmArgs& args, int config);
 
 namespace {
 
-// Chosen by measurement on the H200 (benchmarks/RESULTS.md): 128x64 tiles for narrow N, where
-// stream-K was no faster; for a long K with too few 128x128 tiles for two full waves, larger
-// tiles in one wave; else 128x128 pingpong.
+// Chosen by measurement on the H200 and H100 (benchmarks/RESULTS.md): 128x64 tiles for narrow N,
+// where stream-K was no faster; for a long K, larger tiles where 128x128 ones would make fewer
+// than two full waves (one wave of 128x192) or at least eight (256x128, cooperative); else
+// 128x128 pingpong.
 int choose_config(int M, int N, int K) {
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const int64_t tiles = static_cast<int64_t>((M + 127) / 128) * ((N + 127) / 128);
   if (N <= 256) return 1;
   if (K >= 1024 && tiles < 2 * sms) return 4;
+  if (K >= 1024 && tiles >= 8 * sms) return 5;
   return 0;
 }
 
