@@ -246,9 +246,12 @@ hadamard_quant_kernel(const In* __restrict__ x, int8_t* __restrict__ q, int n, i
 // Registers hold segments of 32 · V values: V = p / 32 up to kSegmentValues (0 below p = 32).
 int segment_values(int p) { return p < 32 ? 0 : std::min(p / 32, kSegmentValues); }
 
-// Big blocks for few rows (decode: one row is all the work there is), small ones for many.
-int threads_for(int64_t rows) {
-  return rows < 2 * at::cuda::getCurrentDeviceProperties()->multiProcessorCount ? 1024 : 256;
+// Big blocks for few rows (decode: one row is all the work there is), small ones for many: a
+// thread per position where p is 128 or 256, so that each makes all m outputs of its position
+// (signed_sums_by_quads).
+int threads_for(int64_t rows, int p) {
+  if (rows < 2 * at::cuda::getCurrentDeviceProperties()->multiProcessorCount) return 1024;
+  return p == 128 ? 128 : 256;
 }
 
 // Slices of a row's positions, one block each: up to 8 while the blocks fit on the SMs and a slice
@@ -269,7 +272,7 @@ void launch_hadamard(const at::Tensor& x, at::Tensor& q, int64_t rows, int n, in
   const int smem = n * sizeof(float);
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const dim3 grid(static_cast<unsigned>(rows), slices_for(rows, p));
-  quamba::launch_with_pdl(kernel, grid, threads_for(rows), smem, current_stream(),
+  quamba::launch_with_pdl(kernel, grid, threads_for(rows, p), smem, current_stream(),
                           static_cast<const In*>(x.data_ptr()), q.data_ptr<int8_t>(), n, p, norm,
                           out_inv_scale);
 }
