@@ -9,13 +9,12 @@ call reads its own copy of the operands (common.time_graph_ms): weights come fro
 """
 from __future__ import annotations
 
-import argparse
 import sys
 
 import torch
 
-from common import (copy_bandwidth_gbs, format_table, fp16_linear_us, parse_args, run_metadata, time_graph_ms,
-                    write_json)
+from common import (copy_bandwidth_gbs, decode_options, format_table, fp16_linear_us, parse_args, run_metadata,
+                    time_graph_ms, write_json)
 
 # name, N, K, output dtype (Mamba-2.8B: d_model 2560, d_inner 5120, dt_rank 160, d_state 16)
 LAYERS = [("in_proj", 10240, 2560, torch.int8), ("x_proj", 192, 5120, torch.int8),
@@ -86,21 +85,8 @@ def totals(rows, stage):
     return out
 
 
-def decode_sizes(text):
-    sizes = [int(m) for m in text.split(",")]
-    if not all(1 <= m <= 8 for m in sizes):
-        raise argparse.ArgumentTypeError(f"decode batch sizes must be in 1..8, got {text}")
-    return sizes
-
-
-def add_options(parser):
-    parser.add_argument("--decode_m", type=decode_sizes, default=DECODE_M,
-                        help="decode batch sizes, comma-separated (1..8)")
-    parser.add_argument("--no_prefill", action="store_true", help="time the decode GEMVs only")
-
-
 def main():
-    args = parse_args(__doc__.splitlines()[0], add_options)
+    args = parse_args(__doc__.splitlines()[0], decode_options(DECODE_M))
     try:
         import quamba._C  # noqa: F401
     except ImportError as exc:

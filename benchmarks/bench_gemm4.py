@@ -8,7 +8,7 @@ and the W8A8 GEMM timed alone). Also times every GEMV work split, which is how t
 choices are checked. Every call reads its own copy of the operands (common.time_graph_ms):
 weights come from device memory.
 
-    python benchmarks/bench_gemm4.py [--out results.json] [--quick]
+    python benchmarks/bench_gemm4.py [--out results.json] [--quick] [--decode_m 1,2,...,8] [--no_prefill]
 """
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import sys
 
 import torch
 
-from common import (copy_bandwidth_gbs, format_table, fp16_linear_us, parse_args, run_metadata, time_graph_ms,
-                    write_json)
+from common import (copy_bandwidth_gbs, decode_options, format_table, fp16_linear_us, parse_args, run_metadata,
+                    time_graph_ms, write_json)
 from quamba.ops.qlinear4 import w4a16_linear
 
 # name, N, K, W4A8 output dtype (Mamba-2.8B: d_model 2560, d_inner 5120, dt_rank 160, d_state 16)
@@ -26,8 +26,11 @@ LAYERS = [("in_proj", 10240, 2560, torch.int8), ("x_proj", 192, 5120, torch.int8
 GROUP = 128
 PREFILL_M = [1024, 2048]
 DECODE_M = [1, 2, 4, 8]
-W4A8_GEMV_SHAPES = [(rows, splits) for rows in (4, 16) for splits in (1, 2, 4)] + [(16, 8), (16, 16)]
-W4A16_GEMV_SHAPES = [(rows, splits) for rows in (4, 16) for splits in (1, 2, 4)] + [(16, 8), (16, 16)]
+# (rows, splits, x_loads) of the GEMVs: x per lane (1) everywhere, through shared memory (2) on the
+# tensor cores
+GEMV_SHAPES = ([(rows, splits, 1) for rows in (4, 16) for splits in (1, 2, 4)]
+               + [(16, splits, x_loads) for splits in (8, 16) for x_loads in (1, 2)]
+               + [(16, splits, 2) for splits in (1, 2, 4)])
 W4A16_CORE_MAX_M = 1  # rows 4 (CUDA cores) take M = 1
 TRANSPOSED_BATCH = 8  # sequences of the transposed prefill activations (Layer.transposed_us)
 
@@ -162,13 +165,17 @@ def bench_prefill(layer):
             "w4a16_transposed_speedup": fp16_t / w4a16_t, "w4a16_copied_us": layer.transposed_us("copied")}
 
 
+def gemv_name(rows, splits, x_loads):
+    """r16s4: 16 rows per warp, 4 splits, x loaded per lane; r16s4x: x through shared memory."""
+    return f"r{rows}s{splits}" + ("x" if x_loads == 2 else "")
+
+
 def bench_decode(layer, copy_gbs):
     fp16, w4a8, w4a16 = layer.fp16_us(), layer.w4a8_us(), layer.w4a16_us()
     w4a8_gbs, w4a16_gbs = layer.weight_bytes / w4a8 / 1e3, layer.weight_bytes / w4a16 / 1e3
-    sweep8 = {f"r{rows}s{splits}": layer.w4a8_us(torch.ops.quamba.w4a8_gemv_out, rows, splits)
-              for rows, splits in W4A8_GEMV_SHAPES}
-    sweep16 = {f"r{rows}s{splits}": layer.w4a16_us(torch.ops.quamba.w4a16_gemv_out, rows, splits)
-               for rows, splits in W4A16_GEMV_SHAPES if rows == 16 or layer.M <= W4A16_CORE_MAX_M}
+    sweep8 = {gemv_name(*shape): layer.w4a8_us(torch.ops.quamba.w4a8_gemv_out, *shape) for shape in GEMV_SHAPES}
+    sweep16 = {gemv_name(*shape): layer.w4a16_us(torch.ops.quamba.w4a16_gemv_out, *shape)
+               for shape in GEMV_SHAPES if shape[0] == 16 or layer.M <= W4A16_CORE_MAX_M}
     best8, best16 = min(sweep8, key=sweep8.get), min(sweep16, key=sweep16.get)
     floor_us, copy_us = layer.weight_bytes / copy_gbs / 1e3, layer.copy_us()
     return {**layer.row(), "fp16_us": fp16, "w4a8_us": w4a8, "w4a8_speedup": fp16 / w4a8,
@@ -194,7 +201,7 @@ def totals(rows, stage):
 
 
 def main():
-    args = parse_args(__doc__.splitlines()[0])
+    args = parse_args(__doc__.splitlines()[0], decode_options(DECODE_M))
     try:
         import quamba._C  # noqa: F401
     except ImportError as exc:
@@ -203,7 +210,9 @@ def main():
         sys.exit("bench_gemm4: quamba._C was built without the gemm4 kernel family")
     meta = run_metadata()
     copy_gbs = copy_bandwidth_gbs()
-    prefill_m, decode_m = (PREFILL_M[-1:], DECODE_M[:1]) if args.quick else (PREFILL_M, DECODE_M)
+    prefill_m, decode_m = (PREFILL_M[-1:], args.decode_m[:1]) if args.quick else (PREFILL_M, args.decode_m)
+    if args.no_prefill:
+        prefill_m = []
     decode = [bench_decode(Layer(name, N, K, dt, M), copy_gbs) for M in decode_m for name, N, K, dt in LAYERS]
     prefill = [bench_prefill(Layer(name, N, K, dt, M)) for M in prefill_m for name, N, K, dt in LAYERS]
     summary = totals(prefill, "prefill") + totals(decode, "decode")

@@ -33,6 +33,22 @@ def parse_args(description: str, extra: Callable[[argparse.ArgumentParser], None
     return parser.parse_args()
 
 
+def decode_sizes(text: str) -> list[int]:
+    sizes = [int(m) for m in text.split(",")]
+    if not all(1 <= m <= 8 for m in sizes):
+        raise argparse.ArgumentTypeError(f"decode batch sizes must be in 1..8, got {text}")
+    return sizes
+
+
+def decode_options(default: list[int]) -> Callable[[argparse.ArgumentParser], None]:
+    """--decode_m (the GEMV batch sizes) and --no_prefill of the GEMM benchmarks."""
+    def add(parser):
+        parser.add_argument("--decode_m", type=decode_sizes, default=default,
+                            help="decode batch sizes, comma-separated (1..8)")
+        parser.add_argument("--no_prefill", action="store_true", help="time the decode GEMVs only")
+    return add
+
+
 def time_ms(fn: Callable[[], object], warmup_ms: float = 25, rep_ms: float = 100) -> float:
     """Median GPU time of one call of ``fn`` in milliseconds (L2 flushed before each call)."""
     try:

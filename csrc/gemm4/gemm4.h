@@ -55,9 +55,12 @@ struct W4A16Args {
 // Decode GEMVs (M <= kGemvMaxM). `rows` weight rows per warp: 4 on CUDA cores (W4A8: dp4a;
 // W4A16: fp32 fma, M = 1) or 16 on tensor cores (W4A8: mma.sync m16n8k32; W4A16: m16n8k16, 16
 // or 64 rows chosen from N); `splits` (1, 2, 4; on tensor cores with G % 128 == 0 also 8 and 16, a
-// block per tile) warps sharing a row group's K range; 0 picks either from the shape.
-void launch_w4a8_gemv(const W4A8Args& args, int rows = 0, int splits = 0);
-void launch_w4a16_gemv(const W4A16Args& args, int rows = 0, int splits = 0);
+// block per tile) warps sharing a row group's K range; `x_loads` how the tensor-core GEMV reads x:
+// each lane its own activations (kPerLane) or each warp a step's x in coalesced loads handed out
+// through shared memory (kShared, G % 128 == 0); 0 / kAuto picks each from the shape.
+enum class XLoads { kAuto = 0, kPerLane = 1, kShared = 2 };
+void launch_w4a8_gemv(const W4A8Args& args, int rows = 0, int splits = 0, XLoads x_loads = XLoads::kAuto);
+void launch_w4a16_gemv(const W4A16Args& args, int rows = 0, int splits = 0, XLoads x_loads = XLoads::kAuto);
 
 // Expansion for the prefill GEMMs. W4A8: out int8 [N, K] = code * group_multiplier; a product
 // outside [-128, 127] is stored truncated and sets *overflow to 1 (when overflow is not null).

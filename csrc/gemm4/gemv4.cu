@@ -49,7 +49,13 @@
 // (benchmarks/RESULTS.md); spreading the work evenly was slower still: each tile's K split 13 ways
 // over the warps of any block (16 warps on every SM), the splits' totals added by the tile's last
 // warp through a global workspace (fence, atomic arrival count): out_proj 6.46 us (W4A8 6.21)
-// against 5.53 (4.65) in blocks of 8 splits.
+// against 5.53 (4.65) in blocks of 8 splits. The activations cost W4A16 about 1 us of that: with
+// the lanes' x loads left out (zero activations, timing only) out_proj took 4.56 us in 8 splits
+// against 5.55, and in_proj 7.51 against 8.32. Loaded by whole warps through shared memory (x_loads,
+// below) they cost less from M = 2 or 3 on, where more lanes load x, but not at M = 1. Tried and
+// slower: K segments in B's unused columns at small M (a warp's tile 16 / S rows of S segments of
+// K, for finer row groups over the SMs), as every lane then loads x: out_proj 8.19 us with 2
+// segments, 20.9 with 8; with x left out 5.15 and 5.25, still slower than 4.56 in 16-row tiles.
 #include <ATen/cuda/CUDAContextLight.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/util/Exception.h>
@@ -400,7 +406,8 @@ constexpr int kTileRows = 16;  // weight rows of one mma tile (A)
 
 // What one step (128 k) needs from memory, per lane: chunk 4 * step + t of the lane's weight rows
 // (rows g and g + 8 of tile r in w[2r], w[2r + 1]), their scales for the step's H groups, and the
-// same 32 activations of x row g.
+// same 32 activations of x row g (with shared x loads: the lane's share of the step's x until
+// share_x swaps it for those).
 template <typename F, int R, int H>
 struct Stage {
   int4 w[2 * R];
@@ -416,6 +423,8 @@ struct LaneRows {
   const typename F::Scale* scales[2 * R];
   const uint4* x;
   bool has_x;  // g < M: the other lanes' B columns only reach outputs that are never written
+  const uint4* x_rows;  // x row 0 (shared loads)
+  int lane, M, x_row_vectors;
   int t, chunks, groups;
   GroupOf group_of;
   // The lane's chunk of `step`. With H = 1 (G % 128 == 0, so K % 128 == 0) every step is whole;
@@ -448,6 +457,46 @@ __device__ __forceinline__ void load_x(Stage<F, R, H>& s, const LaneRows<F, R>& 
   if (rows.has_x)
 #pragma unroll
     for (int k = 0; k < F::kXVectors; ++k) s.x[k] = __ldcg(p + k);
+}
+
+// Shared loads of x (H = 1): a step's x is M rows of 4 * kXVectors 16-byte vectors; lane L loads
+// vectors L, L + 32, ... of it (coalesced: each 128-byte line once per warp, where the lanes' own
+// loads touch it 4 times in W4A16) into its stage, and share_x hands each lane its own vectors
+// through the warp's slot in shared memory. Every tile's warps read the same x from L2.
+template <typename F, int R, int H>
+__device__ __forceinline__ void load_x_shared(Stage<F, R, H>& s, const LaneRows<F, R>& rows, int step) {
+  constexpr int kRowVectors = 4 * F::kXVectors;
+#pragma unroll
+  for (int v = 0; v < F::kXVectors; ++v) {
+    const int q = rows.lane + 32 * v;
+    if (q < rows.M * kRowVectors)
+      s.x[v] = __ldcg(rows.x_rows + static_cast<int64_t>(q / kRowVectors) * rows.x_row_vectors + kRowVectors * step +
+                      q % kRowVectors);
+  }
+}
+
+// Slot position of vector u of x row m: lane (g, t) reads vectors 4t + j (f16) or 2t + j (int8) in
+// the order j = 0, 1, ...; rotating them by t keeps the 4 lanes of a row on different banks.
+template <typename F>
+__device__ __forceinline__ int slot_of(int m, int u) {
+  constexpr int V = F::kXVectors;
+  const int t = u / V, j = u % V;
+  return m * 4 * V + t * V + (j + t) % V;
+}
+
+template <typename F, int R, int H>
+__device__ __forceinline__ void share_x(Stage<F, R, H>& s, uint4* slot, const LaneRows<F, R>& rows) {
+  constexpr int V = F::kXVectors, kRowVectors = 4 * V;
+#pragma unroll
+  for (int v = 0; v < V; ++v) {
+    const int q = rows.lane + 32 * v;
+    if (q < rows.M * kRowVectors) slot[slot_of<F>(q / kRowVectors, q % kRowVectors)] = s.x[v];
+  }
+  __syncwarp();
+  const int g = rows.lane / 4;
+#pragma unroll
+  for (int j = 0; j < V; ++j) s.x[j] = rows.has_x ? slot[slot_of<F>(g, V * rows.t + j)] : make_uint4(0, 0, 0, 0);
+  __syncwarp();
 }
 
 // total[r][e] += scaled(pass sum, scale of its row) over a step's H passes; a pass's sum is the
@@ -529,15 +578,18 @@ template <int Warps>
 constexpr int kMinBlocks = Warps == kWarps ? 1 : 16 / Warps;
 
 // R tiles of 16 weight rows per warp; D steps in flight per lane, in a ring refilled as each step
-// is used. `finish` turns a row's total into its output (W4A8: gemm::Epilogue).
-template <typename F, typename OutT, int R, int D, int H, int Warps, typename Finish>
+// is used; x loaded per lane or, with kSharedX, by the warp (load_x_shared). `finish` turns a row's
+// total into its output (W4A8: gemm::Epilogue).
+template <typename F, typename OutT, int R, int D, int H, int Warps, bool kSharedX, typename Finish>
 __global__ void __launch_bounds__(Warps * 32, kMinBlocks<Warps>)
 mma_gemv_kernel(const typename F::X* __restrict__ x, const uint8_t* __restrict__ w,
                 const typename F::Scale* __restrict__ scales, OutT* __restrict__ out, int M, int N, int K,
                 GroupOf group_of, int splits, Finish finish) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  static_assert(!kSharedX || H == 1, "shared x loads take whole steps");
   using Total = typename F::Total;
   __shared__ Total partial[Warps][4 * R][32];
+  __shared__ uint4 x_slot[kSharedX ? Warps : 1][32 * F::kXVectors];
   pdl_launch_dependents();
   const int chunks = K / kCodesPerChunk;
   const int groups = chunks / group_of.per_group;
@@ -553,6 +605,10 @@ mma_gemv_kernel(const typename F::X* __restrict__ x, const uint8_t* __restrict__
   }
   rows.x = reinterpret_cast<const uint4*>(x + static_cast<int64_t>(min(g, M - 1)) * K);
   rows.has_x = g < M;
+  rows.x_rows = reinterpret_cast<const uint4*>(x);
+  rows.lane = share.lane;
+  rows.M = M;
+  rows.x_row_vectors = K * static_cast<int>(sizeof(typename F::X)) / 16;
   rows.t = t;
   rows.chunks = chunks;
   rows.groups = groups;
@@ -565,7 +621,10 @@ mma_gemv_kernel(const typename F::X* __restrict__ x, const uint8_t* __restrict__
   pdl_wait();  // the first weights are on their way: now wait for x (pdl.cuh)
 #pragma unroll
   for (int b = 0; b < D; ++b)
-    if (begin + b < end) load_x(ring[b], rows, begin + b);
+    if (begin + b < end) {
+      if constexpr (kSharedX) load_x_shared(ring[b], rows, begin + b);
+      else load_x(ring[b], rows, begin + b);
+    }
   Total total[R][4] = {};
   for (int s0 = begin; s0 < end; s0 += D) {
 #pragma unroll
@@ -573,10 +632,12 @@ mma_gemv_kernel(const typename F::X* __restrict__ x, const uint8_t* __restrict__
       const int step = s0 + b;
       if (step >= end) break;  // warp-uniform
       const int phase = group_of(min(4 * step + t, chunks - 1)) - group_of(4 * step);
+      if constexpr (kSharedX) share_x(ring[b], x_slot[share.warp], rows);
       accumulate_step(total, ring[b], phase);
       if (step + D < end) {
         load_weights(ring[b], rows, step + D);
-        load_x(ring[b], rows, step + D);
+        if constexpr (kSharedX) load_x_shared(ring[b], rows, step + D);
+        else load_x(ring[b], rows, step + D);
       }
     }
   }
@@ -602,8 +663,9 @@ mma_gemv_kernel(const typename F::X* __restrict__ x, const uint8_t* __restrict__
 bool w4a16_wide_warps(int N, int sms) { return (N + kTileRows - 1) / kTileRows > 2 * sms; }
 
 template <typename F, typename OutT, int R, int D, int H, int Warps = kWarps, typename Finish>
-void launch_mma_kernel(const Operands<F>& a, int splits, int sms, Finish finish) {
-  const auto kernel = mma_gemv_kernel<F, OutT, R, D, H, Warps, Finish>;
+void launch_mma_kernel(const Operands<F>& a, int splits, bool shared_x, int sms, Finish finish) {
+  const auto kernel = shared_x && H == 1 ? mma_gemv_kernel<F, OutT, R, D, H, Warps, H == 1, Finish>
+                                         : mma_gemv_kernel<F, OutT, R, D, H, Warps, false, Finish>;
   gemm::check_kernel_image(reinterpret_cast<const void*>(kernel), "4-bit tensor-core GEMV");
   const int tiles = (a.N + kTileRows * R - 1) / (kTileRows * R);
   // K is split while each warp keeps a ring's worth of steps: 4 splits were the fastest (or within
@@ -631,24 +693,40 @@ int block_splits(int N, int K, int sms) {
 
 // H: how many groups one 4-chunk step (128 codes) can touch; with H = 1, 4 tiles per warp where
 // the format takes them and N is large.
+// W4A16 loads x through shared memory (XLoads::kShared) from M = 2 on where its warps hold 4 tiles
+// (in_proj), and from M = 3 on where its 16-row tiles are at least as many as the SMs (out_proj,
+// which then takes 4-warp blocks instead of block_splits). Measured on the H100 (M = 1..8,
+// benchmarks/bench_gemm4.py): in_proj 7.84-8.46 us against 8.32-9.69 per lane at M = 2..8 (7.99
+// against 7.81 at M = 1), out_proj 6.09-6.56 against 6.57-9.02 in 8 splits at M = 3..8 (6.00
+// against 5.77 at M = 2, 5.91 against 5.39 at M = 1); x_proj (12 tiles) and W4A8 at every M were
+// faster per lane (W4A8 in_proj 10.8 against 7.0 at M = 1).
+template <typename F>
+bool auto_shared_x(const Operands<F>& a, int sms) {
+  if (!F::kWideWarps || a.group_size % 128 != 0) return false;
+  if (w4a16_wide_warps(a.N, sms)) return a.M >= 2;
+  return a.M >= 3 && (a.N + kTileRows - 1) / kTileRows >= sms;
+}
+
 template <typename F, typename OutT, typename Finish>
-void launch_mma_for_groups(const Operands<F>& a, int splits, int sms, Finish finish) {
-  if (splits == 0 && a.group_size % 128 == 0) splits = block_splits(a.N, a.K, sms);
+void launch_mma_for_groups(const Operands<F>& a, int splits, XLoads x_loads, int sms, Finish finish) {
+  const bool shared_x = x_loads == XLoads::kAuto ? auto_shared_x(a, sms) : x_loads == XLoads::kShared;
+  if (splits == 0 && a.group_size % 128 == 0 && !(x_loads == XLoads::kAuto && shared_x))
+    splits = block_splits(a.N, a.K, sms);
   if (splits > kWarps) {  // check_splits: G % 128 == 0
-    if (splits == 8) launch_mma_kernel<F, OutT, 1, 3, 1, 8>(a, splits, sms, finish);
-    else launch_mma_kernel<F, OutT, 1, 3, 1, 16>(a, splits, sms, finish);
+    if (splits == 8) launch_mma_kernel<F, OutT, 1, 3, 1, 8>(a, splits, shared_x, sms, finish);
+    else launch_mma_kernel<F, OutT, 1, 3, 1, 16>(a, splits, shared_x, sms, finish);
   } else if (a.group_size % 128 == 0) {
     if constexpr (F::kWideWarps) {
       if (w4a16_wide_warps(a.N, sms)) {
-        launch_mma_kernel<F, OutT, 4, 2, 1>(a, splits, sms, finish);
+        launch_mma_kernel<F, OutT, 4, 2, 1>(a, splits, shared_x, sms, finish);
         return;
       }
     }
-    launch_mma_kernel<F, OutT, 1, 6, 1>(a, splits, sms, finish);
-  } else if (a.group_size == 32) {
-    launch_mma_kernel<F, OutT, 1, 2, 4>(a, splits, sms, finish);
+    launch_mma_kernel<F, OutT, 1, 6, 1>(a, splits, shared_x, sms, finish);
+  } else if (a.group_size == 32) {  // x_loads: per lane (check_x_loads)
+    launch_mma_kernel<F, OutT, 1, 2, 4>(a, splits, false, sms, finish);
   } else {
-    launch_mma_kernel<F, OutT, 1, 2, 2>(a, splits, sms, finish);  // 64, 96, 160, ...: at most 2 per step
+    launch_mma_kernel<F, OutT, 1, 2, 2>(a, splits, false, sms, finish);  // 64, 96, 160, ...: at most 2 per step
   }
 }
 
@@ -673,10 +751,10 @@ Operands<F> w4a16_operands(const W4A16Args& a) {
           a.group_size, a.stream};
 }
 
-void launch_w4a16_mma(const W4A16Args& a, int splits, int sms) {
+void launch_w4a16_mma(const W4A16Args& a, int splits, XLoads x_loads, int sms) {
   dispatch_w4a16_types(a, [&](auto x_tag, auto out_tag) {
     using F = HalfFormat<decltype(x_tag)>;
-    launch_mma_for_groups<F, decltype(out_tag)>(w4a16_operands<F>(a), splits, sms, CastOutput{});
+    launch_mma_for_groups<F, decltype(out_tag)>(w4a16_operands<F>(a), splits, x_loads, sms, CastOutput{});
   });
 }
 
@@ -696,9 +774,9 @@ Epilogue w4a8_epilogue(const W4A8Args& a) { return {a.multiplier, a.multiplier_p
 
 // W4A8 on tensor cores: one 16-row tile per warp (more tiles per warp were slower on the H100 at
 // every Mamba-2.8B layer and M = 1..8: in_proj 7.5 us with one, 8.1 and 8.8 with 2 and 4).
-void launch_w4a8_mma(const W4A8Args& a, int splits, int sms) {
+void launch_w4a8_mma(const W4A8Args& a, int splits, XLoads x_loads, int sms) {
   gemm::dispatch_out_type(a.out_type, [&](auto tag) {
-    launch_mma_for_groups<Int8Format, decltype(tag)>(w4a8_operands(a), splits, sms, w4a8_epilogue(a));
+    launch_mma_for_groups<Int8Format, decltype(tag)>(w4a8_operands(a), splits, x_loads, sms, w4a8_epilogue(a));
   });
 }
 
@@ -731,17 +809,30 @@ void check_splits(const char* op, int splits, bool tensor_cores, int group_size)
               group_size);
 }
 
+// Shared x loads run on the tensor cores with whole 128-code steps (G % 128 == 0).
+void check_x_loads(const char* op, XLoads x_loads, int rows, int group_size) {
+  TORCH_CHECK(x_loads == XLoads::kAuto || x_loads == XLoads::kPerLane || x_loads == XLoads::kShared, op,
+              ": x_loads must be 0 (auto), 1 (per lane) or 2 (shared), got ", static_cast<int>(x_loads));
+  if (x_loads != XLoads::kShared) return;
+  TORCH_CHECK(rows != kCoreRows, op, ": x_loads 2 (shared) needs the tensor cores (rows 0 or ", kTileRows, ")");
+  TORCH_CHECK(group_size % 128 == 0, op, ": x_loads 2 (shared) needs group_size % 128 == 0, got ", group_size);
+}
+
 }  // namespace
 
-void launch_w4a8_gemv(const W4A8Args& a, int rows, int splits) {
+void launch_w4a8_gemv(const W4A8Args& a, int rows, int splits, XLoads x_loads) {
   TORCH_CHECK(a.M >= 1 && a.M <= kGemvMaxM, "w4a8 GEMV: M must be in 1..", kGemvMaxM, ", got ", a.M);
   TORCH_CHECK(rows == 0 || rows == kCoreRows || rows == kTileRows, "w4a8 GEMV: rows must be 0 (auto), ", kCoreRows,
               " (dp4a) or ", kTileRows, " (tensor cores), got ", rows);
   check_splits("w4a8 GEMV", splits, rows != kCoreRows, a.group_size);
+  check_x_loads("w4a8 GEMV", x_loads, rows, a.group_size);
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  if (rows == 0) rows = splits > kWarps || use_tensor_cores(a.M, a.N, sms, kW4A8CoreMaxM) ? kTileRows : kCoreRows;
+  if (rows == 0)
+    rows = splits > kWarps || x_loads == XLoads::kShared || use_tensor_cores(a.M, a.N, sms, kW4A8CoreMaxM)
+               ? kTileRows
+               : kCoreRows;
   if (rows == kTileRows) {
-    launch_w4a8_mma(a, splits, sms);
+    launch_w4a8_mma(a, splits, x_loads, sms);
     return;
   }
   if (splits == 0)
@@ -758,17 +849,21 @@ void launch_w4a8_gemv(const W4A8Args& a, int rows, int splits) {
   }
 }
 
-void launch_w4a16_gemv(const W4A16Args& a, int rows, int splits) {
+void launch_w4a16_gemv(const W4A16Args& a, int rows, int splits, XLoads x_loads) {
   TORCH_CHECK(a.M >= 1 && a.M <= kGemvMaxM, "w4a16 GEMV: M must be in 1..", kGemvMaxM, ", got ", a.M);
   TORCH_CHECK(rows == 0 || rows == kCoreRows || rows == kTileRows, "w4a16 GEMV: rows must be 0 (auto), ", kCoreRows,
               " (CUDA cores) or ", kTileRows, " (tensor cores), got ", rows);
   TORCH_CHECK(rows != kCoreRows || a.M <= kW4A16CoreMaxM, "w4a16 GEMV: rows ", kCoreRows,
               " (CUDA cores) takes M = 1, got ", a.M);
   check_splits("w4a16 GEMV", splits, rows != kCoreRows, a.group_size);
+  check_x_loads("w4a16 GEMV", x_loads, rows, a.group_size);
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  if (rows == 0) rows = splits > kWarps || use_tensor_cores(a.M, a.N, sms, kW4A16CoreMaxM) ? kTileRows : kCoreRows;
+  if (rows == 0)
+    rows = splits > kWarps || x_loads == XLoads::kShared || use_tensor_cores(a.M, a.N, sms, kW4A16CoreMaxM)
+               ? kTileRows
+               : kCoreRows;
   if (rows == kCoreRows) launch_w4a16_core(a, splits, sms);
-  else launch_w4a16_mma(a, splits, sms);  // M needs no template: every M <= 8 costs the same mmas
+  else launch_w4a16_mma(a, splits, x_loads, sms);  // M needs no template: every M <= 8 costs the same mmas
 }
 
 }  // namespace quamba::gemm4

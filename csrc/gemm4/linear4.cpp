@@ -4,13 +4,13 @@
 //   w4a8_linear(x, weight_packed, group_multiplier, group_size, multiplier, multiplier_per_channel,
 //               out_dtype) -> out
 //   w4a8_linear_out(..., out)           the same into a preallocated out
-//   w4a8_gemv_out(..., out, rows, splits) / w4a8_gemm_out(..., out, config)
+//   w4a8_gemv_out(..., out, rows, splits, x_loads) / w4a8_gemm_out(..., out, config)
 //                                       one path, for tests and benchmarks
 //   w4a8_expand_out(weight_packed, group_multiplier, group_size, out, overflow)
 //                                       int8 [N, K] = code * multiplier; sets overflow[0] = 1 when a
 //                                       product is outside [-128, 127]
 //   w4a16_linear(x, weight_packed, scales, group_size, out_dtype) -> out
-//   w4a16_linear_out(..., out), w4a16_gemv_out(..., out, rows, splits), w4a16_gemm_out(..., out)
+//   w4a16_linear_out(..., out), w4a16_gemv_out(..., out, rows, splits, x_loads), w4a16_gemm_out(..., out)
 //   w4a16_dequantize_out(weight_packed, scales, group_size, out)
 //
 // Shapes: x [M, K] (W4A8 int8; W4A16 float16 or bfloat16), contiguous and 16-byte aligned, K a
@@ -189,12 +189,12 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& weight_packed, con
 
 void w4a8_gemv_out(const at::Tensor& x, const at::Tensor& weight_packed, const at::Tensor& group_multiplier,
                    int64_t group_size, double multiplier, const std::optional<at::Tensor>& multiplier_per_channel,
-                   at::Tensor& out, int64_t rows, int64_t splits) {
+                   at::Tensor& out, int64_t rows, int64_t splits, int64_t x_loads) {
   const auto guard = guard_for("w4a8_gemv", x);
   const W4A8Args a = make_w4a8_args("w4a8_gemv", x, weight_packed, group_multiplier, group_size, multiplier,
                                     multiplier_per_channel, out);
   TORCH_CHECK(a.M >= 1 && a.M <= kGemvMaxM, "w4a8_gemv: x must have 1 to ", kGemvMaxM, " rows, got ", a.M);
-  launch_w4a8_gemv(a, static_cast<int>(rows), static_cast<int>(splits));
+  launch_w4a8_gemv(a, static_cast<int>(rows), static_cast<int>(splits), static_cast<XLoads>(static_cast<int>(x_loads)));
 }
 
 void w4a8_gemm_out(const at::Tensor& x, const at::Tensor& weight_packed, const at::Tensor& group_multiplier,
@@ -279,11 +279,12 @@ at::Tensor w4a16_linear(const at::Tensor& x, const at::Tensor& weight_packed, co
 }
 
 void w4a16_gemv_out(const at::Tensor& x, const at::Tensor& weight_packed, const at::Tensor& scales,
-                    int64_t group_size, at::Tensor& out, int64_t rows, int64_t splits) {
+                    int64_t group_size, at::Tensor& out, int64_t rows, int64_t splits, int64_t x_loads) {
   const auto guard = guard_for("w4a16_gemv", x);
   const W4A16Args a = make_w4a16_args("w4a16_gemv", x, weight_packed, scales, group_size, out);
   TORCH_CHECK(a.M >= 1 && a.M <= kGemvMaxM, "w4a16_gemv: x must have 1 to ", kGemvMaxM, " rows, got ", a.M);
-  launch_w4a16_gemv(a, static_cast<int>(rows), static_cast<int>(splits));
+  launch_w4a16_gemv(a, static_cast<int>(rows), static_cast<int>(splits),
+                    static_cast<XLoads>(static_cast<int>(x_loads)));
 }
 
 void w4a16_gemm_out(const at::Tensor& x, const at::Tensor& weight_packed, const at::Tensor& scales,
@@ -336,7 +337,7 @@ TORCH_LIBRARY_FRAGMENT(quamba, m) {
   m.def("w4a8_linear_out(Tensor x, Tensor weight_packed, Tensor group_multiplier, int group_size, float multiplier, "
         "Tensor? multiplier_per_channel, Tensor(a!) out) -> ()");
   m.def("w4a8_gemv_out(Tensor x, Tensor weight_packed, Tensor group_multiplier, int group_size, float multiplier, "
-        "Tensor? multiplier_per_channel, Tensor(a!) out, int rows=0, int splits=0) -> ()");
+        "Tensor? multiplier_per_channel, Tensor(a!) out, int rows=0, int splits=0, int x_loads=0) -> ()");
   m.def("w4a8_gemm_out(Tensor x, Tensor weight_packed, Tensor group_multiplier, int group_size, float multiplier, "
         "Tensor? multiplier_per_channel, Tensor(a!) out, int config=-1) -> ()");
   m.def("w4a8_expand_out(Tensor weight_packed, Tensor group_multiplier, int group_size, Tensor(a!) out, "
@@ -344,7 +345,7 @@ TORCH_LIBRARY_FRAGMENT(quamba, m) {
   m.def("w4a16_linear(Tensor x, Tensor weight_packed, Tensor scales, int group_size, ScalarType out_dtype) -> Tensor");
   m.def("w4a16_linear_out(Tensor x, Tensor weight_packed, Tensor scales, int group_size, Tensor(a!) out) -> ()");
   m.def("w4a16_gemv_out(Tensor x, Tensor weight_packed, Tensor scales, int group_size, Tensor(a!) out, "
-        "int rows=0, int splits=0) -> ()");
+        "int rows=0, int splits=0, int x_loads=0) -> ()");
   m.def("w4a16_gemm_out(Tensor x, Tensor weight_packed, Tensor scales, int group_size, Tensor(a!) out) -> ()");
   m.def("w4a16_dequantize_out(Tensor weight_packed, Tensor scales, int group_size, Tensor(a!) out) -> ()");
 }

@@ -116,8 +116,8 @@ def check_w4a8(run, M, N, K, G, out_dtype, **options):
     assert_exact(out, w4a8_reference(case))
 
 
-def run_w4a8_gemv(case, out, rows=0, splits=0):
-    ops.w4a8_gemv_out(*w4a8_op_arguments(case), out, rows, splits)
+def run_w4a8_gemv(case, out, rows=0, splits=0, x_loads=0):
+    ops.w4a8_gemv_out(*w4a8_op_arguments(case), out, rows, splits, x_loads)
 
 
 def run_w4a8_gemm(case, out, config=-1):
@@ -151,6 +151,20 @@ WIDE_SPLIT_SHAPES = [(192, 5120, 128), (2560, 5120, 128), (33, 1024, 128), (200,
 def test_w4a8_gemv_every_work_split(M, N, K, G, rows, splits):
     seed_for("w4a8 gemv splits", M, N, K, G, rows, splits)
     check_w4a8(lambda case, out: run_w4a8_gemv(case, out, rows, splits), M, N, K, G, torch.int8)
+
+
+# x loaded per lane (1) or by the whole warp through shared memory (2), on the tensor cores in every
+# split of whole 128-code steps: the 4-tile warps of N 10280, a last tile partly inside N, groups of
+# 256, fewer steps than splits.
+X_LOADS_SHAPES = [(2560, 5120, 128), (10280, 256, 128), (33, 1024, 128), (41, 2048, 256), (200, 128, 128)]
+X_LOADS_CASES = [(M, *shape, splits, x_loads) for M in (1, 3, 8) for shape in X_LOADS_SHAPES
+                 for splits in (1, 2, 4, 8, 16) for x_loads in (1, 2)]
+
+
+@pytest.mark.parametrize("M,N,K,G,splits,x_loads", X_LOADS_CASES)
+def test_w4a8_gemv_both_x_loads(M, N, K, G, splits, x_loads):
+    seed_for("w4a8 x loads", M, N, K, G, splits, x_loads)
+    check_w4a8(lambda case, out: run_w4a8_gemv(case, out, 16, splits, x_loads), M, N, K, G, torch.int8)
 
 
 @pytest.mark.parametrize("out_dtype", W4A8_OUT, ids=str)
@@ -306,6 +320,22 @@ def test_w4a16_gemv_every_work_split(M, N, K, G, rows, splits):
     seed_for("w4a16 splits", M, N, K, G, rows, splits)
     check_w4a16(lambda case, out: ops.w4a16_gemv_out(*w4a16_op_arguments(case), out, rows, splits), M, N, K, G,
                 torch.float16, torch.float16)
+
+
+@pytest.mark.parametrize("M,N,K,G,splits,x_loads", X_LOADS_CASES)
+def test_w4a16_gemv_both_x_loads(M, N, K, G, splits, x_loads):
+    seed_for("w4a16 x loads", M, N, K, G, splits, x_loads)
+    check_w4a16(lambda case, out: ops.w4a16_gemv_out(*w4a16_op_arguments(case), out, 16, splits, x_loads), M, N, K,
+                G, torch.float16, torch.float16)
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("M", [1, 5])
+def test_small_w4a16_gemv_shared_x_loads_other_types(M, x_dtype, out_dtype):
+    seed_for("w4a16 shared x types", M, x_dtype, out_dtype)
+    check_w4a16(lambda case, out: ops.w4a16_gemv_out(*w4a16_op_arguments(case), out, 0, 0, 2), M, 40, 1024, 128,
+                x_dtype, out_dtype)
 
 
 @pytest.mark.parametrize("x_dtype", [torch.float16, torch.bfloat16], ids=str)
@@ -523,6 +553,26 @@ def test_w4a8_gemv_and_gemm_reject_bad_options():
         ops.w4a8_gemv_out(*args, 16, 16)
     with pytest.raises(RuntimeError, match="config must be"):
         ops.w4a8_gemm_out(*args, 99)
+
+
+def gemv_arguments(op_name, M, G):
+    """Positional arguments up to `out` of a valid w4a8 / w4a16 GEMV call (N 32, K 256)."""
+    if op_name == "w4a8_gemv_out":
+        a = valid_w4a8(M=M, K=256, G=G)
+        return a["x"], a["weight_packed"], a["group_multiplier"], a["group_size"], a["multiplier"], None, a["out"]
+    a = valid_w4a16(M=M, K=256, G=G)
+    return a["x"], a["weight_packed"], a["scales"], a["group_size"], a["out"]
+
+
+@pytest.mark.parametrize("op_name", ["w4a8_gemv_out", "w4a16_gemv_out"])
+def test_gemv_rejects_bad_x_loads(op_name):
+    op = getattr(ops, op_name)
+    with pytest.raises(RuntimeError, match=r"x_loads must be 0 \(auto\), 1 \(per lane\) or 2 \(shared\), got 3"):
+        op(*gemv_arguments(op_name, 1, 128), 0, 0, 3)
+    with pytest.raises(RuntimeError, match=r"x_loads 2 \(shared\) needs the tensor cores \(rows 0 or 16\)"):
+        op(*gemv_arguments(op_name, 1, 128), 4, 1, 2)
+    with pytest.raises(RuntimeError, match=r"x_loads 2 \(shared\) needs group_size % 128 == 0, got 64"):
+        op(*gemv_arguments(op_name, 1, 64), 16, 1, 2)
 
 
 def valid_w4a16(M=4, N=32, K=128, G=64):
