@@ -691,15 +691,13 @@ int block_splits(int N, int K, int sms) {
   return 0;
 }
 
-// H: how many groups one 4-chunk step (128 codes) can touch; with H = 1, 4 tiles per warp where
-// the format takes them and N is large.
 // W4A16 loads x through shared memory (XLoads::kShared) from M = 2 on where its warps hold 4 tiles
 // (in_proj), and from M = 3 on where its 16-row tiles are at least as many as the SMs (out_proj,
 // which then takes 4-warp blocks instead of block_splits). Measured on the H100 (M = 1..8,
 // benchmarks/bench_gemm4.py): in_proj 7.84-8.46 us against 8.32-9.69 per lane at M = 2..8 (7.99
 // against 7.81 at M = 1), out_proj 6.09-6.56 against 6.57-9.02 in 8 splits at M = 3..8 (6.00
 // against 5.77 at M = 2, 5.91 against 5.39 at M = 1); x_proj (12 tiles) and W4A8 at every M were
-// faster per lane (W4A8 in_proj 10.8 against 7.0 at M = 1).
+// faster per lane (W4A8 in_proj 8.45 us at best against 7.10 at M = 1).
 template <typename F>
 bool auto_shared_x(const Operands<F>& a, int sms) {
   if (!F::kWideWarps || a.group_size % 128 != 0) return false;
@@ -707,6 +705,8 @@ bool auto_shared_x(const Operands<F>& a, int sms) {
   return a.M >= 3 && (a.N + kTileRows - 1) / kTileRows >= sms;
 }
 
+// H: how many groups one 4-chunk step (128 codes) can touch; with H = 1, 4 tiles per warp where
+// the format takes them and N is large.
 template <typename F, typename OutT, typename Finish>
 void launch_mma_for_groups(const Operands<F>& a, int splits, XLoads x_loads, int sms, Finish finish) {
   const bool shared_x = x_loads == XLoads::kAuto ? auto_shared_x(a, sms) : x_loads == XLoads::kShared;

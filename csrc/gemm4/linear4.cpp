@@ -194,7 +194,8 @@ void w4a8_gemv_out(const at::Tensor& x, const at::Tensor& weight_packed, const a
   const W4A8Args a = make_w4a8_args("w4a8_gemv", x, weight_packed, group_multiplier, group_size, multiplier,
                                     multiplier_per_channel, out);
   TORCH_CHECK(a.M >= 1 && a.M <= kGemvMaxM, "w4a8_gemv: x must have 1 to ", kGemvMaxM, " rows, got ", a.M);
-  launch_w4a8_gemv(a, static_cast<int>(rows), static_cast<int>(splits), static_cast<XLoads>(static_cast<int>(x_loads)));
+  launch_w4a8_gemv(a, static_cast<int>(rows), static_cast<int>(splits),
+                   static_cast<XLoads>(static_cast<int>(x_loads)));
 }
 
 void w4a8_gemm_out(const at::Tensor& x, const at::Tensor& weight_packed, const at::Tensor& group_multiplier,
