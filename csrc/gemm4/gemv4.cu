@@ -799,6 +799,13 @@ bool use_tensor_cores(int M, int N, int sms, int core_max_m) {
   return tiles >= sms || M > core_max_m;
 }
 
+// rows = 0 (auto): the tensor cores where the shape asks for them or the splits or x loads only
+// they take.
+int auto_rows(int M, int N, int splits, XLoads x_loads, int sms, int core_max_m) {
+  const bool tensor_only = splits > kWarps || x_loads == XLoads::kShared;
+  return tensor_only || use_tensor_cores(M, N, sms, core_max_m) ? kTileRows : kCoreRows;
+}
+
 // `tensor_cores`: 8 and 16 splits are allowed too, a block per 16-row tile, for whole 128-code
 // steps (G % 128 == 0).
 void check_splits(const char* op, int splits, bool tensor_cores, int group_size) {
@@ -827,10 +834,7 @@ void launch_w4a8_gemv(const W4A8Args& a, int rows, int splits, XLoads x_loads) {
   check_splits("w4a8 GEMV", splits, rows != kCoreRows, a.group_size);
   check_x_loads("w4a8 GEMV", x_loads, rows, a.group_size);
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  if (rows == 0)
-    rows = splits > kWarps || x_loads == XLoads::kShared || use_tensor_cores(a.M, a.N, sms, kW4A8CoreMaxM)
-               ? kTileRows
-               : kCoreRows;
+  if (rows == 0) rows = auto_rows(a.M, a.N, splits, x_loads, sms, kW4A8CoreMaxM);
   if (rows == kTileRows) {
     launch_w4a8_mma(a, splits, x_loads, sms);
     return;
@@ -858,10 +862,7 @@ void launch_w4a16_gemv(const W4A16Args& a, int rows, int splits, XLoads x_loads)
   check_splits("w4a16 GEMV", splits, rows != kCoreRows, a.group_size);
   check_x_loads("w4a16 GEMV", x_loads, rows, a.group_size);
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  if (rows == 0)
-    rows = splits > kWarps || x_loads == XLoads::kShared || use_tensor_cores(a.M, a.N, sms, kW4A16CoreMaxM)
-               ? kTileRows
-               : kCoreRows;
+  if (rows == 0) rows = auto_rows(a.M, a.N, splits, x_loads, sms, kW4A16CoreMaxM);
   if (rows == kCoreRows) launch_w4a16_core(a, splits, sms);
   else launch_w4a16_mma(a, splits, x_loads, sms);  // M needs no template: every M <= 8 costs the same mmas
 }
