@@ -18,6 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from quamba.models.config import MambaConfig
+from quamba.ops import backend
 from quamba.ops.causal_conv1d import causal_conv1d, causal_conv1d_update, conv_state_from_prefill
 from quamba.ops.rms_norm import rms_norm
 from quamba.ops.selective_scan import selective_scan, selective_state_update
@@ -264,6 +265,21 @@ class MambaLMHeadModel(nn.Module):
     def _head(self, hidden, residual):
         normed, _ = self.backbone.norm_f(hidden, residual)
         return self.lm_head(normed)
+
+    @torch.inference_mode()
+    def op_backends(self) -> dict[str, str]:
+        """op → the backend it runs on here ('cuda' or 'torch'), for every op that this model's
+        prefill and decode step select, in its present SSM mode, on its device. Found by running a
+        two-token prefill and one decode step at batch 1 under :func:`quamba.ops.backend.recording`
+        (a fresh cache; the model's own caches and CUDA graphs are untouched). On a GPU, an op on
+        'torch' is a slow path: quamba.ops.backend's warning says why."""
+        device = self.backbone.embedding.weight.device
+        ids = torch.zeros(1, 2, dtype=torch.long, device=device)
+        with backend.recording() as ran:
+            cache = self.allocate_cache(1, device)
+            self(ids, cache=cache)
+            self(ids[:, :1], cache=cache)
+        return {op: "+".join(sorted(backends)) for op, backends in sorted(ran.items())}
 
     def generate(self, input_ids, **kwargs):
         """See :func:`quamba.models.generation.generate`."""

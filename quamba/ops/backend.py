@@ -2,16 +2,24 @@
 ``quamba._C`` when built; for the FP ops, mamba-ssm's and causal-conv1d's kernels when installed).
 
 Resolution order: the environment variable ``QUAMBA_BACKEND`` (torch | cuda | auto), then the
-argument, then ``auto``. ``auto`` takes the CUDA kernel for CUDA tensors when one is registered
-for the op, else the torch reference. Asking for ``cuda`` where it cannot run is an error, never
-a silent fallback. The first use of each (op, backend) pair is logged once.
+argument, then ``auto``. ``auto`` takes the CUDA kernel for CUDA tensors when one can run there,
+else the torch reference. Asking for ``cuda`` where quamba's own kernel cannot run is an error,
+never a silent fallback.
+
+A torch reference on a CUDA device is a slow path (the decode step of a quantized 2.8B model runs
+10-25x slower on it). Where ``auto`` (or ``cuda`` for the optional FP kernels) ends up there, a
+WARNING names the op and the reason, once per op and process. Every other first use of an
+(op, backend) pair is logged at INFO. :func:`recording` collects which backend each op ran on
+inside a block (the profile and the quantized model report it); :func:`plan` says what would run
+on a device without running anything (``python -m quamba.env``).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -20,6 +28,7 @@ from quamba.errors import QuambaError
 log = logging.getLogger("quamba")
 
 BACKENDS = ("torch", "cuda", "auto")
+ENV_HELP = "`python -m quamba.env` shows the setup"
 _IMPLS: dict[str, dict[str, Callable]] = {}
 # op → a function returning None when its cuda implementation can run here, else why not
 _REQUIREMENTS: dict[str, Callable[[], str | None]] = {}
@@ -29,6 +38,8 @@ _OPTIONAL: set[str] = set()
 # op → the quamba._C ops its cuda implementation runs, where they are not the one of its own name
 _KERNELS: dict[str, tuple[str, ...]] = {}
 _LOGGED: set[tuple[str, str]] = set()
+_WARNED: set[str] = set()
+_RECORDERS: list[dict[str, set[str]]] = []
 
 
 class BackendError(QuambaError):
@@ -53,15 +64,52 @@ def register(op: str, backend: str, requires: Callable[[], str | None] | None = 
     return wrap
 
 
+def quamba_ops() -> list[str]:
+    """The ops whose cuda implementation is quamba's own kernel (the quantized ops)."""
+    return sorted(op for op in _IMPLS if op not in _OPTIONAL)
+
+
+def fp_ops() -> list[str]:
+    """The FP ops, whose cuda implementation is the optional FP16 baseline kernels."""
+    return sorted(_OPTIONAL)
+
+
 @functools.lru_cache(maxsize=1)
 def cuda_extension_error() -> str | None:
-    """None when quamba._C imports, else why not (one line)."""
+    """None when quamba._C loads, else why not (one line, with the import error's own text)."""
     try:
         import quamba._C  # noqa: F401
-    except ImportError as exc:
-        return f"the quamba CUDA extension is not built ({exc})"
+    except ModuleNotFoundError as exc:
+        if exc.name != "quamba._C":
+            return f"quamba._C failed to load: {exc}"
+        return ("the quamba CUDA extension quamba._C is not built (no quamba/_C*.so beside "
+                f"{os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}/__init__.py); "
+                "build it as the README's GPU install says")
+    except Exception as exc:  # noqa: BLE001  an undefined symbol, a missing library, a bad ELF...
+        return f"quamba._C failed to load: {type(exc).__name__}: {_one_line(exc)}"
     import quamba.ops.cuda_backend  # noqa: F401  registers the kernels
     return None
+
+
+@functools.lru_cache(maxsize=None)
+def device_error(index: int) -> str | None:
+    """None when quamba._C holds kernels that CUDA device ``index`` can run, else why not."""
+    probe = getattr(torch.ops.quamba, "kernel_image_error", None)
+    if probe is None:  # a build older than the probe: its kernels check at launch
+        return None
+    error = probe(index)
+    if not error:
+        return None
+    major, minor = torch.cuda.get_device_capability(index)
+    return (f"quamba._C holds no kernel for {torch.cuda.get_device_name(index)} (compute capability "
+            f"{major}.{minor}; built for {cuda_archs() or 'unknown architectures'}): {error}; "
+            "rebuild with TORCH_CUDA_ARCH_LIST naming it")
+
+
+def cuda_archs() -> str:
+    """The virtual architectures quamba._C was compiled for, as nvcc lists them ('900'), or ''."""
+    archs = getattr(torch.ops.quamba, "cuda_archs", None)
+    return archs() if archs is not None else ""
 
 
 def requested_backend(argument: str | None = None) -> str:
@@ -72,31 +120,67 @@ def requested_backend(argument: str | None = None) -> str:
     return choice
 
 
+def resolve(op: str, device: torch.device, argument: str | None = None) -> tuple[str, str | None]:
+    """(the backend ``op`` runs on for tensors on ``device``, why not cuda where that is the torch
+    reference and cuda was possible to ask for). Raises BackendError where ``cuda`` is required
+    and cannot run."""
+    choice = requested_backend(argument)
+    if choice == "torch":
+        return "torch", None
+    why_not = _why_not_cuda(op, device)
+    if why_not is None:
+        return "cuda", None
+    if choice == "auto" or op in _OPTIONAL:
+        return "torch", why_not
+    raise BackendError(f"backend 'cuda' requested for {op} but {why_not}")
+
+
 def select(op: str, device: torch.device, argument: str | None = None) -> Callable:
     """The implementation of ``op`` to run on tensors on ``device``."""
-    choice = requested_backend(argument)
-    impls = _IMPLS[op]
-    if choice == "torch":
-        return _use(op, "torch", impls)
-    cuda_ready = device.type == "cuda" and cuda_missing(op) is None and "cuda" in impls
-    if choice == "auto" or op in _OPTIONAL:
-        return _use(op, "cuda" if cuda_ready else "torch", impls)
-    if not cuda_ready:
-        raise BackendError(f"backend 'cuda' requested for {op} but {_why_not_cuda(op, device)}")
-    return _use(op, "cuda", impls)
+    name, why_not = resolve(op, device, argument)
+    if device.type == "cuda" and why_not is not None:
+        _warn_slow_path(op, device, why_not)
+    _use(op, name)
+    return _IMPLS[op][name]
 
 
-def _why_not_cuda(op: str, device: torch.device) -> str:
+def plan(device: torch.device, argument: str | None = None) -> dict[str, tuple[str, str | None]]:
+    """For every registered op: (backend, reason or None) on ``device``, as :func:`select` would
+    choose, without running, logging or warning; a refused ``cuda`` reads ('error', reason)."""
+    cuda_extension_error()  # registers quamba's kernels where they load
+    choices = {}
+    for op in sorted(_IMPLS):
+        try:
+            choices[op] = resolve(op, device, argument)
+        except BackendError as exc:
+            choices[op] = ("error", str(exc))
+    return choices
+
+
+def _why_not_cuda(op: str, device: torch.device) -> str | None:
     if device.type != "cuda":
         return f"its inputs are on {device}, not a CUDA device"
-    return cuda_missing(op) or f"no CUDA kernel implements {op}"
+    missing = cuda_missing(op, device)
+    if missing is None and "cuda" not in _IMPLS[op]:
+        return f"no CUDA kernel implements {op}"
+    return missing
 
 
-def cuda_missing(op: str) -> str | None:
-    """None when the cuda implementation of ``op`` can run here (a CUDA device aside), else why not."""
+def cuda_missing(op: str, device: torch.device | None = None) -> str | None:
+    """None when the cuda implementation of ``op`` can run here (on ``device``, where given),
+    else why not."""
     if op in _REQUIREMENTS:
         return _REQUIREMENTS[op]()
-    return cuda_extension_error() or _kernel_missing(op)
+    missing = cuda_extension_error() or _kernel_missing(op)
+    if missing is None and device is not None and device.type == "cuda":
+        missing = device_error(_device_index(device))
+    return missing
+
+
+def _device_index(device: torch.device) -> int:
+    if device.index is not None:
+        return device.index
+    return torch.cuda.current_device() if torch.cuda.is_available() else 0
 
 
 @functools.lru_cache(maxsize=None)
@@ -110,11 +194,40 @@ def _kernel_missing(op: str) -> str | None:
     return None
 
 
-def _use(op: str, backend: str, impls: dict) -> Callable:
+def _warn_slow_path(op: str, device: torch.device, why_not: str) -> None:
+    if op in _WARNED:
+        return
+    _WARNED.add(op)
+    kind = "the FP16 kernel" if op in _OPTIONAL else "quamba's CUDA kernel"
+    log.warning("op %s runs its torch reference on %s, a slow path, not %s: %s (%s)",
+                op, device, kind, why_not, ENV_HELP)
+
+
+def _use(op: str, backend: str) -> None:
+    for recorder in _RECORDERS:
+        recorder.setdefault(op, set()).add(backend)
     if (op, backend) not in _LOGGED:
         _LOGGED.add((op, backend))
         log.info("op %s uses the %s backend", op, backend)
-    return impls[backend]
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[dict[str, set[str]]]:
+    """Collects, for every op selected inside the block, the backends it ran on: op → {backend}.
+    Blocks nest; each sees every op selected inside it."""
+    ran: dict[str, set[str]] = {}
+    _RECORDERS.append(ran)
+    try:
+        yield ran
+    finally:
+        _RECORDERS.remove(ran)
+
+
+def on_reference(ran: dict[str, set[str]], ops=None) -> list[str]:
+    """The ops of ``ran`` (a :func:`recording`) that ran their torch reference, limited to
+    ``ops`` (default: quamba's own, the quantized ops)."""
+    ops = set(quamba_ops() if ops is None else ops)
+    return sorted(op for op, backends in ran.items() if op in ops and "torch" in backends)
 
 
 def used_backends() -> dict[str, list[str]]:
@@ -123,3 +236,7 @@ def used_backends() -> dict[str, list[str]]:
     for op, backend in sorted(_LOGGED):
         used.setdefault(op, []).append(backend)
     return used
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())

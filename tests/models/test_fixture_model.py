@@ -71,3 +71,10 @@ def test_heldout_perplexity_is_below_the_unigram_baseline(loaded, report, shared
         logits = model(windows[:, :-1])
     nll = F.cross_entropy(logits.flatten(0, 1).float(), windows[:, 1:].flatten())
     assert math.exp(nll.item()) < report["heldout"]["unigram_add_one_perplexity"]
+
+
+def test_op_backends_names_every_op_the_model_runs(loaded):
+    model, _ = loaded
+    ran = model.op_backends()
+    assert ran == {op: "torch" for op in ("causal_conv1d", "causal_conv1d_update", "rms_norm",
+                                          "selective_scan", "selective_state_update")}
