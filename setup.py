@@ -8,6 +8,12 @@ Python package and every op runs on its torch reference.
 ``TORCH_CUDA_ARCH_LIST`` (e.g. ``"8.0;8.6;8.9;9.0a"``, entries may end in ``+PTX``) picks the
 targets; unset, the visible GPU's capability is used, else all supported ones. ``9.0`` is built
 as ``9.0a``: the Hopper GEMM needs wgmma, and sm_90a machine code runs on every 9.0 device.
+
+The extension must load libstdc++ as a shared library, as torch does: with a static copy of its
+own, every error a kernel's input check raises (a C++ exception crossing into torch) kills the
+process with a segmentation fault. Some toolchains link it statically (the lent H100 image's
+``CXX=/opt/gcc/bin/g++`` did); the build then takes the first ``g++`` on PATH that links it
+dynamically, says so, and checks the built library either way.
 """
 from __future__ import annotations
 
@@ -15,6 +21,10 @@ import glob
 import importlib.util
 import os
 import re
+import shlex
+import shutil
+import subprocess
+import tempfile
 
 from setuptools import find_packages, setup
 
@@ -112,12 +122,71 @@ def cuda_extensions(cpp_extension):
         extra_compile_args={"cxx": common, "nvcc": nvcc})]
 
 
+def needs_shared_libstdcxx(library: str) -> bool | None:
+    """Whether the shared library loads libstdc++ dynamically (None: readelf cannot tell)."""
+    try:
+        dynamic = subprocess.run(["readelf", "-d", library], capture_output=True, text=True,
+                                 check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return "libstdc++.so" in dynamic
+
+
+def links_libstdcxx_dynamically(cxx: str) -> bool | None:
+    """Whether a C++ shared library linked by the compiler ``cxx`` loads libstdc++ dynamically
+    (None: the probe could not be built or read)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        source, library = os.path.join(tmp, "probe.cpp"), os.path.join(tmp, "probe.so")
+        with open(source, "w") as f:
+            f.write("#include <stdexcept>\n#include <string>\n"
+                    "void probe(int n) { throw std::runtime_error(std::to_string(n)); }\n")
+        try:
+            subprocess.run([*shlex.split(cxx), "-shared", "-fPIC", source, "-o", library],
+                           capture_output=True, check=True)
+        except (OSError, subprocess.CalledProcessError):
+            return None
+        return needs_shared_libstdcxx(library)
+
+
+def use_compilers_with_shared_libstdcxx() -> None:
+    """Keep the environment's CXX unless it links libstdc++ statically; then take the first g++
+    on PATH that does not (and the gcc beside it as CC)."""
+    cxx = os.environ.get("CXX", "c++")
+    if links_libstdcxx_dynamically(cxx) is not False:
+        return
+    for candidate in filter(None, (shutil.which("g++"), shutil.which("c++"))):
+        if links_libstdcxx_dynamically(candidate):
+            gcc = os.path.join(os.path.dirname(candidate), "gcc")
+            print(f"quamba setup: CXX={cxx} links libstdc++ statically, so kernel errors would crash "
+                  f"the process; building with CXX={candidate} instead")
+            os.environ["CXX"] = candidate
+            if os.path.exists(gcc):
+                os.environ["CC"] = gcc
+            return
+    raise RuntimeError(f"CXX={cxx} links libstdc++ statically (kernel errors would crash the "
+                       "process) and no g++ on PATH links it dynamically; set CXX and CC to one that "
+                       "does, or QUAMBA_BUILD_CUDA=0 to skip the extension")
+
+
+def checked_build_ext(cpp_extension):
+    """torch's BuildExtension, refusing a built extension that carries its own libstdc++."""
+    class BuildExtension(cpp_extension.BuildExtension):
+        def build_extension(self, ext):
+            super().build_extension(ext)
+            library = self.get_ext_fullpath(ext.name)
+            if needs_shared_libstdcxx(library) is False:
+                raise RuntimeError(f"{library} links libstdc++ statically: kernel errors would "
+                                   "crash the process; build with a CXX that links it dynamically")
+    return BuildExtension
+
+
 def extension_kwargs() -> dict:
     cpp_extension = load_torch_build_tools()
     if cpp_extension is None:
         return {}
+    use_compilers_with_shared_libstdcxx()
     return {"ext_modules": cuda_extensions(cpp_extension),
-            "cmdclass": {"build_ext": cpp_extension.BuildExtension}}
+            "cmdclass": {"build_ext": checked_build_ext(cpp_extension)}}
 
 
 setup(
