@@ -55,6 +55,7 @@ def save_quantized(model: QuantizedMambaLM, out_dir, tokenizer=None):
     return out_dir
 
 
+@torch.inference_mode(False)  # ordinary tensors under inference_mode too, as quantize() makes
 def from_pretrained(name_or_path, device="cpu", dtype=None, backend: str | None = None,
                     ssm_mode: str | None = None, tokenizer=None):
     """Load a quantized checkpoint (local directory or Hub id). Returns ``(model, tokenizer)``.

@@ -32,6 +32,7 @@ _SCALE_OF_KIND = {
 }
 
 
+@torch.inference_mode(False)  # the quantized model's tensors stay ordinary ones (see below)
 def quantize(model: MambaLMHeadModel, tokenizer=None, config: QuantConfig | None = None,
              calib_data=None, progress: bool = True) -> QuantizedMambaLM:
     """Quantize an FP Mamba1 LM with the Quamba recipe (W8A8, W4A8, or weight-only W4A16);
@@ -41,7 +42,9 @@ def quantize(model: MambaLMHeadModel, tokenizer=None, config: QuantConfig | None
     ``quamba.calibrate.load_calibration_set`` accepts (hub id, datasets.Dataset, list of
     strings, .txt/.jsonl path); None → ``config.calib_source``. W4A16 calibrates nothing and
     ignores it (GPTQ reads ``config.gptq_source``). The FP model is kept for the fp16 mode.
-    Same model, data and seed → bit-identical scales.
+    Same model, data and seed → bit-identical scales. Called under ``torch.inference_mode``, it
+    still builds ordinary tensors: the CUDA backend caches per-weight constants against their
+    version counters, which inference tensors lack.
     """
     from quamba.quantization.rotation import rotate_model_
 

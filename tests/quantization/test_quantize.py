@@ -351,3 +351,19 @@ def test_w4a8_gptq_lowers_the_layer_error_on_held_out_text(fp_model, calib_set, 
         assert top1_agreement(gptq(held_out_ids), model(held_out_ids)) > 0.7
     with pytest.raises(QuambaError, match="GPTQ applies to 4-bit weights"):
         quant_config(apply_gptq=True)
+
+
+def test_quantized_and_reloaded_models_hold_ordinary_tensors_under_inference_mode(fp_model, calib_set,
+                                                                                   held_out_ids, tmp_path):
+    """The CUDA backend caches per-weight constants against version counters, which inference
+    tensors lack: quantize and from_pretrained build ordinary tensors even under inference_mode."""
+    model, tokenizer = fp_model
+    with torch.inference_mode():
+        qmodel = quamba.quantize(model, tokenizer, quant_config(w_bits=4, a_bits=8, group_size=64),
+                                 calib_data=calib_set, progress=False)
+        qmodel.save_pretrained(tmp_path / "q")
+        reloaded, _ = quamba.from_pretrained(tmp_path / "q", tokenizer=False)
+        for m in (qmodel, reloaded):
+            assert not any(t.is_inference() for t in list(m.buffers()) + list(m.parameters()))
+        ids = held_out_ids[:1, :32]
+        assert torch.equal(qmodel(ids), reloaded(ids))

@@ -60,7 +60,8 @@ def _epilogue_multiplier(x_scale, weight_scale, out_scale, weight):
     """(scalar, None) for one multiplier, (0.0, fp32 [N] on the weight's device) per channel."""
     if all(s is None or isinstance(s, (int, float)) for s in (x_scale, weight_scale, out_scale)):
         return _scalar_multiplier(x_scale, weight_scale, out_scale), None
-    cacheable = isinstance(weight_scale, torch.Tensor) and all(
+    # an inference tensor (made under torch.inference_mode) has no version counter to key on
+    cacheable = isinstance(weight_scale, torch.Tensor) and not weight_scale.is_inference() and all(
         s is None or isinstance(s, (int, float)) for s in (x_scale, out_scale))
     if cacheable:
         key = (weight_scale._version, x_scale, out_scale, weight.device)

@@ -86,11 +86,14 @@ def _w4a16_linear_channel_major_cuda(x, weight_packed, scales, group_size, out_d
 
 def check_expandable(weight_packed: torch.Tensor, group_multiplier: torch.Tensor, group_size: int) -> None:
     """Raises W4A8OverflowError unless every code × group multiplier of the weight fits int8.
-    Checked on the device once per weight and cached (see the module docstring)."""
-    state = (group_multiplier, group_multiplier._version, weight_packed._version, group_size)
-    cached = _EXPANDABLE.get(weight_packed)
-    if cached is not None and cached[0] is state[0] and cached[1:] == state[1:]:
-        return
+    Checked on the device once per weight and cached (see the module docstring); in every call
+    for inference tensors (made under torch.inference_mode), which have no version counter."""
+    cacheable = not (weight_packed.is_inference() or group_multiplier.is_inference())
+    if cacheable:
+        state = (group_multiplier, group_multiplier._version, weight_packed._version, group_size)
+        cached = _EXPANDABLE.get(weight_packed)
+        if cached is not None and cached[0] is state[0] and cached[1:] == state[1:]:
+            return
     overflow = torch.zeros(1, dtype=torch.int32, device=weight_packed.device)
     scratch = torch.empty(weight_packed.shape[0], 2 * weight_packed.shape[1], dtype=torch.int8,
                           device=weight_packed.device)
@@ -100,4 +103,5 @@ def check_expandable(weight_packed: torch.Tensor, group_multiplier: torch.Tensor
             "w4a8_linear: the prefill GEMM runs on int8 code × group_multiplier, and this weight has "
             "products outside [-128, 127] (group multipliers must lie in 1…18 for codes in -7…7); "
             "requantize it with the current quamba.ops.quant4 rule")
-    _EXPANDABLE[weight_packed] = state
+    if cacheable:
+        _EXPANDABLE[weight_packed] = state
