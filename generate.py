@@ -20,6 +20,7 @@ import torch
 from main import add_model_arguments, model_request
 from quamba import QuambaError
 from quamba.cli_support import prepare_model
+from quamba.ops import backend
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, object]:
@@ -99,14 +100,15 @@ def generate(args) -> None:
                   generator=torch.Generator(device=prepared.device).manual_seed(args.seed))
     if args.ignore_eos:
         kwargs["eos_token_id"] = -1
-    if args.cache_graph:  # capture outside the timed run
-        model.generate(ids[:, :1], max_new_tokens=1, cache_graph=True)
     if args.streaming:
         print(args.prompt if args.promptlen is None else "", end="", flush=True)
         kwargs["streamer"] = _Printer(tokenizer)
-    start = _now(prepared.device)
-    output = model.generate(ids, **kwargs)
-    seconds = _now(prepared.device) - start
+    with backend.recording() as ran:
+        if args.cache_graph:  # capture outside the timed run
+            model.generate(ids[:, :1], max_new_tokens=1, cache_graph=True)
+        start = _now(prepared.device)
+        output = model.generate(ids, **kwargs)
+        seconds = _now(prepared.device) - start
     new_tokens = output.shape[1] - ids.shape[1]
     if args.streaming:
         print()
@@ -117,6 +119,17 @@ def generate(args) -> None:
     print(f"{new_tokens} new tokens x batch {args.batch} after a {ids.shape[1]}-token prompt in "
           f"{seconds * 1e3:.1f} ms ({seconds * 1e3 / max(new_tokens, 1):.2f} ms per token, prefill "
           f"included; cache_graph {args.cache_graph})", file=sys.stderr)
+    print(backends_line(ran, prepared.device), file=sys.stderr)
+
+
+def backends_line(ran: dict, device) -> str:
+    """The backend of every op that ran, and on a GPU which ran their slow torch references."""
+    line = "backends: " + ", ".join(f"{op} {'+'.join(sorted(names))}" for op, names in sorted(ran.items()))
+    slow = backend.on_reference(ran, list(ran)) if str(device).startswith("cuda") else []
+    if slow:
+        line += (f"\nwarning: on {device} these ops ran their torch references (slow): "
+                 f"{', '.join(slow)}; {backend.ENV_HELP}")
+    return line
 
 
 def _now(device) -> float:

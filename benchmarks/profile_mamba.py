@@ -25,6 +25,12 @@ bandwidth. Every row also records how long a graphed step's launch keeps the GPU
 prefill (torch profiler) for every row, and of the graphed decode step as replayed, with the GPU's
 idle time between its kernels; the profiles run in a child process after the timings.
 Quantized models are calibrated on random tokens: their scales are meaningless, their speed is not.
+
+Every quamba row records the backend of each op that ran in it (`backends`, from
+quamba.ops.backend.recording). A quantized op that ran its torch reference on the GPU makes a
+number that says nothing about the kernels: the script then prints which ops and why, and exits
+with status 1 (`--allow_reference_ops` accepts it); FP ops on their references are allowed only
+with --reference_fp_ops.
 """
 from __future__ import annotations
 
@@ -46,7 +52,7 @@ from quamba import QuantConfig, quantize
 from quamba.models.config import PRESETS, preset_config
 from quamba.models.generation import GraphedStep, graphed_decoder
 from quamba.models.mamba import MambaLMHeadModel, randomize_
-from quamba.ops import fp_kernels
+from quamba.ops import backend, fp_kernels
 
 PRECISIONS = {"fp16": None, "w8a8": (8, 8), "w4a8": (4, 8), "w4a16": (4, 16)}
 FP_MIXER = ("fp16", "w4a16")  # run mamba-ssm's conv and scan kernels, or their torch references
@@ -71,6 +77,9 @@ def parse_args(argv=None):
     parser.add_argument("--reference_fp_ops", action="store_true",
                         help="without mamba-ssm, time fp16 and w4a16 on the torch references of its "
                              "conv and scan kernels (minutes per row; skipped otherwise)")
+    parser.add_argument("--allow_reference_ops", action="store_true",
+                        help="accept quantized ops that ran their torch reference on the GPU (the "
+                             "run otherwise exits with status 1: its numbers are not the kernels')")
     parser.add_argument("--breakdown", action="store_true",
                         help="per-kernel GPU time of one decode step (eager and graphed) and one "
                              "prefill, profiled in a child process after the timings")
@@ -358,9 +367,12 @@ def run(args) -> dict:
 
 def measure_quamba(name: str, model, prompt, args, bandwidth) -> dict:
     release()
-    with torch.inference_mode():
+    with torch.inference_mode(), backend.recording() as ran:
         runner = QuambaRunner(model, args.batch)
         row = measure(name, runner, weight_bytes(model), prompt, args, bandwidth)
+    row["backends"] = {op: "+".join(sorted(names)) for op, names in sorted(ran.items())}
+    row["reference_ops"] = backend.on_reference(ran)
+    row["reference_fp_ops"] = backend.on_reference(ran, backend.fp_ops())
     release(runner)
     return row
 
@@ -435,8 +447,35 @@ def main(argv=None) -> int:
         if "graph_launch" in row:
             print(f"{row['name']}: graph launch, µs: " +
                   ", ".join(f"{key} {value:.1f}" for key, value in row["graph_launch"].items()))
+        if "backends" in row:
+            print(f"{row['name']}: backends: " +
+                  ", ".join(f"{op} {name}" for op, name in row["backends"].items()))
     write_json(args.out, result)
-    return 0
+    return check_backends(result["rows"], args)
+
+
+def check_backends(rows: list[dict], args) -> int:
+    """1 (with the reasons printed) when a row ran a quantized op on its torch reference and
+    --allow_reference_ops was not given, or an FP op without --reference_fp_ops; else 0."""
+    failed = False
+    for row in rows:
+        for key, allowed, flag in (("reference_ops", args.allow_reference_ops, "--allow_reference_ops"),
+                                   ("reference_fp_ops", args.reference_fp_ops, "--reference_fp_ops")):
+            if row.get(key) and not allowed:
+                failed = True
+                print(f"error: row {row['name']!r} ran ops on their torch references, so its times "
+                      f"are not the kernels' ({flag} accepts that): {why_reference(row[key])}",
+                      file=sys.stderr)
+    return 1 if failed else 0
+
+
+def why_reference(ops: list[str]) -> str:
+    """'op, op: reason; ...' for ops that ran their torch reference on the GPU."""
+    by_reason = defaultdict(list)
+    for op in ops:
+        reason = backend.cuda_missing(op, torch.device("cuda")) or "QUAMBA_BACKEND or --backend asked for it"
+        by_reason[reason].append(op)
+    return "; ".join(f"{', '.join(names)}: {reason}" for reason, names in by_reason.items())
 
 
 if __name__ == "__main__":

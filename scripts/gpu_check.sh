@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The one command for a GPU machine: install the carried packages, build quamba._C in place, run the
-# GPU tests and every benchmarks/bench_*.py, and print a summary table. Logs and the benchmarks'
+# The one command for a GPU machine: install quamba as the README says (building quamba._C), print
+# the environment (python -m quamba.env --strict: fails where a quantized op would fall back to its
+# torch reference), run the GPU tests and every benchmarks/bench_*.py, and print a summary table. Logs and the benchmarks'
 # JSON go to $OUT when set (the lent GPU machine), else to logs/gpu_check/.
 #
 #   scripts/gpu_check.sh [--baseline] [--no-build] [--sanitizer] [--no-bench] [--no-tests] [--quick]
@@ -67,48 +68,12 @@ step() {
   return "$status"
 }
 
-install_wheels() {
-  local wheels=(.whl/*.whl)
-  [ -e "${wheels[0]}" ] || { echo "no wheels in .whl/"; return 0; }
-  "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/quamba_site "${wheels[@]}"
-}
-
-# mamba-ssm and causal-conv1d compile for a long list of architectures; keep only sm_90.
-build_baseline() {
-  local dir=/tmp/quamba_baseline
-  rm -rf "$dir" && mkdir -p "$dir"
-  for sdist in .whl/causal_conv1d-*.tar.gz .whl/mamba_ssm-*.tar.gz; do
-    tar -xzf "$sdist" -C "$dir" || return 1
-  done
-  "$PYTHON" - "$dir"/*/setup.py <<'EOF' || return 1
-import re, sys
-gencode = re.compile(r'^([ \t]*)cc_flag\.append\("-gencode"\)[ \t]*\n[ \t]*cc_flag\.append\("arch=compute_(\d+),code=sm_\d+"\)',
-                     re.M)
-for path in sys.argv[1:]:
-    text = open(path).read()
-    text, count = gencode.subn(lambda m: m.group(0) if m.group(2) == "90" else m.group(1) + "pass", text)
-    assert count, f"no -gencode flags found in {path}"
-    open(path, "w").write(text)
-EOF
-  MAMBA_FORCE_BUILD=TRUE CAUSAL_CONV1D_FORCE_BUILD=TRUE TORCH_CUDA_ARCH_LIST=9.0 \
-    "$PYTHON" -m pip install --no-build-isolation --no-deps --no-index "$dir"/causal_conv1d-* "$dir"/mamba_ssm-* &&
-    "$PYTHON" -c "import causal_conv1d, mamba_ssm; print('mamba_ssm', mamba_ssm.__version__, 'ready')"
-}
-
-# Extensions must link libstdc++ dynamically: one with its own static copy (the image's
-# CXX=/opt/gcc/bin/g++ did that) crashes on its first number formatted into a stream, i.e. in the
-# first TORCH_CHECK message that reports a size. Hence the system compilers, and this check.
-use_system_compilers() {
-  export CC CXX
-  CC=$(command -v gcc) CXX=$(command -v g++)
-}
-
+# The README's GPU install, offline: the CUTLASS headers' wheel from .whl/ (without its Python
+# dependencies, which a header build does not use), then quamba in editable mode (setup.py picks a
+# compiler that links libstdc++ dynamically and checks the built library).
 build_extension() {
-  "$PYTHON" setup.py build_ext --inplace || return 1
-  if ! ldd quamba/_C*.so | grep -q libstdc++; then
-    echo "quamba._C links libstdc++ statically (CXX=$CXX): its error messages would crash"; return 1
-  fi
+  "$PYTHON" -m pip install -q --no-index --no-deps .whl/nvidia_cutlass-*.whl || return 1
+  "$PYTHON" -m pip install --no-build-isolation --no-deps --no-index -e . || return 1
   "$PYTHON" -c "import quamba._C; print('quamba._C built')"
 }
 
@@ -136,8 +101,6 @@ run_benchmarks() {
 
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; "$PYTHON" -c \
   "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"; nvcc --version | tail -1; } 2>&1 | tee -a "$LOG"
-use_system_compilers
-step install-wheels install_wheels && export PYTHONPATH=$PWD:/tmp/quamba_site${PYTHONPATH:+:$PYTHONPATH}
 run_e2e() {
   local config batch status=0
   for config in ${E2E_CONFIGS:-130m 2.8b}; do
@@ -158,12 +121,13 @@ wait_for_baseline() {
 
 if [ "$BASELINE" = 1 ] && [ "$BUILD" = 1 ]; then
   rm -f "$LOG_DIR/baseline.status"
-  { build_baseline >"$LOG_DIR/baseline.log" 2>&1; echo $? >"$LOG_DIR/baseline.status"; } &
+  { scripts/build_baseline.sh >"$LOG_DIR/baseline.log" 2>&1; echo $? >"$LOG_DIR/baseline.status"; } &
 fi
 BUILT=1
 [ "$BUILD" = 1 ] && { step build-quamba build_extension || BUILT=0; }
 [ "$BASELINE" = 1 ] && [ "$BUILD" = 1 ] && step build-baseline wait_for_baseline
 if [ "$BUILT" = 1 ]; then
+  step environment "$PYTHON" -m quamba.env --strict  # quamba._C loads and runs every quantized op
   [ "$TESTS" = 1 ] && step gpu-tests run_tests
   [ "$BENCH" = 1 ] && step benchmarks run_benchmarks
   [ "$E2E" = 1 ] && step e2e run_e2e

@@ -9,6 +9,7 @@ def test_generates_text_from_a_prompt(tiny_model_dir, capsys):
     out, err = capsys.readouterr()
     assert out.startswith("The king said") and len(out.strip()) > len("The king said")
     assert "6 new tokens x batch 1 after a" in err
+    assert "backends: " in err and "selective_scan torch" in err  # the CPU runs the references
 
 
 def test_random_prompt_batch_and_sampling(tiny_model_dir, capsys):
