@@ -21,7 +21,9 @@ def test_runs_as_a_module_and_prints_json(repo_root):
     done = subprocess.run([sys.executable, "-m", "quamba.env", "--json", "--strict"], cwd=repo_root,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout)["extension"]["file"] is None or "loads" in done.stdout
+    info = json.loads(done.stdout)
+    assert {"quamba", "packages", "gpus", "extension", "fp_kernels"} <= set(info)
+    assert info["extension"]["loads"] == (info["extension"]["error"] is None)
 
 
 def test_strict_fails_when_a_quantized_op_would_run_its_reference_on_the_gpu(monkeypatch, capsys):
