@@ -124,7 +124,7 @@ def generate(args) -> None:
 
 def backends_line(ran: dict, device) -> str:
     """The backend of every op that ran, and on a GPU which ran their slow torch references."""
-    line = "backends: " + ", ".join(f"{op} {'+'.join(sorted(names))}" for op, names in sorted(ran.items()))
+    line = "backends: " + ", ".join(f"{op} {name}" for op, name in backend.summary(ran).items())
     slow = backend.on_reference(ran, list(ran)) if str(device).startswith("cuda") else []
     if slow:
         line += (f"\nwarning: on {device} these ops ran their torch references (slow): "

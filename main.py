@@ -1,8 +1,10 @@
-"""quamba command line: load or quantize a Mamba LM, evaluate it, record the run as JSON.
+"""quamba command line: load or quantize a Mamba LM (or a Vision Mamba classifier), evaluate it,
+record the run as JSON.
 
     python main.py state-spaces/mamba-130m --quantize --eval_zero_shot --pretrained_dir pretrained
     python main.py quamba-mamba-130m-w8a8 --pretrained_dir pretrained --ssm_mode fp32-ssm-input \
         --eval_zero_shot
+    python main.py tests/fixtures/tiny-vim --quantize --calib_data digits --eval_image digits
 
 Everything happens in the library (quamba.cli_support, quamba.eval.run); this file only maps
 flags onto it. Errors in the input print ``error: <message>`` and exit with status 2.
@@ -77,8 +79,11 @@ def build_parser() -> tuple[argparse.ArgumentParser, _Flags]:
                    "wikitext2_test_docs.jsonl, else the Hub) or a .txt/.jsonl file (default wikitext2)")
     flags.add(group, "--ppl_window", type=int, default=2048,
               help="tokens per perplexity window (default 2048)")
+    flags.add(group, "--eval_image", metavar="digits|DIR",
+              help="top-1 accuracy of a Vision Mamba classifier on scikit-learn's 8x8 digits (test "
+                   "split) or an ImageFolder directory (one subdirectory of images per class)")
     flags.add(group, "--batch_size", type=int, default=16,
-              help="sequences per forward pass (default 16)")
+              help="sequences (or images) per forward pass (default 16)")
     flags.add(group, "--log_dir", default="logs", metavar="DIR",
               help="directory of the run's JSON record, one new file per run (default logs)")
     return parser, flags
@@ -131,8 +136,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> _Flags:
     flags.add(group, "--percentile_alpha", type=float, default=0.9995, metavar="A",
               help="percentile of the SSM input and state scales (default 0.9995)")
     flags.add(group, "--calib_data", metavar="SOURCE",
-              help="calibration text: Hub dataset id or .txt/.jsonl file "
-                   "(default: QuantConfig's, the Pile validation split)")
+              help="calibration text: Hub dataset id or .txt/.jsonl file (default: QuantConfig's, "
+                   "the Pile validation split); for a Vision Mamba classifier, images: digits (its "
+                   "train split) or an ImageFolder directory")
     flags.add(group, "--calib_data_num", type=int, default=512, help="calibration samples (default 512)")
     flags.add(group, "--calib_seqlen", type=int, default=512,
               help="tokens per calibration sample (default 512)")
@@ -154,10 +160,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(flags.normalize(sys.argv[1:] if argv is None else list(argv)))
     if args.fewshot is not None and not args.eval_few_shot:
         parser.error("--fewshot needs --eval_few_shot")
-    evaluates = args.eval_zero_shot or args.eval_few_shot or args.eval_ppl
+    evaluates = args.eval_zero_shot or args.eval_few_shot or args.eval_ppl or args.eval_image
     if not evaluates and not (args.quantize and args.pretrained_dir):
-        parser.error("nothing to do: give --eval_zero_shot, --eval_few_shot or --eval_ppl, "
-                     "or --quantize with --pretrained_dir to quantize and save")
+        parser.error("nothing to do: give --eval_zero_shot, --eval_few_shot, --eval_ppl or "
+                     "--eval_image, or --quantize with --pretrained_dir to quantize and save")
     return args
 
 
@@ -182,7 +188,7 @@ def eval_plan(args: argparse.Namespace) -> EvalPlan:
         tasks=tuple(name.strip() for name in args.task_list.split(",") if name.strip()),
         limit=TESTING_LIMIT if args.testing else None, perplexity=args.eval_ppl,
         ppl_dataset=args.ppl_dataset, ppl_window=args.ppl_window, batch_size=args.batch_size,
-        task_data=args.task_data, log_dir=args.log_dir, seed=args.seed)
+        task_data=args.task_data, log_dir=args.log_dir, seed=args.seed, image_set=args.eval_image)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -201,6 +207,10 @@ def main(argv: list[str] | None = None) -> int:
         ppl = record["perplexity"]
         print(f"perplexity {ppl['dataset']}: {ppl['perplexity']:.4f} ({ppl['bits_per_byte']:.4f} bits "
               f"per byte, {ppl['tokens']} tokens, {ppl['windows']} windows of {ppl['window']})")
+    if "image_classification" in record:
+        acc = record["image_classification"]
+        print(f"top-1 {acc['dataset']}: {acc['top1']:.4f} ± {acc['top1_stderr']:.4f} "
+              f"({acc['num_images']} images)")
     if path is not None:
         print(f"run record: {path}")
     return 0

@@ -206,6 +206,8 @@ setup(
         "tqdm",  # progress of calibration and evaluation
         "matplotlib",  # mode-comparison charts
         "numpy",
+        "scikit-learn",  # its bundled 8x8 digits: the offline image set of the Vision Mamba tests
+        "pillow",  # ImageFolder image sets for Vision Mamba evaluation
     ],
     extras_require={"dev": ["pytest"]},
     **extension_kwargs(),

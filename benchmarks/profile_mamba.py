@@ -370,7 +370,7 @@ def measure_quamba(name: str, model, prompt, args, bandwidth) -> dict:
     with torch.inference_mode(), backend.recording() as ran:
         runner = QuambaRunner(model, args.batch)
         row = measure(name, runner, weight_bytes(model), prompt, args, bandwidth)
-    row["backends"] = {op: "+".join(sorted(names)) for op, names in sorted(ran.items())}
+    row["backends"] = backend.summary(ran)
     row["reference_ops"] = backend.on_reference(ran)
     row["reference_fp_ops"] = backend.on_reference(ran, backend.fp_ops())
     release(runner)

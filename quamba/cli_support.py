@@ -89,7 +89,8 @@ class PreparedModel:
 
     @property
     def dtype(self) -> str:
-        return str(self.model.backbone.embedding.weight.dtype).replace("torch.", "")
+        dtype = getattr(self.model, "dtype", None) or self.model.backbone.embedding.weight.dtype
+        return str(dtype).replace("torch.", "")
 
     def summary(self) -> str:
         """The one line a run logs at its start."""

@@ -14,6 +14,7 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA_DIR = REPO_ROOT.parent / "shared" / "data"  # the repo is cloned next to shared/
 TINY_MODEL_DIR = REPO_ROOT / "tests" / "fixtures" / "tiny-mamba"
+TINY_VIM_DIR = REPO_ROOT / "tests" / "fixtures" / "tiny-vim"
 
 _DATASETS_CACHE = tempfile.mkdtemp(prefix="quamba-tests-datasets-")
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -41,3 +42,9 @@ def shared_data_dir() -> Path:
 def tiny_model_dir() -> Path:
     """The trained test model (scripts/train_tiny_mamba.py writes it)."""
     return TINY_MODEL_DIR
+
+
+@pytest.fixture(scope="session")
+def tiny_vim_dir() -> Path:
+    """The trained test classifier (scripts/train_tiny_vim.py writes it)."""
+    return TINY_VIM_DIR

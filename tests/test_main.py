@@ -253,3 +253,35 @@ def test_w4a16_from_the_command_line_and_reuse(model_dir, tmp_path, capsys, capl
                                        "--ssm_mode", "int8", "--eval_ppl", "--ppl_dataset", text,
                                        "--log_dir", tmp_path]]) == 2
     assert "error: SSM mode 'int8' needs 8-bit activations" in capsys.readouterr().err
+
+
+def test_vision_classifier_quantized_and_evaluated_on_digits(tiny_vim_dir, tmp_path, capsys):
+    pretrained, logs = tmp_path / "pretrained", tmp_path / "logs"
+    argv = [tiny_vim_dir, "--quantize", "--calib_data", "digits", "--calib_data_num", "64",
+            "--pretrained_dir", pretrained, "--eval_image", "digits", "--log_dir", logs]
+    assert main.main([str(a) for a in argv]) == 0
+    assert "top-1 digits-test: 0.9" in capsys.readouterr().out
+    record = json.loads(next(logs.iterdir()).read_text())
+    result = record["image_classification"]
+    assert result["num_images"] == 360 and len(result["correct"]) == 360
+    assert record["model"]["quant_config"]["calib_source"] == "digits"
+    assert (pretrained / "quamba-tiny-vim-w8a8" / "config.json").is_file()
+    assert main.main([str(a) for a in ["quamba-tiny-vim-w8a8", "--pretrained_dir", pretrained,
+                                       "--fp32-ssm-input", "--eval_image", "digits", "--log_dir", logs]]) == 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--eval_image", "digits", "--eval_ppl"], "image classification and language tasks"),
+    (["--eval_ppl"], "evaluate it with --eval_image"),
+    (["--eval_image", "no-such-dir"], "neither digits nor a directory"),
+    (["--quantize", "--eval_image", "digits"], "calibrated on images"),
+])
+def test_vision_flag_mistakes_are_one_line_errors(tiny_vim_dir, tmp_path, capsys, argv, message):
+    assert main.main([str(tiny_vim_dir), *argv, "--log_dir", str(tmp_path)]) == 2
+    assert message in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_eval_image_needs_a_classifier(model_dir, tmp_path, capsys):
+    argv = [str(model_dir), "--tokenizer", TOKENIZER, "--eval_image", "digits", "--log_dir", str(tmp_path)]
+    assert main.main(argv) == 2
+    assert "needs a Vision Mamba classifier" in capsys.readouterr().err

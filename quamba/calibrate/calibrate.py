@@ -27,6 +27,13 @@ DEFAULT_OBSERVERS = MappingProxyType({
     "out_proj.input": _ABSMAX,  # after the online Hadamard, if the model was rotated
 })
 TENSOR_KINDS = tuple(DEFAULT_OBSERVERS)
+# The backward branch of a bidirectional (Vision Mamba) mixer: observed as the forward kinds.
+BACKWARD_KINDS = ("x_proj_b.input", "x_proj_b.output", "dt_proj_b.output")
+
+
+def base_kind(kind: str) -> str:
+    """The kind whose observer a backward-branch kind uses ("x_proj_b.input" → "x_proj.input")."""
+    return kind.replace("_b.", ".")
 
 
 @torch.no_grad()
@@ -54,6 +61,29 @@ def calibrate(model, calib: CalibrationSet | torch.Tensor,
             model(ids, cache=cache, num_last_tokens=1)
             for layer, state in enumerate(cache.states):
                 recorder.observe(layer, "ssm_state", state.ssm)
+    return recorder.results()
+
+
+@torch.no_grad()
+def calibrate_images(model, images: torch.Tensor, observers: dict[str, ObserverSpec] | None = None,
+                     batch_size: int = 8, progress: bool = True) -> dict[int, dict[str, float]]:
+    """Clipping ranges ``{layer: {kind: range}}`` of a Vision Mamba classifier over ``images``
+    [n, C, H, W] (normalized as the model expects): the forward kinds of ``calibrate`` but the SSM
+    state (a bidirectional model keeps none), and the backward branch's (BACKWARD_KINDS)."""
+    if not isinstance(images, torch.Tensor) or images.dim() != 4 or not images.is_floating_point():
+        raise CalibrationError("calibration images must be a float tensor [num_images, C, H, W]")
+    if images.shape[0] == 0:
+        raise CalibrationError("there are no calibration images")
+    if not torch.isfinite(images).all():
+        raise CalibrationError("calibration images hold NaN or infinite values")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
+        raise CalibrationError(f"batch_size must be a positive integer, got {batch_size!r}")
+    recorder = _Recorder(_observer_specs(observers), num_samples=images.shape[0])
+    parameter = next(model.parameters())
+    batches = range(0, images.shape[0], batch_size)
+    with _observing(model, recorder):
+        for start in tqdm(batches, desc="calibrating", unit="batch", disable=not progress):
+            model(images[start:start + batch_size].to(parameter.device, parameter.dtype))
     return recorder.results()
 
 
@@ -87,13 +117,14 @@ class _Recorder:
         key = (layer, kind)
         if key not in self.observers:
             per_sample = tensor.numel() // tensor.shape[0]
-            self.observers[key] = make_observer(self.specs[kind], f"layer {layer} {kind}",
+            self.observers[key] = make_observer(self.specs[base_kind(kind)], f"layer {layer} {kind}",
                                                 expected_numel=per_sample * self.num_samples)
         self.observers[key].update(tensor)
 
     def results(self) -> dict[int, dict[str, float]]:
         layers = sorted({layer for layer, _ in self.observers})
-        return {layer: {kind: self.observers[layer, kind].result() for kind in TENSOR_KINDS}
+        return {layer: {kind: self.observers[layer, kind].result()
+                        for kind in TENSOR_KINDS + BACKWARD_KINDS if (layer, kind) in self.observers}
                 for layer in layers}
 
 
@@ -106,9 +137,13 @@ def _observing(model, recorder: _Recorder):
         for layer, mixer in enumerate(model.mixers()):
             handles += [
                 mixer.in_proj.register_forward_hook(_in_proj_hook(recorder, layer)),
-                mixer.x_proj.register_forward_hook(_x_proj_hook(recorder, layer, mixer)),
+                mixer.x_proj.register_forward_hook(_x_proj_hook(recorder, layer, mixer.dt_rank,
+                                                                mixer.dt_proj)),
                 mixer.out_proj.register_forward_hook(_out_proj_hook(recorder, layer)),
             ]
+            if hasattr(mixer, "x_proj_b"):  # the backward branch of a bidirectional mixer
+                handles.append(mixer.x_proj_b.register_forward_hook(
+                    _x_proj_hook(recorder, layer, mixer.dt_rank, mixer.dt_proj_b, "_b")))
         yield
     finally:
         for handle in handles:
@@ -122,15 +157,15 @@ def _in_proj_hook(recorder: _Recorder, layer: int):
     return hook
 
 
-def _x_proj_hook(recorder: _Recorder, layer: int, mixer):
+def _x_proj_hook(recorder: _Recorder, layer: int, dt_rank: int, dt_proj, suffix: str = ""):
     """Observes x_proj's input and output, and dt: the mixer computes dt = dt_low @ dt_proj.weight.T
     with F.linear (no module call, the bias is added in the scan), so it is recomputed here the
-    same way."""
+    same way. ``suffix`` "_b" names a backward branch's kinds."""
     def hook(module, inputs, output):
-        recorder.observe(layer, "x_proj.input", inputs[0])
-        recorder.observe(layer, "x_proj.output", output)
-        dt_low = output[..., :mixer.dt_rank]
-        recorder.observe(layer, "dt_proj.output", F.linear(dt_low, mixer.dt_proj.weight))
+        recorder.observe(layer, f"x_proj{suffix}.input", inputs[0])
+        recorder.observe(layer, f"x_proj{suffix}.output", output)
+        dt_low = output[..., :dt_rank]
+        recorder.observe(layer, f"dt_proj{suffix}.output", F.linear(dt_low, dt_proj.weight))
     return hook
 
 

@@ -1,4 +1,5 @@
-"""Evaluation runs: lm-eval tasks and perplexity on a prepared model, recorded as one JSON file.
+"""Evaluation runs: lm-eval tasks and perplexity on a prepared model (or the top-1 accuracy of a
+Vision Mamba classifier, quamba.eval.images), recorded as one JSON file.
 
 :func:`evaluate_zero_shot` runs lm-eval tasks through the quamba adapter and keeps, besides
 lm-eval's metrics with their standard errors, each document's 0/1 correctness per metric, so
@@ -181,6 +182,7 @@ class EvalPlan:
     task_data: str | None = None
     log_dir: str = "logs"
     seed: int = 0
+    image_set: str | None = None  # top-1 accuracy of a Vision Mamba classifier on this set
 
     def check(self) -> None:
         """Fail on bad options before any model is loaded."""
@@ -196,10 +198,30 @@ class EvalPlan:
         if self.perplexity and self.ppl_dataset != "wikitext2" and not Path(self.ppl_dataset).is_file():
             raise QuambaError(
                 f"perplexity dataset {self.ppl_dataset!r} is neither wikitext2 nor an existing file")
+        if self.image_set is not None and self.runs_language_tasks:
+            raise QuambaError("image classification and language tasks need different models: run "
+                              "them separately")
+        if self.image_set not in (None, "digits") and not Path(self.image_set).is_dir():
+            raise QuambaError(f"image set {self.image_set!r} is neither digits nor a directory")
+
+    @property
+    def runs_language_tasks(self) -> bool:
+        return self.zero_shot or self.few_shot is not None or self.perplexity
 
     @property
     def runs_anything(self) -> bool:
-        return self.zero_shot or self.few_shot is not None or self.perplexity
+        return self.runs_language_tasks or self.image_set is not None
+
+
+def check_model_fits(model, plan: EvalPlan) -> None:
+    """Language tasks need a language model, image classification a Vision Mamba classifier."""
+    from quamba.models.vision import VisionMamba
+    vision = isinstance(model, VisionMamba)
+    if vision and plan.runs_language_tasks:
+        raise QuambaError("this is a Vision Mamba classifier: evaluate it with --eval_image, not "
+                          "language tasks")
+    if plan.image_set is not None and not vision:
+        raise QuambaError("--eval_image needs a Vision Mamba classifier; this is a language model")
 
 
 def execute_run(request, plan: EvalPlan, config: dict | None = None) -> tuple[dict, Path | None]:
@@ -212,6 +234,7 @@ def execute_run(request, plan: EvalPlan, config: dict | None = None) -> tuple[di
     torch.manual_seed(plan.seed)
     started = time.perf_counter()
     prepared = prepare_model(request)
+    check_model_fits(prepared.model, plan)
     log.info("%s", prepared.summary())
     timings = {"prepare_model_s": time.perf_counter() - started}
     record = {"config": {"model_request": asdict(request), "plan": asdict(plan), **(config or {})},
@@ -231,6 +254,13 @@ def execute_run(request, plan: EvalPlan, config: dict | None = None) -> tuple[di
         record["perplexity"] = evaluate_perplexity(prepared.model, prepared.tokenizer, plan.ppl_dataset,
                                                    plan.task_data, plan.ppl_window, plan.batch_size)
         timings["perplexity_s"] = time.perf_counter() - began
+    if plan.image_set is not None:
+        from quamba.eval.images import evaluate_images, load_image_set
+        began = time.perf_counter()
+        config = prepared.model.config
+        images = load_image_set(plan.image_set, "test", config.img_size, config.channels)
+        record["image_classification"] = evaluate_images(prepared.model, images, plan.batch_size)
+        timings["image_classification_s"] = time.perf_counter() - began
     timings["total_s"] = time.perf_counter() - started
     if not plan.runs_anything:
         return record, None

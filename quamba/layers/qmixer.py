@@ -39,31 +39,35 @@ class QMambaMixer(QuantModule):
         self.d_inner, self.d_state, self.d_conv, self.dt_rank = d_inner, d_state, d_conv, dt_rank
         self.hadamard = hadamard
         self.out_dtype = out_dtype
-        for name in ACTIVATION_SCALES:
+        self.weight_bits, self.group_size = weight_bits, group_size
+        for name in scales:
             self.register_scale(name, scales[name])
-        xz, xdbl = scales["xz_scale"], scales["xdbl_scale"]
-
-        def linear(in_features, out_features, in_scale, out_scale, dtype=torch.float16):
-            if weight_bits == 4:
-                return W4A8Linear(in_features, out_features, in_scale, out_scale, dtype,
-                                  group_size, device)
-            return W8A8Linear(in_features, out_features, in_scale, out_scale, dtype, device)
-
-        self.in_proj = linear(d_model, 2 * d_inner, h_scale, xz)
-        self.x_proj = linear(d_inner, dt_rank + 2 * d_state, scales["u_scale"], xdbl)
-        # dt_proj stays W8A8 in every recipe: its K (dt_rank) is too small for 4-bit groups
-        self.dt_proj = W8A8Linear(dt_rank, d_inner, xdbl, scales["dt_scale"], device=device)
-        self.out_proj = linear(d_inner, d_model, scales["y_scale"], None, out_dtype)
-        int8 = dict(dtype=torch.int8, device=device)
-        self.register_buffer("conv_weight", torch.zeros(d_inner, d_conv, **int8))
-        self.register_buffer("conv_bias", torch.zeros(d_inner, **int8))
-        self.register_buffer("A_log", torch.zeros(d_inner, d_state, **int8))
-        self.register_buffer("D", torch.zeros(d_inner, **int8))
-        self.register_buffer("dt_bias", torch.zeros(d_inner, **int8))
-        for name in ("conv_weight_scale", "conv_bias_scale", "A_log_scale", "D_scale",
-                     "dt_bias_scale"):
-            self.register_scale(name, 1.0)
+        self.in_proj = self._linear(d_model, 2 * d_inner, h_scale, scales["xz_scale"], device)
+        self.out_proj = self._linear(d_inner, d_model, scales["y_scale"], None, device, out_dtype)
+        self._add_branch("", scales, device)
         self.taps: dict | None = None
+
+    def _linear(self, in_features, out_features, in_scale, out_scale, device, dtype=torch.float16):
+        """A linear layer of the recipe's weight bits (int8 out when ``out_scale`` is given)."""
+        if self.weight_bits == 4:
+            return W4A8Linear(in_features, out_features, in_scale, out_scale, dtype,
+                              self.group_size, device)
+        return W8A8Linear(in_features, out_features, in_scale, out_scale, dtype, device)
+
+    def _add_branch(self, suffix: str, scales: dict[str, float], device) -> None:
+        """The int8 parameters and linear layers of one SSM branch, their names ending in
+        ``suffix`` ("" for the forward one; QBiMambaMixer adds "_b"), with ``scales`` from
+        ACTIVATION_SCALES (or their suffixed names)."""
+        d_inner, d_state, dt_rank = self.d_inner, self.d_state, self.dt_rank
+        u, xdbl, dt = (scales[_suffixed(name, suffix)] for name in ("u_scale", "xdbl_scale", "dt_scale"))
+        setattr(self, "x_proj" + suffix, self._linear(d_inner, dt_rank + 2 * d_state, u, xdbl, device))
+        # dt_proj stays W8A8 in every recipe: its K (dt_rank) is too small for 4-bit groups
+        setattr(self, "dt_proj" + suffix, W8A8Linear(dt_rank, d_inner, xdbl, dt, device=device))
+        int8 = dict(dtype=torch.int8, device=device)
+        for name, shape in (("conv_weight", (d_inner, self.d_conv)), ("conv_bias", (d_inner,)),
+                            ("A_log", (d_inner, d_state)), ("D", (d_inner,)), ("dt_bias", (d_inner,))):
+            self.register_buffer(name + suffix, torch.zeros(*shape, **int8))
+            self.register_scale(name + suffix + "_scale", 1.0)
 
     # --- construction ----------------------------------------------------------------------
 
@@ -75,25 +79,34 @@ class QMambaMixer(QuantModule):
         weight = mixer.in_proj.weight
         q = cls(weight.shape[1], mixer.d_inner, mixer.d_state, mixer.d_conv, mixer.dt_rank,
                 scales, h_scale, hadamard, weight.dtype, weight.device, weight_bits, group_size)
-        for name in ("in_proj", "x_proj", "dt_proj", "out_proj"):
+        for name in ("in_proj", "out_proj"):
             getattr(q, name).load_float_weight(getattr(mixer, name).weight)
-        for name, tensor in (("conv_weight", mixer.conv1d.weight.squeeze(1)),
-                             ("conv_bias", mixer.conv1d.bias), ("A_log", mixer.A_log),
-                             ("D", mixer.D), ("dt_bias", mixer.dt_proj.bias)):
-            codes, scale = quantize_weight(tensor)
-            getattr(q, name).copy_(codes)
-            getattr(q, name + "_scale").fill_(scale)
+        q._load_branch("", mixer.conv1d, mixer.x_proj, mixer.dt_proj, mixer.A_log, mixer.D)
         for module in q.modules():
             module.refresh_scales()
         return q
+
+    def _load_branch(self, suffix: str, conv1d, x_proj, dt_proj, A_log, D) -> None:
+        """Quantize one FP branch's weights into the branch named by ``suffix``."""
+        getattr(self, "x_proj" + suffix).load_float_weight(x_proj.weight)
+        getattr(self, "dt_proj" + suffix).load_float_weight(dt_proj.weight)
+        for name, tensor in (("conv_weight", conv1d.weight.squeeze(1)), ("conv_bias", conv1d.bias),
+                             ("A_log", A_log), ("D", D), ("dt_bias", dt_proj.bias)):
+            codes, scale = quantize_weight(tensor)
+            getattr(self, name + suffix).copy_(codes)
+            getattr(self, name + suffix + "_scale").fill_(scale)
 
     # --- helpers -----------------------------------------------------------------------------
 
     @property
     def ssm_params(self) -> SSMParams:
+        return self.branch_ssm_params("")
+
+    def branch_ssm_params(self, suffix: str) -> SSMParams:
         s = self.scales
-        return SSMParams(self.A_log, s["A_log_scale"], self.D, s["D_scale"], self.dt_bias,
-                         s["dt_bias_scale"])
+        return SSMParams(getattr(self, "A_log" + suffix), s["A_log" + suffix + "_scale"],
+                         getattr(self, "D" + suffix), s["D" + suffix + "_scale"],
+                         getattr(self, "dt_bias" + suffix), s["dt_bias" + suffix + "_scale"])
 
     def _tap(self, name: str, tensor, scale=None):
         """Record a dequantized fp32 copy of an intermediate (layer-wise mode comparison)."""
@@ -103,12 +116,21 @@ class QMambaMixer(QuantModule):
     def _dequantized(self, name: str):
         return dequantize(getattr(self, name), self.scales[name + "_scale"])
 
+    def _conv_weights(self, suffix: str) -> tuple:
+        s = self.scales
+        return (getattr(self, "conv_weight" + suffix), s["conv_weight" + suffix + "_scale"],
+                getattr(self, "conv_bias" + suffix), s["conv_bias" + suffix + "_scale"])
+
     def allocate_state(self, batch_size: int, device=None) -> MixerState:
         device = device or self.conv_weight.device
         dtype = torch.float32 if self.simulate else torch.int8
         return MixerState(
             conv=torch.zeros(batch_size, self.d_inner, self.d_conv - 1, dtype=dtype, device=device),
             ssm=torch.zeros(batch_size, self.d_inner, self.d_state, dtype=dtype, device=device))
+
+    def _scale(self, name: str, suffix: str) -> float:
+        """The scale ``name`` (e.g. "u_scale") of the branch named by ``suffix``."""
+        return self.scales[_suffixed(name, suffix)]
 
     def _split_xdbl(self, x_dbl):
         return torch.split(x_dbl, [self.dt_rank, self.d_state, self.d_state], dim=-1)
@@ -133,35 +155,47 @@ class QMambaMixer(QuantModule):
     def forward(self, h, state: MixerState | None = None, step: bool = False):
         if step:
             return self._step(h, state)
-        if self.simulate:
-            return self._forward_simulated(h, state)
-        s = self.scales
-        xz = self.in_proj(h).transpose(1, 2)  # int8 [b, 2·d_inner, l]
-        x, z = xz.chunk(2, dim=1)
-        self._tap("x", x, s["xz_scale"])
-        self._tap("z", z, s["xz_scale"])
+        x, z = self._in_proj_prefill(h)
         if state is not None:
             state.conv.copy_(conv_state_from_prefill(x, self.d_conv))
-        fp32_conv = self.mode == "fp32-conv"
-        u = qconv1d(x, s["xz_scale"], self.conv_weight, s["conv_weight_scale"], self.conv_bias,
-                    s["conv_bias_scale"], out_scale=None if fp32_conv else s["u_scale"],
-                    backend_name=self.backend)
-        self._tap("u", u, s["u_scale"])
-        u_codes = quantize(u, s["u_scale"]) if fp32_conv else u
-        dt_low, B, C = self._split_xdbl(self.x_proj(u_codes.transpose(1, 2)))
-        dt = self.dt_proj(dt_low)
-        self._tap("dt", dt, s["dt_scale"])
-        scan_inputs = [u, s["u_scale"], dt.transpose(1, 2), s["dt_scale"], B.transpose(1, 2),
-                       s["xdbl_scale"], C.transpose(1, 2), s["xdbl_scale"], z, s["xz_scale"]]
-        if self.mode == "fp32-ssm-input":
-            scan_inputs = _dequantize_pairs(scan_inputs)
-        y, last_state = qsscan(*scan_inputs, self.ssm_params, state_scale=s["state_scale"],
-                               out_dtype=self.out_dtype, backend_name=self.backend)
+        branch = self._branch_simulated if self.simulate else self._branch
+        y, last_state = branch(x, z, "", with_state=state is not None)
         if state is not None:
             state.ssm.copy_(last_state)
         y = y.transpose(1, 2)
         self._tap("y", y)
         return self._out(y)
+
+    def _in_proj_prefill(self, h):
+        """x and z [b, d_inner, l]: int8 codes (fake-quantized fp32 in float-sim mode)."""
+        x, z = self.in_proj(h).transpose(1, 2).chunk(2, dim=1)
+        scale = None if self.simulate else self.scales["xz_scale"]
+        self._tap("x", x, scale)
+        self._tap("z", z, scale)
+        return x, z
+
+    def _branch(self, x, z, suffix: str, with_state: bool = False):
+        """conv1d → x_proj → dt_proj → QSScan of one branch over x, z [b, d_inner, l] (int8 codes):
+        (y [b, d_inner, l] in the output dtype, the last state: int8 if ``with_state``, else None)."""
+        s = self.scales
+        fp32_conv = self.mode == "fp32-conv"
+        u_scale = self._scale("u_scale", suffix)
+        u = qconv1d(x, s["xz_scale"], *self._conv_weights(suffix),
+                    out_scale=None if fp32_conv else u_scale, backend_name=self.backend)
+        self._tap("u" + suffix, u, u_scale)
+        u_codes = quantize(u, u_scale) if fp32_conv else u
+        dt_low, B, C = self._split_xdbl(getattr(self, "x_proj" + suffix)(u_codes.transpose(1, 2)))
+        dt = getattr(self, "dt_proj" + suffix)(dt_low)
+        dt_scale, xdbl_scale = self._scale("dt_scale", suffix), self._scale("xdbl_scale", suffix)
+        self._tap("dt" + suffix, dt, dt_scale)
+        scan_inputs = [u, u_scale, dt.transpose(1, 2), dt_scale, B.transpose(1, 2), xdbl_scale,
+                       C.transpose(1, 2), xdbl_scale, z, s["xz_scale"]]
+        if self.mode == "fp32-ssm-input":
+            scan_inputs = _dequantize_pairs(scan_inputs)
+        y, last_state = qsscan(*scan_inputs, self.branch_ssm_params(suffix),
+                               state_scale=s["state_scale"] if with_state else None,
+                               out_dtype=self.out_dtype, backend_name=self.backend)
+        return y, (last_state if with_state else None)
 
     def _step(self, h, state: MixerState):
         if self.simulate:
@@ -185,31 +219,24 @@ class QMambaMixer(QuantModule):
 
     # --- float simulation of the int8 path -------------------------------------------------------
 
-    def _forward_simulated(self, h, state: MixerState | None):
-        s = self.scales
-        xz = self.in_proj(h).transpose(1, 2)  # fake-quantized fp32
-        x, z = xz.chunk(2, dim=1)
-        self._tap("x", x)
-        self._tap("z", z)
-        if state is not None:
-            state.conv.copy_(conv_state_from_prefill(x, self.d_conv))
-        u = fake_quantize(causal_conv1d(x, self._dequantized("conv_weight"),
-                                        self._dequantized("conv_bias")), s["u_scale"])
-        self._tap("u", u)
-        dt_low, B, C = self._split_xdbl(self.x_proj(u.transpose(1, 2)))
-        dt = self.dt_proj(dt_low)
-        self._tap("dt", dt)
-        y, last_state = self._scan_simulated(u, dt.transpose(1, 2), B.transpose(1, 2),
-                                             C.transpose(1, 2), z)
-        if state is not None:
-            state.ssm.copy_(fake_quantize(last_state, s["state_scale"]))
-        y = y.transpose(1, 2)
-        self._tap("y", y)
-        return self._out(y)
-
-    def _scan_simulated(self, u, dt, B, C, z):
-        A, D, dt_bias = self.ssm_params.dequantized()
-        return selective_scan(u, dt, A, B, C, D, z=z, delta_bias=dt_bias, delta_softplus=True)
+    def _branch_simulated(self, x, z, suffix: str, with_state: bool = False):
+        """The float simulation of :meth:`_branch` (x, z fake-quantized fp32): y and the fp32
+        last state fake-quantized with the state scale (None unless ``with_state``)."""
+        conv_weight, weight_scale, conv_bias, bias_scale = self._conv_weights(suffix)
+        u = fake_quantize(causal_conv1d(x, dequantize(conv_weight, weight_scale),
+                                        dequantize(conv_bias, bias_scale)),
+                          self._scale("u_scale", suffix))
+        self._tap("u" + suffix, u)
+        dt_low, B, C = self._split_xdbl(getattr(self, "x_proj" + suffix)(u.transpose(1, 2)))
+        dt = getattr(self, "dt_proj" + suffix)(dt_low)
+        self._tap("dt" + suffix, dt)
+        A, D, dt_bias = self.branch_ssm_params(suffix).dequantized()
+        y, last_state = selective_scan(u, dt.transpose(1, 2), A, B.transpose(1, 2),
+                                       C.transpose(1, 2), D, z=z, delta_bias=dt_bias,
+                                       delta_softplus=True)
+        if not with_state:
+            return y, None
+        return y, fake_quantize(last_state, self.scales["state_scale"])
 
     def _step_simulated(self, h, state: MixerState):
         s = self.scales
@@ -223,6 +250,11 @@ class QMambaMixer(QuantModule):
                                    delta_softplus=True)
         state.ssm.copy_(fake_quantize(state.ssm, s["state_scale"]))
         return self._out(y).unsqueeze(1)
+
+
+def _suffixed(scale_name: str, suffix: str) -> str:
+    """A branch's name for an activation scale: "u_scale" of branch "_b" is "u_b_scale"."""
+    return scale_name[:-len("_scale")] + suffix + "_scale"
 
 
 def _dequantize_pairs(values: list) -> list:

@@ -19,6 +19,7 @@ import torch
 from quamba.errors import CheckpointError, ModelNotFoundError, QuambaError
 from quamba.models.config import ConfigError, MambaConfig
 from quamba.models.mamba import MambaLMHeadModel
+from quamba.models.vision_loading import is_vision_config, load_vision_model
 
 log = logging.getLogger("quamba")
 
@@ -87,7 +88,7 @@ def detect_layout(config: dict) -> str:
     raise CheckpointError(f"config.json is not a Mamba1 config in the mamba_ssm or transformers layout{hint}")
 
 
-def read_config(model_dir: Path) -> tuple[dict, str, MambaConfig]:
+def _read_config_json(model_dir: Path) -> dict:
     config_path = model_dir / "config.json"
     if not config_path.is_file():
         raise CheckpointError(f"{model_dir} has no config.json; not a model directory")
@@ -97,6 +98,12 @@ def read_config(model_dir: Path) -> tuple[dict, str, MambaConfig]:
         raise CheckpointError(f"{config_path} is not valid JSON: {exc}") from None
     if not isinstance(raw, dict):
         raise CheckpointError(f"{config_path} does not hold a JSON object")
+    return raw
+
+
+def read_config(model_dir: Path) -> tuple[dict, str, MambaConfig]:
+    raw = _read_config_json(model_dir)
+    config_path = model_dir / "config.json"
     layout = detect_layout(raw)
     try:
         config = (MambaConfig.from_mamba_ssm(raw) if layout == "mamba_ssm"
@@ -207,12 +214,16 @@ def load_model(name_or_path, dtype="fp32", device="cpu", tokenizer=None):
     Returns ``(model, tokenizer)``; the model is in eval mode, on ``device``, in ``dtype``
     (A_log and D stay fp32). A quantized quamba checkpoint loads as a QuantizedMambaLM
     (quamba.quantization.from_pretrained). ``tokenizer`` overrides the tokenizer (hub id, directory, or a
-    tokenizer.json file); ``tokenizer=False`` skips it and returns None in its place.
+    tokenizer.json file); ``tokenizer=False`` skips it and returns None in its place. A Vision
+    Mamba classifier (quamba.models.vision_loading) loads the same way, with None as tokenizer.
     """
     model_dir = resolve_model_dir(name_or_path)
     if _is_quantized(model_dir):
         from quamba.quantization.checkpoint import from_pretrained
         return from_pretrained(model_dir, device=device, dtype=dtype, tokenizer=tokenizer)
+    raw = _read_config_json(model_dir)
+    if is_vision_config(raw):
+        return load_vision_model(model_dir, raw, parse_dtype(dtype), device, name_or_path), None
     _, layout, config = read_config(model_dir)
     state = to_internal_names(read_state_dict(model_dir), layout)
     model = MambaLMHeadModel(config)
@@ -245,7 +256,7 @@ def cast_model(model, dtype: torch.dtype):
     """Cast to ``dtype`` keeping the SSM parameters (A_log, D) in fp32."""
     model.to(dtype)
     for mixer in model.mixers():
-        for name in ("A_log", "D"):
+        for name in ("A_log", "D", "A_b_log", "D_b"):
             param = getattr(mixer, name, None)
             if isinstance(param, torch.nn.Parameter):
                 param.data = param.data.float()

@@ -11,6 +11,7 @@ so the model, the cache and ``generate`` work unchanged on FP and quantized bloc
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -92,17 +93,27 @@ class MambaMixer(nn.Module):
         dt = F.linear(dt_low, self.dt_proj.weight)  # bias is added inside the scan
         return dt, B, C
 
-    def _ssm_params_channels_first(self, u):
+    def _ssm_params_channels_first(self, u, x_proj: nn.Module, dt_proj: nn.Linear):
         """dt [b, d_inner, l], B and C [b, d_state, l] from the conv output u [b, d_inner, l], each
         with time contiguous, the layout mamba-ssm's scan reads without copies (dt computed as
         dt_proj.weight · dt_lowᵀ, as mamba_ssm does)."""
         b, _, l = u.shape
-        x_dbl = self.x_proj(u.transpose(1, 2))
+        x_dbl = x_proj(u.transpose(1, 2))
         dt_low, B, C = torch.split(x_dbl.reshape(b * l, -1), [self.dt_rank, self.d_state, self.d_state],
                                    dim=-1)
-        dt = (self.dt_proj.weight @ dt_low.t()).view(-1, b, l).transpose(0, 1)
+        dt = (dt_proj.weight @ dt_low.t()).view(-1, b, l).transpose(0, 1)
         B, C = (t.reshape(b, l, -1).transpose(1, 2).contiguous() for t in (B, C))
         return dt, B, C
+
+    def _scan_branch(self, x, z, conv1d: nn.Conv1d, x_proj: nn.Module, dt_proj: nn.Linear, A_log, D):
+        """conv1d + SiLU → x_proj → dt_proj → selective scan gated by z, for x and z [b, d_inner, l]
+        and one set of SSM parameters: (u, dt, y [b, d_inner, l], the last state)."""
+        u = causal_conv1d(x, conv1d.weight.squeeze(1), conv1d.bias, activation="silu")
+        dt, B, C = self._ssm_params_channels_first(u, x_proj, dt_proj)
+        A = -torch.exp(A_log.float())
+        y, last_state = selective_scan(u, dt, A, B, C, D, z=z, delta_bias=dt_proj.bias,
+                                       delta_softplus=True)
+        return u, dt, y, last_state
 
     def _in_proj_channel_major(self, h):
         """in_proj(h) as [batch, 2·d_inner, seqlen] held as [2·d_inner, batch · seqlen] (W · hᵀ, as
@@ -132,14 +143,10 @@ class MambaMixer(nn.Module):
             return self._step(h, state, ssm_A)
         xz = self._in_proj_channel_major(h)  # [b, 2·d_inner, l]
         x, z = xz.chunk(2, dim=1)
-        conv_weight = self.conv1d.weight.squeeze(1)
         if state is not None:
             state.conv.copy_(conv_state_from_prefill(x, self.d_conv))
-        u = causal_conv1d(x, conv_weight, self.conv1d.bias, activation="silu")
-        dt, B, C = self._ssm_params_channels_first(u)
-        A = -torch.exp(self.A_log.float())
-        y, last_state = selective_scan(u, dt, A, B, C, self.D, z=z, delta_bias=self.dt_proj.bias,
-                                       delta_softplus=True)
+        u, dt, y, last_state = self._scan_branch(x, z, self.conv1d, self.x_proj, self.dt_proj,
+                                                 self.A_log, self.D)
         if state is not None:
             state.ssm.copy_(last_state)
         y = y.transpose(1, 2)
@@ -166,11 +173,13 @@ class Block(nn.Module):
         self.norm = norm
         self.mixer = mixer
 
-    def forward(self, hidden, residual=None, state=None, step=False, ssm_A=None):
+    def forward(self, hidden, residual=None, state=None, step=False, ssm_A=None, **mixer_kwargs):
+        """(mixer(norm(hidden + residual)), hidden + residual). ``mixer_kwargs`` (e.g. the
+        ``inference_params`` of Vision Mamba's code) reach the mixer as they are."""
         normed, residual = self.norm(hidden, residual)
         if ssm_A is not None:  # only FP mixers take it (step_ssm_A)
-            return self.mixer(normed, state=state, step=step, ssm_A=ssm_A), residual
-        return self.mixer(normed, state=state, step=step), residual
+            mixer_kwargs["ssm_A"] = ssm_A
+        return self.mixer(normed, state=state, step=step, **mixer_kwargs), residual
 
 
 def step_ssm_A(layers) -> list:
@@ -279,7 +288,7 @@ class MambaLMHeadModel(nn.Module):
             cache = self.allocate_cache(1, device)
             self(ids, cache=cache)
             self(ids[:, :1], cache=cache)
-        return {op: "+".join(sorted(backends)) for op, backends in sorted(ran.items())}
+        return backend.summary(ran)
 
     def generate(self, input_ids, **kwargs):
         """See :func:`quamba.models.generation.generate`."""
@@ -317,18 +326,19 @@ def randomize_(model: MambaLMHeadModel, seed: int = 0, std: float = 0.02) -> Mam
 
     for name, param in model.named_parameters():
         shape, dtype = param.shape, param.dtype
-        if name.endswith("A_log"):
+        kind = re.sub(r"_b\b", "", name.replace("A_b_log", "A_log"))  # a backward branch's as its own
+        if kind.endswith("A_log"):
             value = torch.log(rand(shape) * 15 + 0.5)
-        elif name.endswith(".D"):
+        elif kind.endswith(".D"):
             value = rand(shape) + 0.5
-        elif name.endswith("dt_proj.bias"):
+        elif kind.endswith("dt_proj.bias"):
             dt = torch.exp(rand(shape) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
             value = dt + torch.log(-torch.expm1(-dt))
-        elif "norm" in name:
+        elif "norm" in kind:
             value = 1.0 + 0.1 * randn(shape)
-        elif name.endswith("conv1d.weight"):
+        elif kind.endswith("conv1d.weight"):
             value = randn(shape) * 0.3
-        elif name.endswith("dt_proj.weight"):
+        elif kind.endswith("dt_proj.weight"):
             value = randn(shape) * model.config.dt_rank ** -0.5
         else:
             value = randn(shape) * std

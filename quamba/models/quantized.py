@@ -25,7 +25,56 @@ from quamba.models.mamba import Block, MambaLMHeadModel, RMSNorm
 log = logging.getLogger("quamba")
 
 
-class QuantizedMambaLM(MambaLMHeadModel):
+class QuantizedModel:
+    """What every quantized model shares: its SSM mode, switched without re-calibrating, and for
+    the ``fp16`` mode the unquantized model (kept from quantize(), else loaded from the recorded
+    base model). Needs ``quant_config``, ``base_model``, ``ssm_mode`` and ``dtype``."""
+
+    @property
+    def weight_only(self) -> bool:
+        return self.quant_config.weight_only
+
+    def set_ssm_mode(self, mode: str, backend: str | None = None):
+        """Run the quantized blocks in ``mode`` (see quamba.layers.modes); ``fp16`` runs the
+        unquantized model, loaded from the recorded base model if this one was reloaded. A W4A16
+        model accepts only ``fp16``, which keeps it as it is (an int8 mode is a QuambaError);
+        ``backend`` then applies to its 4-bit linear layers."""
+        if self.weight_only:
+            check_weight_only_mode(mode)
+            for module in self.modules():
+                if isinstance(module, W4A16Linear):
+                    module.backend = backend
+        elif check_mode(mode) == FP_MODE:
+            self._fp()
+        else:
+            for module in self.modules():
+                if isinstance(module, QuantModule):
+                    module.set_mode(mode, backend)
+        self.ssm_mode = mode
+        return self
+
+    def _fp(self):
+        if self.fp_model is None:
+            if not self.base_model:
+                raise QuambaError("ssm mode fp16 needs the unquantized model, and this checkpoint "
+                                  "records no base model")
+            from quamba.models.loading import load_model
+            device = next(self.parameters()).device
+            self.__dict__["fp_model"], _ = load_model(self.base_model, dtype=self.dtype,
+                                                      device=device, tokenizer=False)
+        return self.fp_model
+
+    @property
+    def _runs_fp_model(self) -> bool:
+        return self.ssm_mode == FP_MODE and not self.weight_only
+
+    def save_pretrained(self, out_dir, tokenizer=None):
+        """Write the quantized checkpoint atomically (see quamba.quantization.checkpoint)."""
+        from quamba.quantization.checkpoint import save_quantized
+        return save_quantized(self, out_dir, tokenizer or getattr(self, "tokenizer", None))
+
+
+class QuantizedMambaLM(QuantizedModel, MambaLMHeadModel):
     """Built empty (all codes zero, scales one) with the shapes of ``config``; ``quantize`` or
     ``from_pretrained`` fill it. ``set_ssm_mode`` switches the SSM mode without re-calibrating
     (a W4A16 model has only the fp16 mode: its SSM is not quantized)."""
@@ -58,44 +107,6 @@ class QuantizedMambaLM(MambaLMHeadModel):
     def dtype(self) -> torch.dtype:
         return self.backbone.embedding.weight.dtype
 
-    @property
-    def weight_only(self) -> bool:
-        return self.quant_config.weight_only
-
-    def set_ssm_mode(self, mode: str, backend: str | None = None) -> "QuantizedMambaLM":
-        """Run the quantized blocks in ``mode`` (see quamba.layers.modes); ``fp16`` runs the
-        unquantized model, loaded from the recorded base model if this one was reloaded. A W4A16
-        model accepts only ``fp16``, which keeps it as it is (an int8 mode is a QuambaError);
-        ``backend`` then applies to its 4-bit linear layers."""
-        if self.weight_only:
-            check_weight_only_mode(mode)
-            for module in self.modules():
-                if isinstance(module, W4A16Linear):
-                    module.backend = backend
-        elif check_mode(mode) == FP_MODE:
-            self._fp()
-        else:
-            for module in self.modules():
-                if isinstance(module, QuantModule):
-                    module.set_mode(mode, backend)
-        self.ssm_mode = mode
-        return self
-
-    def _fp(self):
-        if self.fp_model is None:
-            if not self.base_model:
-                raise QuambaError("ssm mode fp16 needs the unquantized model, and this checkpoint "
-                                  "records no base model")
-            from quamba.models.loading import load_model
-            device = self.backbone.embedding.weight.device
-            self.__dict__["fp_model"], _ = load_model(self.base_model, dtype=self.dtype,
-                                                      device=device, tokenizer=False)
-        return self.fp_model
-
-    @property
-    def _runs_fp_model(self) -> bool:
-        return self.ssm_mode == FP_MODE and not self.weight_only
-
     def forward(self, input_ids, cache=None, num_last_tokens: int = 0):
         if self._runs_fp_model:
             return self._fp()(input_ids, cache=cache, num_last_tokens=num_last_tokens)
@@ -105,11 +116,6 @@ class QuantizedMambaLM(MambaLMHeadModel):
         if self._runs_fp_model:
             return self._fp().allocate_cache(batch_size, device)
         return super().allocate_cache(batch_size, device)
-
-    def save_pretrained(self, out_dir, tokenizer=None):
-        """Write the quantized checkpoint atomically (see quamba.quantization.checkpoint)."""
-        from quamba.quantization.checkpoint import save_quantized
-        return save_quantized(self, out_dir, tokenizer or self.tokenizer)
 
 
 def _int8_block(config: MambaConfig, quant_config, dtype, device) -> Block:

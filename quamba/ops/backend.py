@@ -223,6 +223,11 @@ def recording() -> Iterator[dict[str, set[str]]]:
         _RECORDERS.remove(ran)
 
 
+def summary(ran: dict[str, set[str]]) -> dict[str, str]:
+    """A :func:`recording` as op → backend ("cuda", "torch", or "cuda+torch" where both ran)."""
+    return {op: "+".join(sorted(backends)) for op, backends in sorted(ran.items())}
+
+
 def on_reference(ran: dict[str, set[str]], ops=None) -> list[str]:
     """The ops of ``ran`` (a :func:`recording`) that ran their torch reference, limited to
     ``ops`` (default: quamba's own, the quantized ops)."""

@@ -1,4 +1,5 @@
-"""Quantized checkpoints: safetensors of int8 codes and fp32 scales + config.json + tokenizer.
+"""Quantized checkpoints: safetensors of int8 codes and fp32 scales + config.json + tokenizer
+(Vision Mamba classifiers: no tokenizer; their model config has ``"model_type": "vision_mamba"``).
 
 W4A16 checkpoints (format 3) hold packed 4-bit codes with fp16 group scales for in_proj, x_proj
 and out_proj, and every other tensor of the FP model in its float dtype.
@@ -19,6 +20,8 @@ from quamba.models.config import MambaConfig
 from quamba.models.loading import (is_quamba_checkpoint, load_tokenizer, parse_dtype,
                                    resolve_model_dir)
 from quamba.models.quantized import QuantizedMambaLM
+from quamba.models.quantized_vision import QuantizedVisionMamba
+from quamba.models.vision import VisionMambaConfig
 from quamba.quantization.config import QuantConfig
 from quamba.utils.io import atomic_directory
 from quamba.version import __version__
@@ -33,7 +36,7 @@ def save_quantized(model: QuantizedMambaLM, out_dir, tokenizer=None):
     """Write ``model`` to ``out_dir`` atomically (temporary directory, then rename)."""
     from safetensors.torch import save_file
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    if model.config.tie_embeddings:
+    if getattr(model.config, "tie_embeddings", False):
         state.pop("lm_head.weight", None)
     quant = {
         "format": FORMAT_NAME,
@@ -74,13 +77,14 @@ def from_pretrained(name_or_path, device="cpu", dtype=None, backend: str | None 
     if not isinstance(version, int) or version > FORMAT_VERSION:
         raise CheckpointError(f"{model_dir}: checkpoint format version {version!r} is newer than "
                               f"this quamba supports ({FORMAT_VERSION}); upgrade quamba")
+    vision = isinstance(raw.get("model"), dict) and raw["model"].get("model_type") == "vision_mamba"
     try:
-        config = MambaConfig.from_dict(raw["model"])
+        config = (VisionMambaConfig if vision else MambaConfig).from_dict(raw["model"])
         quant_config = QuantConfig.from_dict(quant)
     except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointError(f"{model_dir}/config.json is malformed: {exc}") from None
     float_dtype = parse_dtype(quant.get("float_dtype", "float16"))
-    model = QuantizedMambaLM(config, quant_config, dtype=float_dtype)
+    model = (QuantizedVisionMamba if vision else QuantizedMambaLM)(config, quant_config, dtype=float_dtype)
     load_checked(model, model_dir / WEIGHTS_FILE)
     model.calibration = quant.get("calibration", {})
     model.base_model = quant.get("base_model")
@@ -88,6 +92,8 @@ def from_pretrained(name_or_path, device="cpu", dtype=None, backend: str | None 
         _cast_float_parts(model, parse_dtype(dtype))
     model.to(device).eval()
     model.set_ssm_mode(ssm_mode or quant_config.ssm_mode, backend)
+    if vision:  # a classifier has no tokenizer
+        return model, None
     model.tokenizer = None if tokenizer is False else load_tokenizer(model_dir, tokenizer)
     return model, model.tokenizer
 
@@ -112,7 +118,7 @@ def load_checked(model: QuantizedMambaLM, weights_path) -> None:
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise CheckpointError(f"cannot read {weights_path} (truncated or corrupt?): {reason}") from None
     expected = model.state_dict()
-    if model.config.tie_embeddings:
+    if getattr(model.config, "tie_embeddings", False):
         expected.pop("lm_head.weight", None)
     for name, tensor in expected.items():
         if name not in state:
@@ -130,8 +136,17 @@ def load_checked(model: QuantizedMambaLM, weights_path) -> None:
     model.load_state_dict(state, strict=False)
 
 
-def _cast_float_parts(model: QuantizedMambaLM, dtype: torch.dtype) -> None:
+def _cast_float_parts(model, dtype: torch.dtype) -> None:
     """Cast what runs in the float dtype; codes, scales, A_log and D keep theirs."""
+    if isinstance(model, QuantizedVisionMamba):
+        for module in (model.patch_embed, model.norm_f, model.head):
+            module.to(dtype)
+        for name in ("cls_token", "pos_embed"):
+            if hasattr(model, name):
+                getattr(model, name).data = getattr(model, name).data.to(dtype)
+        for block in model.layers:
+            block.mixer.out_dtype = block.mixer.out_proj.out_dtype = dtype
+        return
     for module in (model.backbone.embedding, model.backbone.norm_f, model.lm_head):
         module.to(dtype)
     for block in model.backbone.layers:

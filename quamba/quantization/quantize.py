@@ -1,4 +1,5 @@
-"""quantize(): FP Mamba1 LM → QuantizedMambaLM (rotate, calibrate, quantize every block).
+"""quantize(): FP Mamba1 LM → QuantizedMambaLM (rotate, calibrate, quantize every block); Vision
+Mamba classifiers go to quamba.quantization.quantize_vision.
 
 W4A16 is weight-only: no rotation by default and no calibration, only the 4-bit weights (RTN or
 GPTQ) of in_proj, x_proj and out_proj."""
@@ -16,6 +17,7 @@ from quamba.layers.qnorm import QRMSNorm
 from quamba.layers.weight_only import weight_only_mixer_from_float
 from quamba.models.mamba import MambaLMHeadModel
 from quamba.models.quantized import QuantizedMambaLM
+from quamba.models.vision import VisionMamba
 from quamba.ops.quant import scale_from_range
 from quamba.quantization.config import QuantConfig
 
@@ -36,7 +38,8 @@ _SCALE_OF_KIND = {
 def quantize(model: MambaLMHeadModel, tokenizer=None, config: QuantConfig | None = None,
              calib_data=None, progress: bool = True) -> QuantizedMambaLM:
     """Quantize an FP Mamba1 LM with the Quamba recipe (W8A8, W4A8, or weight-only W4A16);
-    ``model`` itself is not modified.
+    ``model`` itself is not modified. A Vision Mamba classifier is quantized W8A8 or W4A8 on
+    calibration images instead (quamba.quantization.quantize_vision; no tokenizer).
 
     calib_data: a CalibrationSet, a LongTensor of token ids [samples, seqlen], or any source
     ``quamba.calibrate.load_calibration_set`` accepts (hub id, datasets.Dataset, list of
@@ -49,6 +52,9 @@ def quantize(model: MambaLMHeadModel, tokenizer=None, config: QuantConfig | None
     from quamba.quantization.rotation import rotate_model_
 
     config = config or QuantConfig()
+    if isinstance(model, VisionMamba):
+        from quamba.quantization.quantize_vision import quantize_vision
+        return quantize_vision(model, config, calib_data, progress)
     _check_quantizable(model, config)
     work = copy.deepcopy(model)
     if config.hadamard:
@@ -114,7 +120,7 @@ def build_quantized_model(fp_model: MambaLMHeadModel, ranges: dict, config: Quan
         layer_ranges = ranges[i]
         h_scale = scale_from_range(layer_ranges["in_proj.input"])
         scales = {name: scale_from_range(layer_ranges[kind]) for kind, name in _SCALE_OF_KIND.items()}
-        block.norm = _quantized_norm(fp_block.norm, h_scale, keep_weight=not config.hadamard)
+        block.norm = quantized_norm(fp_block.norm, h_scale, keep_weight=not config.hadamard)
         block.mixer = QMambaMixer.from_float(fp_block.mixer, h_scale, scales, config.hadamard,
                                              config.w_bits, config.group_size)
     return qmodel
@@ -134,7 +140,7 @@ def _apply_gptq(qmodel: QuantizedMambaLM, fp_model: MambaLMHeadModel, tokenizer,
                      batch_size=config.calib_batch_size, progress=progress)
 
 
-def _quantized_norm(fp_norm, out_scale: float, keep_weight: bool) -> QRMSNorm:
+def quantized_norm(fp_norm, out_scale: float, keep_weight: bool) -> QRMSNorm:
     weight = fp_norm.weight
     norm = QRMSNorm(weight.shape[0], fp_norm.eps, fp_norm.residual_in_fp32, out_scale,
                     has_weight=keep_weight, device=weight.device)

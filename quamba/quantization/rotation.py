@@ -16,6 +16,14 @@ is folded into the next linear layer the norm can run on the rotated residual:
 The mixer output lands in the rotated basis, so every residual add stays rotated; y G is computed
 online (``mixer.online_hadamard``), which is what lets out_proj's input be quantized per tensor.
 in_proj's bias is unchanged (its output basis is not rotated).
+
+A Vision Mamba classifier (quamba.models.vision) is rotated the same way; its residual stream
+starts at the patch embedding, the class token and the position embedding, and ends in the head:
+
+    patch embedding (conv, out channels × rest): W̃ = Hᵀ W,  b̃ = b H;   cls, pos: c̃ = c H
+    head:      N_wf(r) W_headᵀ + b  ⇒  W̃_head = W_head diag(w_f) H   (bias unchanged)
+
+Pooling (the class token, the mean of the tokens) is linear, so it commutes with the rotation.
 """
 from __future__ import annotations
 
@@ -40,23 +48,51 @@ def rotate_model_(model: MambaLMHeadModel) -> MambaLMHeadModel:
         _untie_and_rotate_lm_head(model, rotation)
         _assign(backbone.embedding.weight, backbone.embedding.weight.double() @ rotation)
         for block in backbone.layers:
-            _assign(block.mixer.in_proj.weight, _fold_norm(block.mixer.in_proj.weight, block.norm,
-                                                           rotation))
-            _rotate_out_proj(block.mixer, rotation, inner_rotation)
-            block.mixer.online_hadamard = HadamardTransform(model.config.d_inner)
+            _rotate_block(block, rotation, inner_rotation, model.config.d_inner)
     model.config.tie_embeddings = False
     model.rotated = True
     return model
 
 
+def rotate_vision_model_(model) -> None:
+    """Rotate a VisionMamba's residual stream in place (see the module docstring); the FP function
+    is unchanged. Sets ``model.rotated = True``."""
+    _check_rotatable(model)
+    device = model.pos_embed.device
+    rotation = hadamard_matrix(model.config.d_model, device=device)
+    inner_rotation = hadamard_matrix(model.config.d_inner, device=device)
+    with torch.no_grad():
+        proj = model.patch_embed.proj
+        _assign(proj.weight, (rotation.T @ proj.weight.double().flatten(1)).view(proj.weight.shape))
+        _assign(proj.bias, proj.bias.double() @ rotation)
+        for name in ("cls_token", "pos_embed"):
+            if hasattr(model, name):
+                _assign(getattr(model, name), getattr(model, name).double() @ rotation)
+        for block in model.layers:
+            _rotate_block(block, rotation, inner_rotation, model.config.d_inner)
+        _assign(model.head.weight, _fold_norm(model.head.weight, model.norm_f, rotation))
+    model.rotated = True
+
+
+def _rotate_block(block, rotation: torch.Tensor, inner_rotation: torch.Tensor, d_inner: int) -> None:
+    """Fold the block's norm into in_proj, rotate out_proj, and rotate y online."""
+    _assign(block.mixer.in_proj.weight, _fold_norm(block.mixer.in_proj.weight, block.norm, rotation))
+    _rotate_out_proj(block.mixer, rotation, inner_rotation)
+    block.mixer.online_hadamard = HadamardTransform(d_inner)
+
+
 def _check_rotatable(model: MambaLMHeadModel) -> None:
     if getattr(model, "rotated", False):
-        raise ValueError("model is already Hadamard-rotated: rotate_model_ runs once per model")
-    for i, block in enumerate(model.backbone.layers):
+        raise ValueError("model is already Hadamard-rotated: the rotation runs once per model")
+    layers = model.backbone.layers if hasattr(model, "backbone") else model.layers
+    for i, block in enumerate(layers):
         if not (isinstance(block.norm, RMSNorm) and isinstance(block.mixer, MambaMixer)
                 and isinstance(block.mixer.online_hadamard, nn.Identity)):
-            raise ValueError(f"rotate_model_ needs an FP Mamba model; block {i} is "
+            raise ValueError(f"the rotation needs an FP Mamba model; block {i} is "
                              f"{type(block.norm).__name__}/{type(block.mixer).__name__}")
+        if getattr(block.mixer, "bimamba", "v2") != "v2":
+            raise ValueError(f"block {i} has separate backward in_proj/out_proj (bimamba "
+                             f"{block.mixer.bimamba!r}); only 'v2' mixers are rotated")
 
 
 def _fold_norm(weight: torch.Tensor, norm: RMSNorm, rotation: torch.Tensor) -> torch.Tensor:
