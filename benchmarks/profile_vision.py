@@ -36,6 +36,8 @@ def parse_args(argv=None):
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--precisions", default=",".join(PRECISIONS))
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--group_size", type=int,
+                        help="W4A8 group size (default 128, or 64 where d_model is no multiple of 128)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", help="write the results as JSON to this path")
     args = parser.parse_args(argv)
@@ -99,6 +101,7 @@ def run(args) -> dict:
     shape = (args.batch, config.channels, config.img_size, config.img_size)
     images = torch.randn(shape, device="cuda", dtype=torch.float16, generator=gen)
     calib = torch.randn((16, *shape[1:]), device="cuda", dtype=torch.float16, generator=gen)
+    group_size = args.group_size or (128 if config.d_model % 128 == 0 else 64)
     rows = []
     for precision in args.precisions:
         print(f"profiling {precision} ...", file=sys.stderr, flush=True)
@@ -106,8 +109,9 @@ def run(args) -> dict:
             rows.append(measure("quamba fp16", fp_model, images, args.repeats))
             continue
         w_bits, a_bits = PRECISIONS[precision]
-        qmodel = quantize(fp_model, config=QuantConfig(w_bits=w_bits, a_bits=a_bits, calib_num_samples=16),
-                          calib_data=calib, progress=False)
+        quant_config = QuantConfig(w_bits=w_bits, a_bits=a_bits, group_size=group_size,
+                                   calib_num_samples=16)
+        qmodel = quantize(fp_model, config=quant_config, calib_data=calib, progress=False)
         rows.append(measure(f"quamba {precision}", qmodel, images, args.repeats))
         del qmodel
         torch.cuda.empty_cache()

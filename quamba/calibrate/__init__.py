@@ -7,6 +7,6 @@ from quamba.calibrate.errors import CalibrationError
 from quamba.calibrate.observers import (AbsMaxObserver, ObserverSpec, PercentileObserver,
                                         make_observer)
 
-__all__ = ["calibrate", "calibrate_images", "DEFAULT_OBSERVERS", "TENSOR_KINDS", "BACKWARD_KINDS", "load_calibration_set", "CalibrationSet",
-           "content_hash", "DEFAULT_SOURCE", "DEFAULT_SPLIT", "CalibrationError", "AbsMaxObserver",
-           "PercentileObserver", "ObserverSpec", "make_observer"]
+__all__ = ["calibrate", "calibrate_images", "DEFAULT_OBSERVERS", "TENSOR_KINDS", "BACKWARD_KINDS",
+           "load_calibration_set", "CalibrationSet", "content_hash", "DEFAULT_SOURCE", "DEFAULT_SPLIT",
+           "CalibrationError", "AbsMaxObserver", "PercentileObserver", "ObserverSpec", "make_observer"]

@@ -11,13 +11,13 @@ over the sequence reversed:
 from __future__ import annotations
 
 from quamba.errors import QuambaError
-from quamba.layers.qmixer import QMambaMixer, _suffixed
+from quamba.layers.qmixer import QMambaMixer, suffixed
 
 BACKWARD = "_b"
 BRANCH_SCALES = ("u_scale", "xdbl_scale", "dt_scale")
 # Activation scales of a bidirectional mixer (no SSM state scale: it keeps no state).
 BI_ACTIVATION_SCALES = ("xz_scale", *BRANCH_SCALES,
-                        *(_suffixed(name, BACKWARD) for name in BRANCH_SCALES), "y_scale")
+                        *(suffixed(name, BACKWARD) for name in BRANCH_SCALES), "y_scale")
 
 
 class QBiMambaMixer(QMambaMixer):

@@ -59,7 +59,7 @@ class QMambaMixer(QuantModule):
         ``suffix`` ("" for the forward one; QBiMambaMixer adds "_b"), with ``scales`` from
         ACTIVATION_SCALES (or their suffixed names)."""
         d_inner, d_state, dt_rank = self.d_inner, self.d_state, self.dt_rank
-        u, xdbl, dt = (scales[_suffixed(name, suffix)] for name in ("u_scale", "xdbl_scale", "dt_scale"))
+        u, xdbl, dt = (scales[suffixed(name, suffix)] for name in ("u_scale", "xdbl_scale", "dt_scale"))
         setattr(self, "x_proj" + suffix, self._linear(d_inner, dt_rank + 2 * d_state, u, xdbl, device))
         # dt_proj stays W8A8 in every recipe: its K (dt_rank) is too small for 4-bit groups
         setattr(self, "dt_proj" + suffix, W8A8Linear(dt_rank, d_inner, xdbl, dt, device=device))
@@ -130,7 +130,7 @@ class QMambaMixer(QuantModule):
 
     def _scale(self, name: str, suffix: str) -> float:
         """The scale ``name`` (e.g. "u_scale") of the branch named by ``suffix``."""
-        return self.scales[_suffixed(name, suffix)]
+        return self.scales[suffixed(name, suffix)]
 
     def _split_xdbl(self, x_dbl):
         return torch.split(x_dbl, [self.dt_rank, self.d_state, self.d_state], dim=-1)
@@ -252,7 +252,7 @@ class QMambaMixer(QuantModule):
         return self._out(y).unsqueeze(1)
 
 
-def _suffixed(scale_name: str, suffix: str) -> str:
+def suffixed(scale_name: str, suffix: str) -> str:
     """A branch's name for an activation scale: "u_scale" of branch "_b" is "u_b_scale"."""
     return scale_name[:-len("_scale")] + suffix + "_scale"
 

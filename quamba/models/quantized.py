@@ -1,4 +1,5 @@
-"""QuantizedMambaLM: the Mamba1 LM with quantized blocks.
+"""QuantizedMambaLM: the Mamba1 LM with quantized blocks, and QuantizedModel, what it shares with
+the quantized Vision Mamba classifier (quamba.models.quantized_vision): SSM modes and checkpoints.
 
 W8A8 and W4A8 blocks are a QRMSNorm (→ int8) and a QMambaMixer; W4A16 (weight-only) blocks are
 the FP RMSNorm and the FP mixer with 4-bit in_proj, x_proj and out_proj
