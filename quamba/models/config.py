@@ -12,7 +12,12 @@ class ConfigError(ValueError):
 
 @dataclass
 class MambaConfig:
-    """Shape and numerics of a Mamba1 language model (names follow mamba_ssm)."""
+    """Shape and numerics of a Mamba language model (names follow mamba_ssm).
+
+    ``layer`` is the block type: "Mamba1" (dt_rank used) or "Mamba2" (multi-head SSD: ``headdim``
+    channels per head, ``ngroups`` groups of B and C shared by heads, scan in chunks of
+    ``chunk_size`` tokens; its gated RMSNorm normalizes each group of d_inner / ngroups channels).
+    """
 
     d_model: int = 768
     n_layer: int = 24
@@ -30,14 +35,31 @@ class MambaConfig:
     bos_token_id: int = 0
     eos_token_id: int = 0
     pad_token_id: int = 0
+    layer: str = "Mamba1"
+    headdim: int = 64  # Mamba2
+    ngroups: int = 1  # Mamba2
+    chunk_size: int = 256  # Mamba2
 
     def __post_init__(self):
         if self.dt_rank in (0, "auto", None):
             self.dt_rank = math.ceil(self.d_model / 16)
-        for name in ("d_model", "n_layer", "vocab_size", "d_state", "d_conv", "expand", "dt_rank"):
+        for name in ("d_model", "n_layer", "vocab_size", "d_state", "d_conv", "expand", "dt_rank",
+                     "headdim", "ngroups", "chunk_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"config field {name} must be a positive integer, got {value!r}")
+        if self.layer not in ("Mamba1", "Mamba2"):
+            raise ConfigError(f"layer must be Mamba1 or Mamba2, got {self.layer!r}")
+        if self.layer == "Mamba2":
+            if self.d_inner % self.headdim:
+                raise ConfigError(f"d_inner {self.d_inner} is not a multiple of headdim {self.headdim}")
+            if self.nheads % self.ngroups:
+                raise ConfigError(f"{self.nheads} heads do not split into ngroups {self.ngroups}")
+
+    @property
+    def nheads(self) -> int:
+        """Mamba2: the number of SSM heads."""
+        return self.d_inner // self.headdim
 
     @property
     def d_inner(self) -> int:
@@ -63,19 +85,22 @@ class MambaConfig:
         """From a mamba_ssm config.json (state-spaces/mamba-130m)."""
         ssm_cfg = dict(cfg.get("ssm_cfg") or {})
         layer = ssm_cfg.pop("layer", "Mamba1")
-        if layer != "Mamba1":
-            raise ConfigError(f"ssm_cfg.layer is {layer!r}; only Mamba1 models are supported")
+        if layer not in ("Mamba1", "Mamba2"):
+            raise ConfigError(f"ssm_cfg.layer is {layer!r}; Mamba1 and Mamba2 models are supported")
+        if layer == "Mamba2":
+            _check_mamba2_options(ssm_cfg, cfg["d_model"])
         if cfg.get("attn_layer_idx"):
             raise ConfigError("hybrid models with attention layers (attn_layer_idx) are not supported")
         if cfg.get("d_intermediate", 0):
             raise ConfigError("models with MLP layers (d_intermediate > 0) are not supported")
         if not cfg.get("rms_norm", True):
             raise ConfigError("rms_norm is false (LayerNorm blocks); only RMSNorm models are supported")
+        mamba2 = layer == "Mamba2"
         return cls(
             d_model=cfg["d_model"],
             n_layer=cfg["n_layer"],
             vocab_size=cfg["vocab_size"],
-            d_state=ssm_cfg.get("d_state", 16),
+            d_state=ssm_cfg.get("d_state", 128 if mamba2 else 16),
             d_conv=ssm_cfg.get("d_conv", 4),
             expand=ssm_cfg.get("expand", 2),
             dt_rank=ssm_cfg.get("dt_rank", 0),
@@ -84,13 +109,20 @@ class MambaConfig:
             residual_in_fp32=cfg.get("residual_in_fp32", True),
             pad_vocab_size_multiple=cfg.get("pad_vocab_size_multiple", 8),
             tie_embeddings=cfg.get("tie_embeddings", True),
+            layer=layer,
+            headdim=ssm_cfg.get("headdim", 64),
+            ngroups=ssm_cfg.get("ngroups", 1),
+            chunk_size=ssm_cfg.get("chunk_size", 256),
         )
 
     @classmethod
     def from_transformers(cls, cfg: dict) -> "MambaConfig":
-        """From a transformers MambaConfig config.json (state-spaces/mamba-130m-hf)."""
+        """From a transformers MambaConfig or Mamba2Config config.json (state-spaces/mamba-130m-hf)."""
+        if cfg.get("model_type", "mamba") == "mamba2":
+            return cls._from_transformers_mamba2(cfg)
         if cfg.get("model_type", "mamba") != "mamba":
-            raise ConfigError(f"model_type is {cfg.get('model_type')!r}; only 'mamba' is supported")
+            raise ConfigError(f"model_type is {cfg.get('model_type')!r}; only 'mamba' and 'mamba2' "
+                              "are supported")
         hidden = cfg["hidden_size"]
         expand = cfg.get("expand", 2)
         intermediate = cfg.get("intermediate_size", expand * hidden)
@@ -115,8 +147,46 @@ class MambaConfig:
             pad_token_id=_first_id(cfg.get("pad_token_id"), 0),
         )
 
+    @classmethod
+    def _from_transformers_mamba2(cls, cfg: dict) -> "MambaConfig":
+        hidden, expand = cfg["hidden_size"], cfg.get("expand", 2)
+        heads, headdim = cfg.get("num_heads", 128), cfg.get("head_dim", 64)
+        if heads * headdim != expand * hidden:
+            raise ConfigError(f"num_heads {heads} x head_dim {headdim} is not expand x hidden_size "
+                              f"{expand * hidden}")
+        limit = [_json_float(v) for v in cfg.get("time_step_limit") or (0.0, float("inf"))]
+        if limit[0] > 0 or limit[1] != float("inf"):
+            raise ConfigError(f"time_step_limit {tuple(limit)} is not supported (only no limit)")
+        if cfg.get("layer_types") and set(cfg["layer_types"]) != {"mamba"}:
+            raise ConfigError("hybrid models with attention layers (layer_types) are not supported")
+        return cls(
+            d_model=hidden, n_layer=cfg["num_hidden_layers"], vocab_size=cfg["vocab_size"],
+            d_state=cfg.get("state_size", 128), d_conv=cfg.get("conv_kernel", 4), expand=expand,
+            conv_bias=cfg.get("use_conv_bias", True), bias=cfg.get("use_bias", False),
+            norm_epsilon=cfg.get("layer_norm_epsilon", 1e-5),
+            residual_in_fp32=cfg.get("residual_in_fp32", True), pad_vocab_size_multiple=1,
+            tie_embeddings=cfg.get("tie_word_embeddings", True),
+            bos_token_id=_first_id(cfg.get("bos_token_id"), 0),
+            eos_token_id=_first_id(cfg.get("eos_token_id"), 0),
+            pad_token_id=_first_id(cfg.get("pad_token_id"), 0),
+            layer="Mamba2", headdim=headdim, ngroups=cfg.get("n_groups", 1),
+            chunk_size=cfg.get("chunk_size", 256))
+
     def to_transformers(self) -> dict:
-        """The transformers MambaConfig fields of this model (vocabulary already padded)."""
+        """The transformers MambaConfig (Mamba2Config) fields of this model (vocabulary padded)."""
+        if self.layer == "Mamba2":
+            return {
+                "model_type": "mamba2", "architectures": ["Mamba2ForCausalLM"],
+                "vocab_size": self.padded_vocab_size, "hidden_size": self.d_model,
+                "num_hidden_layers": self.n_layer, "state_size": self.d_state, "expand": self.expand,
+                "conv_kernel": self.d_conv, "num_heads": self.nheads, "head_dim": self.headdim,
+                "n_groups": self.ngroups, "chunk_size": self.chunk_size,
+                "use_conv_bias": self.conv_bias, "use_bias": self.bias,
+                "layer_norm_epsilon": self.norm_epsilon, "residual_in_fp32": self.residual_in_fp32,
+                "tie_word_embeddings": self.tie_embeddings, "hidden_act": "silu",
+                "bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_id,
+                "pad_token_id": self.pad_token_id,
+            }
         return {
             "model_type": "mamba",
             "architectures": ["MambaForCausalLM"],
@@ -145,14 +215,35 @@ class MambaConfig:
             "d_model": self.d_model,
             "n_layer": self.n_layer,
             "vocab_size": self.vocab_size,
-            "ssm_cfg": {"d_state": self.d_state, "d_conv": self.d_conv, "expand": self.expand,
-                        "dt_rank": self.dt_rank},
+            "ssm_cfg": ({"layer": "Mamba2", "d_state": self.d_state, "d_conv": self.d_conv,
+                         "expand": self.expand, "headdim": self.headdim, "ngroups": self.ngroups,
+                         "chunk_size": self.chunk_size} if self.layer == "Mamba2" else
+                        {"d_state": self.d_state, "d_conv": self.d_conv, "expand": self.expand,
+                         "dt_rank": self.dt_rank}),
             "rms_norm": True,
             "residual_in_fp32": self.residual_in_fp32,
             "fused_add_norm": True,
             "pad_vocab_size_multiple": self.pad_vocab_size_multiple,
             "tie_embeddings": self.tie_embeddings,
         }
+
+
+def _check_mamba2_options(ssm_cfg: dict, d_model: int) -> None:
+    """Refuse the mamba_ssm Mamba2 options this model does not implement, rather than ignore them."""
+    unsupported = {"rmsnorm": False, "norm_before_gate": True, "D_has_hdim": True}
+    for key, bad in unsupported.items():
+        if ssm_cfg.get(key, not bad) == bad:
+            raise ConfigError(f"Mamba2 option {key}={bad} is not supported")
+    limit = ssm_cfg.get("dt_limit", (0.0, float("inf")))
+    if limit[0] > 0 or limit[1] != float("inf"):
+        raise ConfigError(f"Mamba2 option dt_limit {tuple(limit)} is not supported (only no limit)")
+    if ssm_cfg.get("d_ssm") not in (None, ssm_cfg.get("expand", 2) * d_model):
+        raise ConfigError("Mamba2 option d_ssm < d_inner (a gated MLP inside in_proj) is not supported")
+
+
+def _json_float(value) -> float:
+    """A float of config.json; transformers writes infinity as {"__float__": "Infinity"}."""
+    return float(value["__float__"]) if isinstance(value, dict) else float(value)
 
 
 def _first_id(value, default: int) -> int:

@@ -256,7 +256,7 @@ def cast_model(model, dtype: torch.dtype):
     """Cast to ``dtype`` keeping the SSM parameters (A_log, D) in fp32."""
     model.to(dtype)
     for mixer in model.mixers():
-        for name in ("A_log", "D", "A_b_log", "D_b"):
+        for name in ("A_log", "D", "A_b_log", "D_b", "dt_bias"):
             param = getattr(mixer, name, None)
             if isinstance(param, torch.nn.Parameter):
                 param.data = param.data.float()

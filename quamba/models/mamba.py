@@ -19,6 +19,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from quamba.models.config import MambaConfig
+from quamba.models.mamba2 import Mamba2Mixer, init_mamba2_parameters
+from quamba.models.state import MixerState
 from quamba.ops import backend
 from quamba.ops.causal_conv1d import causal_conv1d, causal_conv1d_update, conv_state_from_prefill
 from quamba.ops.rms_norm import rms_norm
@@ -42,14 +44,6 @@ class RMSNorm(nn.Module):
 
     def forward(self, hidden, residual=None):
         return rms_norm(hidden, residual, self.weight, self.eps, self.residual_in_fp32)
-
-
-@dataclass
-class MixerState:
-    """Decode state of one FP mixer: the last conv inputs and the SSM state."""
-
-    conv: torch.Tensor  # [batch, d_inner, d_conv - 1], model dtype
-    ssm: torch.Tensor  # [batch, d_inner, d_state], fp32
 
 
 def _watched(module: nn.Module) -> bool:
@@ -201,9 +195,10 @@ class MambaBackbone(nn.Module):
         super().__init__()
         self.embedding = nn.Embedding(config.padded_vocab_size, config.d_model, device=device,
                                       dtype=dtype)
+        mixer = Mamba2Mixer if config.layer == "Mamba2" else MambaMixer
         self.layers = nn.ModuleList(
             Block(RMSNorm(config.d_model, config.norm_epsilon, config.residual_in_fp32, device, dtype),
-                  MambaMixer(config, device, dtype))
+                  mixer(config, device, dtype))
             for _ in range(config.n_layer))
         self.norm_f = RMSNorm(config.d_model, config.norm_epsilon, config.residual_in_fp32, device,
                               dtype)
@@ -222,7 +217,8 @@ class InferenceCache:
 
 
 class MambaLMHeadModel(nn.Module):
-    """Mamba1 LM: embedding → blocks → final RMSNorm → lm_head (tied to the embedding by default)."""
+    """Mamba LM: embedding → blocks → final RMSNorm → lm_head (tied to the embedding by default);
+    the blocks' mixers are Mamba1 or Mamba2 (quamba.models.mamba2) as ``config.layer`` says."""
 
     def __init__(self, config: MambaConfig, device=None, dtype=None):
         super().__init__()
@@ -234,7 +230,10 @@ class MambaLMHeadModel(nn.Module):
             self.lm_head.weight = self.backbone.embedding.weight
         with torch.no_grad():
             for mixer in self.mixers():
-                init_ssm_parameters(mixer)
+                if isinstance(mixer, Mamba2Mixer):
+                    init_mamba2_parameters(mixer)
+                else:
+                    init_ssm_parameters(mixer)
 
     def mixers(self):
         return [block.mixer for block in self.backbone.layers]
@@ -331,7 +330,7 @@ def randomize_(model: MambaLMHeadModel, seed: int = 0, std: float = 0.02) -> Mam
             value = torch.log(rand(shape) * 15 + 0.5)
         elif kind.endswith(".D"):
             value = rand(shape) + 0.5
-        elif kind.endswith("dt_proj.bias"):
+        elif kind.endswith(("dt_proj.bias", "dt_bias")):
             dt = torch.exp(rand(shape) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
             value = dt + torch.log(-torch.expm1(-dt))
         elif "norm" in kind:

@@ -47,16 +47,18 @@ class BackendError(QuambaError):
 
 
 def register(op: str, backend: str, requires: Callable[[], str | None] | None = None,
-             kernels: tuple[str, ...] | None = None):
+             kernels: tuple[str, ...] | None = None, fp: bool = False):
     """Decorator registering ``fn`` as ``backend``'s implementation of ``op``. ``requires`` marks an
     optional cuda implementation from another package (the FP ops on mamba-ssm's kernels) and
     says whether it can run here: None, or why not. Where it cannot, both ``cuda`` and ``auto``
-    run the torch reference: only quamba's own kernels make ``cuda`` strict. ``kernels`` names the
-    quamba._C ops a cuda implementation runs when it composes others (default: ``op`` itself)."""
+    run the torch reference: only quamba's own kernels make ``cuda`` strict. ``fp`` marks an FP
+    op the same way where no cuda implementation exists yet. ``kernels`` names the quamba._C ops
+    a cuda implementation runs when it composes others (default: ``op`` itself)."""
     def wrap(fn):
         _IMPLS.setdefault(op, {})[backend] = fn
         if requires is not None:
             _REQUIREMENTS[op] = requires
+        if requires is not None or fp:
             _OPTIONAL.add(op)
         if kernels is not None:
             _KERNELS[op] = kernels
@@ -160,6 +162,8 @@ def plan(device: torch.device, argument: str | None = None) -> dict[str, tuple[s
 def _why_not_cuda(op: str, device: torch.device) -> str | None:
     if device.type != "cuda":
         return f"its inputs are on {device}, not a CUDA device"
+    if op in _OPTIONAL and op not in _REQUIREMENTS:
+        return f"no CUDA kernel implements {op} yet"
     missing = cuda_missing(op, device)
     if missing is None and "cuda" not in _IMPLS[op]:
         return f"no CUDA kernel implements {op}"
@@ -171,6 +175,8 @@ def cuda_missing(op: str, device: torch.device | None = None) -> str | None:
     else why not."""
     if op in _REQUIREMENTS:
         return _REQUIREMENTS[op]()
+    if op in _OPTIONAL:
+        return f"no CUDA kernel implements {op} yet"
     missing = cuda_extension_error() or _kernel_missing(op)
     if missing is None and device is not None and device.type == "cuda":
         missing = device_error(_device_index(device))

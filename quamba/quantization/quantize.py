@@ -79,6 +79,9 @@ def quantize(model: MambaLMHeadModel, tokenizer=None, config: QuantConfig | None
 def _check_quantizable(model, config: QuantConfig) -> None:
     if isinstance(model, QuantizedMambaLM) or type(model) is not MambaLMHeadModel:
         raise QuambaError(f"quantize needs an FP MambaLMHeadModel, got {type(model).__name__}")
+    if model.config.layer != "Mamba1":
+        raise QuambaError(f"{model.config.layer} models load and run in FP; their quantization "
+                          "(Quamba2) is not implemented yet")
     if not model.config.conv_bias and not config.weight_only:
         raise QuambaError("models without a conv1d bias are not supported by the W8A8 and W4A8 "
                           "recipes")

@@ -71,11 +71,12 @@ def test_directory_without_config(tmp_path):
 @pytest.mark.parametrize("config, expected", [
     ({"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2}, "'llama'"),
     ({"model_type": "mamba2", "hidden_size": 64, "state_size": 128, "num_hidden_layers": 2,
-      "vocab_size": 64}, "'mamba2'"),
-    ({"d_model": 64, "n_layer": 2, "vocab_size": 64, "ssm_cfg": {"layer": "Mamba2"}}, "Mamba1"),
+      "vocab_size": 64}, "num_heads 128 x head_dim 64 is not expand x hidden_size 128"),
+    ({"d_model": 64, "n_layer": 2, "vocab_size": 64, "ssm_cfg": {"layer": "Mamba3"}},
+     "Mamba1 and Mamba2 models are supported"),
     ({"d_model": 64, "n_layer": 2}, "'vocab_size'"),
 ])
-def test_config_that_is_not_a_mamba1_layout(model_dir, config, expected):
+def test_config_that_is_not_a_supported_layout(model_dir, config, expected):
     (model_dir / "config.json").write_text(json.dumps(config))
     assert expected in load_error(model_dir, CheckpointError)
 
