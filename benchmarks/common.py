@@ -13,7 +13,9 @@ import json
 import os
 import statistics
 import subprocess
+import sys
 import time
+from collections import defaultdict
 from typing import Callable, Iterable, Sequence
 
 import torch
@@ -78,6 +80,22 @@ def _time_with_events(fn, warmup_ms, rep_ms) -> float:
         if i * estimate >= warmup_ms:
             times.append(start.elapsed_time(end))
     return statistics.median(times or [start.elapsed_time(end)])
+
+
+def median_ms(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
+    """Median time in ms of ``fn`` waited on alone (CUDA events around each call), after
+    ``warmup`` calls; no L2 flush: what a user's call of a whole model costs."""
+    for _ in range(warmup):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(repeats):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
 
 
 def time_graph_ms(make_call: Callable[[int], Callable[[], object]], bytes_per_call: int,
@@ -201,3 +219,31 @@ def write_json(path: str | None, payload: dict) -> None:
     """Write the results atomically (a temporary file, then a rename)."""
     if path:
         atomic_write_text(path, json.dumps(payload, indent=2))
+
+
+def check_backends(rows: list[dict], allow_reference_ops: bool = False,
+                   allow_reference_fp_ops: bool = False,
+                   flags: tuple = ("--allow_reference_ops", "--reference_fp_ops")) -> int:
+    """1 (with the reasons printed) when a row ran a quantized op (``reference_ops``) or an FP op
+    (``reference_fp_ops``) on its torch reference and that is not allowed, else 0. ``flags`` name
+    the options that would allow each, for the message (None: none exists)."""
+    failed = False
+    for row in rows:
+        for key, allowed, flag in (("reference_ops", allow_reference_ops, flags[0]),
+                                   ("reference_fp_ops", allow_reference_fp_ops, flags[1])):
+            if row.get(key) and not allowed:
+                failed = True
+                hint = f" ({flag} accepts that)" if flag else ""
+                print(f"error: row {row['name']!r} ran ops on their torch references, so its times "
+                      f"are not the kernels'{hint}: {why_reference(row[key])}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def why_reference(ops: list[str]) -> str:
+    """'op, op: reason; ...' for ops that ran their torch reference on the GPU."""
+    from quamba.ops import backend
+    by_reason = defaultdict(list)
+    for op in ops:
+        reason = backend.cuda_missing(op, torch.device("cuda")) or "QUAMBA_BACKEND or --backend asked for it"
+        by_reason[reason].append(op)
+    return "; ".join(f"{', '.join(names)}: {reason}" for reason, names in by_reason.items())

@@ -38,7 +38,6 @@ import argparse
 import gc
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -46,7 +45,8 @@ from collections import defaultdict
 
 import torch
 
-from common import copy_bandwidth_gbs, format_table, graph_launch_timing, run_metadata, write_json
+from common import (check_backends, copy_bandwidth_gbs, format_table, graph_launch_timing, median_ms,
+                    run_metadata, write_json)
 
 from quamba import QuantConfig, quantize
 from quamba.models.config import PRESETS, preset_config
@@ -168,20 +168,6 @@ def weight_bytes(model) -> int:
 
 
 # --- measuring -----------------------------------------------------------------------------------
-
-def median_ms(fn, repeats: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
 
 def greedy(runner, prompt, gen_len: int):
     logits = runner.prefill(prompt)
@@ -451,31 +437,7 @@ def main(argv=None) -> int:
             print(f"{row['name']}: backends: " +
                   ", ".join(f"{op} {name}" for op, name in row["backends"].items()))
     write_json(args.out, result)
-    return check_backends(result["rows"], args)
-
-
-def check_backends(rows: list[dict], args) -> int:
-    """1 (with the reasons printed) when a row ran a quantized op on its torch reference and
-    --allow_reference_ops was not given, or an FP op without --reference_fp_ops; else 0."""
-    failed = False
-    for row in rows:
-        for key, allowed, flag in (("reference_ops", args.allow_reference_ops, "--allow_reference_ops"),
-                                   ("reference_fp_ops", args.reference_fp_ops, "--reference_fp_ops")):
-            if row.get(key) and not allowed:
-                failed = True
-                print(f"error: row {row['name']!r} ran ops on their torch references, so its times "
-                      f"are not the kernels' ({flag} accepts that): {why_reference(row[key])}",
-                      file=sys.stderr)
-    return 1 if failed else 0
-
-
-def why_reference(ops: list[str]) -> str:
-    """'op, op: reason; ...' for ops that ran their torch reference on the GPU."""
-    by_reason = defaultdict(list)
-    for op in ops:
-        reason = backend.cuda_missing(op, torch.device("cuda")) or "QUAMBA_BACKEND or --backend asked for it"
-        by_reason[reason].append(op)
-    return "; ".join(f"{', '.join(names)}: {reason}" for reason, names in by_reason.items())
+    return check_backends(result["rows"], args.allow_reference_ops, args.reference_fp_ops)
 
 
 if __name__ == "__main__":

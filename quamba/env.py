@@ -14,11 +14,11 @@ import importlib.util
 import json
 import os
 import platform
-import subprocess
 import sys
 
 import torch
 
+from quamba.eval.run import git_state
 from quamba.ops import backend, fp_kernels
 
 # The kernel families of csrc/ and a torch.ops.quamba op that each one registers.
@@ -38,7 +38,7 @@ def collect() -> dict:
     import quamba  # the package itself: version and where it is imported from
     info = {
         "quamba": {"version": quamba.__version__, "path": os.path.dirname(quamba.__file__),
-                   "commit": _git_commit(os.path.dirname(quamba.__file__))},
+                   "git": git_state()},
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "packages": {name: _version(name) for name in PACKAGES},
@@ -59,14 +59,6 @@ def _version(name: str) -> str | None:
     try:
         return importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def _git_commit(path: str) -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=path, capture_output=True,
-                              text=True, check=True, timeout=10).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
         return None
 
 
@@ -96,8 +88,9 @@ def _extension() -> dict:
 
 
 def format_report(info: dict) -> str:
-    lines = [f"quamba {info['quamba']['version']} (commit {info['quamba']['commit'] or 'unknown'}) "
-             f"from {info['quamba']['path']}",
+    git = info["quamba"]["git"]
+    commit = f"{git['commit'][:7]}{' with local changes' if git['dirty'] else ''}" if git else "unknown"
+    lines = [f"quamba {info['quamba']['version']} (commit {commit}) from {info['quamba']['path']}",
              f"python {info['python']} on {info['platform']}",
              "packages: " + ", ".join(f"{name} {version or '-'}"
                                       for name, version in info["packages"].items()),

@@ -49,8 +49,7 @@ def calibrate(model, calib: CalibrationSet | torch.Tensor,
     does not depend on the batch size.
     """
     tokens = _calibration_tokens(calib)
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
-        raise CalibrationError(f"batch_size must be a positive integer, got {batch_size!r}")
+    _check_batch_size(batch_size)
     recorder = _Recorder(_observer_specs(observers), num_samples=tokens.shape[0])
     device = next(model.parameters()).device
     batches = range(0, tokens.shape[0], batch_size)
@@ -76,8 +75,7 @@ def calibrate_images(model, images: torch.Tensor, observers: dict[str, ObserverS
         raise CalibrationError("there are no calibration images")
     if not torch.isfinite(images).all():
         raise CalibrationError("calibration images hold NaN or infinite values")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
-        raise CalibrationError(f"batch_size must be a positive integer, got {batch_size!r}")
+    _check_batch_size(batch_size)
     recorder = _Recorder(_observer_specs(observers), num_samples=images.shape[0])
     parameter = next(model.parameters())
     batches = range(0, images.shape[0], batch_size)
@@ -85,6 +83,11 @@ def calibrate_images(model, images: torch.Tensor, observers: dict[str, ObserverS
         for start in tqdm(batches, desc="calibrating", unit="batch", disable=not progress):
             model(images[start:start + batch_size].to(parameter.device, parameter.dtype))
     return recorder.results()
+
+
+def _check_batch_size(batch_size) -> None:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
+        raise CalibrationError(f"batch_size must be a positive integer, got {batch_size!r}")
 
 
 def _calibration_tokens(calib) -> torch.Tensor:

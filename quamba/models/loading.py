@@ -163,10 +163,11 @@ def to_internal_names(state: dict, layout: str) -> dict:
     return renamed
 
 
-def load_state_into(model: MambaLMHeadModel, state: dict, source: str) -> None:
-    """Copy ``state`` into ``model`` checking every tensor's presence and shape."""
+def load_state_into(model, state: dict, source: str) -> None:
+    """Copy ``state`` into ``model`` (an LM or a Vision Mamba classifier) checking every
+    tensor's presence and shape."""
     expected = model.state_dict()
-    if model.config.tie_embeddings:
+    if getattr(model.config, "tie_embeddings", False):
         state = {k: v for k, v in state.items() if k != "lm_head.weight"}
         expected.pop("lm_head.weight", None)
     missing = [k for k in expected if k not in state]

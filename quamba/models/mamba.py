@@ -53,6 +53,19 @@ def _watched(module: nn.Module) -> bool:
                 or hooks._global_forward_pre_hooks)
 
 
+def ssm_branch(config: MambaConfig, device=None, dtype=None) -> tuple:
+    """(conv1d, x_proj, dt_proj, A_log, D) of one Mamba1 SSM branch, uninitialised; A_log and D
+    stay fp32 whatever the model dtype, as in mamba_ssm."""
+    kw = dict(device=device, dtype=dtype)
+    d_inner = config.d_inner
+    return (nn.Conv1d(d_inner, d_inner, config.d_conv, groups=d_inner, padding=config.d_conv - 1,
+                      bias=config.conv_bias, **kw),
+            nn.Linear(d_inner, config.dt_rank + 2 * config.d_state, bias=False, **kw),
+            nn.Linear(config.dt_rank, d_inner, bias=True, **kw),
+            nn.Parameter(torch.empty(d_inner, config.d_state, device=device)),
+            nn.Parameter(torch.empty(d_inner, device=device)))
+
+
 class MambaMixer(nn.Module):
     """The Mamba1 mixer: in_proj → causal conv1d + SiLU → x_proj → dt_proj → selective scan →
     out_proj. ``online_hadamard`` (set by the rotation pass) rotates y before out_proj."""
@@ -63,13 +76,7 @@ class MambaMixer(nn.Module):
         d_inner, self.d_state, self.d_conv = config.d_inner, config.d_state, config.d_conv
         self.d_inner, self.dt_rank = d_inner, config.dt_rank
         self.in_proj = nn.Linear(config.d_model, 2 * d_inner, bias=config.bias, **kw)
-        self.conv1d = nn.Conv1d(d_inner, d_inner, config.d_conv, groups=d_inner,
-                                padding=config.d_conv - 1, bias=config.conv_bias, **kw)
-        self.x_proj = nn.Linear(d_inner, config.dt_rank + 2 * config.d_state, bias=False, **kw)
-        self.dt_proj = nn.Linear(config.dt_rank, d_inner, bias=True, **kw)
-        # SSM parameters stay fp32 whatever the model dtype, as in mamba_ssm.
-        self.A_log = nn.Parameter(torch.empty(d_inner, config.d_state, device=device))
-        self.D = nn.Parameter(torch.empty(d_inner, device=device))
+        self.conv1d, self.x_proj, self.dt_proj, self.A_log, self.D = ssm_branch(config, device, dtype)
         self.out_proj = nn.Linear(d_inner, config.d_model, bias=config.bias, **kw)
         self.online_hadamard = nn.Identity()
         self.taps: dict | None = None  # set to {} to record intermediates (mode comparisons)

@@ -20,7 +20,7 @@ import torch.nn as nn
 
 from quamba.errors import QuambaError
 from quamba.models.config import ConfigError, MambaConfig
-from quamba.models.mamba import Block, MambaMixer, RMSNorm, init_ssm_parameters
+from quamba.models.mamba import Block, MambaMixer, RMSNorm, init_ssm_parameters, ssm_branch
 from quamba.ops import backend
 
 CLS_POSITIONS = ("middle", "head", "none")
@@ -191,17 +191,12 @@ class BiMambaMixer(MambaMixer):
         if bimamba not in BIMAMBA_TYPES:
             raise ConfigError(f"bimamba must be one of {', '.join(BIMAMBA_TYPES)}, got {bimamba!r}")
         self.bimamba, self.divide_out = bimamba, divide_out
-        kw = dict(device=device, dtype=dtype)
-        d_inner = config.d_inner
-        self.conv1d_b = nn.Conv1d(d_inner, d_inner, config.d_conv, groups=d_inner,
-                                  padding=config.d_conv - 1, bias=config.conv_bias, **kw)
-        self.x_proj_b = nn.Linear(d_inner, config.dt_rank + 2 * config.d_state, bias=False, **kw)
-        self.dt_proj_b = nn.Linear(config.dt_rank, d_inner, bias=True, **kw)
-        self.A_b_log = nn.Parameter(torch.empty(d_inner, config.d_state, device=device))
-        self.D_b = nn.Parameter(torch.empty(d_inner, device=device))
+        self.conv1d_b, self.x_proj_b, self.dt_proj_b, self.A_b_log, self.D_b = \
+            ssm_branch(config, device, dtype)
         if bimamba == "separate":
-            self.in_proj_b = nn.Linear(config.d_model, 2 * d_inner, bias=config.bias, **kw)
-            self.out_proj_b = nn.Linear(d_inner, config.d_model, bias=config.bias, **kw)
+            kw = dict(device=device, dtype=dtype)
+            self.in_proj_b = nn.Linear(config.d_model, 2 * config.d_inner, bias=config.bias, **kw)
+            self.out_proj_b = nn.Linear(config.d_inner, config.d_model, bias=config.bias, **kw)
 
     def backward_branch(self) -> tuple:
         """(conv1d, x_proj, dt_proj, A_log, D) of the backward direction."""

@@ -85,36 +85,17 @@ def check_structure(config: VisionMambaConfig, state: dict, source: str) -> None
                               f"weights {'have' if 'cls_token' in state else 'lack'} a cls_token")
 
 
-def load_vision_state(model: VisionMamba, state: dict, source: str) -> None:
-    """Copy ``state`` into ``model`` checking every tensor's presence and shape."""
-    expected = model.state_dict()
-    missing = [key for key in expected if key not in state]
-    if missing:
-        raise CheckpointError(f"{source}: missing tensor {missing[0]}"
-                              + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
-    for key, tensor in expected.items():
-        if tuple(state[key].shape) != tuple(tensor.shape):
-            raise CheckpointError(f"{source}: tensor {key} has shape {tuple(state[key].shape)}, "
-                                  f"config.json implies {tuple(tensor.shape)}")
-    unexpected = sorted(set(state) - set(expected))
-    if unexpected:
-        raise CheckpointError(f"{source}: unexpected tensor {unexpected[0]} for this config")
-    with torch.no_grad():
-        for key, tensor in expected.items():
-            tensor.copy_(state[key])
-
-
 def load_vision_model(model_dir: Path, raw_config: dict, dtype: torch.dtype = torch.float32,
                       device="cpu", name_or_path=None) -> VisionMamba:
     """The FP classifier of ``model_dir`` (config.json already read as ``raw_config``), in eval
     mode, on ``device``, in ``dtype`` (A and D stay fp32)."""
-    from quamba.models.loading import cast_model
+    from quamba.models.loading import cast_model, load_state_into
     source = str(model_dir)
     config = read_vision_config(raw_config, source)
     state = read_vision_state(model_dir)
     check_structure(config, state, source)
     model = VisionMamba(config)
-    load_vision_state(model, state, source)
+    load_state_into(model, state, source)
     model = cast_model(model, dtype).to(device).eval()
     local = name_or_path is None or Path(os.path.expanduser(str(name_or_path))).is_dir()
     model.source = {"name_or_path": str(model_dir.resolve()) if local else str(name_or_path),

@@ -15,29 +15,26 @@ import logging
 
 import torch
 
-from quamba.calibrate import calibrate_images
+from quamba.calibrate import BACKWARD_KINDS, calibrate_images
+from quamba.calibrate.calibrate import base_kind
 from quamba.errors import QuambaError
-from quamba.layers.qbimixer import QBiMambaMixer
+from quamba.layers.qbimixer import BACKWARD, QBiMambaMixer
+from quamba.layers.qmixer import suffixed
 from quamba.models.quantized_vision import QuantizedVisionMamba
 from quamba.models.vision import VisionMamba
 from quamba.ops.quant import scale_from_range
 from quamba.quantization.config import QuantConfig
+from quamba.quantization.quantize import _SCALE_OF_KIND as LM_SCALE_OF_KIND
 from quamba.quantization.quantize import quantized_norm
 from quamba.quantization.rotation import rotate_vision_model_
 
 log = logging.getLogger("quamba")
 
-# Calibrated tensor kind → the bidirectional mixer's scale it sets.
-_SCALE_OF_KIND = {
-    "in_proj.output": "xz_scale",
-    "x_proj.input": "u_scale",
-    "x_proj.output": "xdbl_scale",
-    "dt_proj.output": "dt_scale",
-    "x_proj_b.input": "u_b_scale",
-    "x_proj_b.output": "xdbl_b_scale",
-    "dt_proj_b.output": "dt_b_scale",
-    "out_proj.input": "y_scale",
-}
+# Calibrated tensor kind → the bidirectional mixer's scale it sets: the LM's kinds but the SSM
+# state, and the backward branch's kinds with its suffixed scales.
+_SCALE_OF_KIND = {kind: name for kind, name in LM_SCALE_OF_KIND.items() if kind != "ssm_state"}
+_SCALE_OF_KIND.update({kind: suffixed(LM_SCALE_OF_KIND[base_kind(kind)], BACKWARD)
+                       for kind in BACKWARD_KINDS})
 
 
 def quantize_vision(model: VisionMamba, config: QuantConfig, calib_data,
