@@ -25,6 +25,7 @@ import random
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 from unittest import mock
 
 import torch
@@ -85,6 +86,11 @@ def split_train_val(documents: list[str], val_fraction: float, seed: int):
     return [documents[i] for i in order[n_val:]], [documents[i] for i in order[:n_val]]
 
 
+def split_documents(args) -> tuple[list[str], list[str]]:
+    """The training and validation documents of ``args.data_dir``, split by ``args.seed``."""
+    return split_train_val(training_documents(args.data_dir), args.val_fraction, args.seed)
+
+
 # --- tokenizer ----------------------------------------------------------------------------------
 
 def train_tokenizer(texts: list[str]):
@@ -118,6 +124,23 @@ def windows(stream: torch.Tensor, length: int) -> torch.Tensor:
     """Non-overlapping windows [n, length] (the incomplete tail is dropped)."""
     n = stream.numel() // length
     return stream[:n * length].view(n, length)
+
+
+class Corpus(NamedTuple):
+    """The training and validation documents and their token streams."""
+
+    train_docs: list[str]
+    val_docs: list[str]
+    train_stream: torch.Tensor
+    val_stream: torch.Tensor
+
+
+def tokenize_corpus(tokenizer, train_docs: list[str], val_docs: list[str]) -> Corpus:
+    corpus = Corpus(train_docs, val_docs, token_stream(tokenizer, train_docs),
+                    token_stream(tokenizer, val_docs))
+    print(f"{len(train_docs)} training documents, {corpus.train_stream.numel()} tokens; "
+          f"{len(val_docs)} validation documents, {corpus.val_stream.numel()} tokens", flush=True)
+    return corpus
 
 
 # --- a faster scan for backprop -----------------------------------------------------------------
@@ -233,9 +256,10 @@ def check_training_scan(seed: int = 0, rtol: float = 1e-5) -> None:
 
 # --- model and training -------------------------------------------------------------------------
 
-def build_model(config: MambaConfig, seed: int) -> MambaLMHeadModel:
-    """mamba_ssm's training initialisation: embedding N(0, 0.02), zero linear biases, dt_proj
-    weight uniform in ±dt_rank^-0.5, out_proj scaled down by sqrt(n_layer)."""
+def new_model(config: MambaConfig, seed: int) -> MambaLMHeadModel:
+    """mamba_ssm's training initialisation of what Mamba1 and Mamba2 models share: embedding
+    N(0, 0.02), zero linear biases, out_proj scaled down by sqrt(n_layer); the SSM parameters as
+    the mixers initialise them."""
     torch.manual_seed(seed)
     model = MambaLMHeadModel(config)
     with torch.no_grad():
@@ -244,9 +268,17 @@ def build_model(config: MambaConfig, seed: int) -> MambaLMHeadModel:
             for linear in (mixer.in_proj, mixer.out_proj):
                 if linear.bias is not None:
                     linear.bias.zero_()
-            bound = config.dt_rank ** -0.5
-            torch.nn.init.uniform_(mixer.dt_proj.weight, -bound, bound)
             mixer.out_proj.weight.div_(math.sqrt(config.n_layer))
+    return model
+
+
+def build_model(config: MambaConfig, seed: int) -> MambaLMHeadModel:
+    """``new_model``, with mamba_ssm's dt_proj weight: uniform in ±dt_rank^-0.5."""
+    model = new_model(config, seed)
+    bound = config.dt_rank ** -0.5
+    with torch.no_grad():
+        for mixer in model.mixers():
+            torch.nn.init.uniform_(mixer.dt_proj.weight, -bound, bound)
     return model
 
 
@@ -295,6 +327,16 @@ def steps_for_budget(model, stream: torch.Tensor, args) -> int:
     steps = max(1, int(args.minutes * 60 / (1.1 * min(times[1:]))))
     print(f"{min(times[1:]):.2f} s per step: {steps} steps in {args.minutes:g} minutes", flush=True)
     return steps
+
+
+def train_for_budget(model, train_stream: torch.Tensor, args) -> tuple[list[float], float]:
+    """``train`` for ``args.steps`` steps, or as many as fit in ``args.minutes``: the loss of every
+    step and the seconds the steps took."""
+    steps = args.steps or steps_for_budget(model, train_stream, args)
+    started = time.perf_counter()
+    batches = training_batches(train_stream, args.seq_len, args.batch_size, args.seed)
+    losses = train(model.train(), batches, steps, args)
+    return losses, time.perf_counter() - started
 
 
 def train(model, batches, steps: int, args) -> list[float]:
@@ -353,25 +395,41 @@ def library_logit_error(model, sequences: torch.Tensor) -> float:
     return (library - fast).abs().max().item()
 
 
-def evaluate(model, tokenizer, train_stream, val_stream, args) -> dict:
+def wikitext_path(data_dir: Path) -> Path:
+    return data_dir / "eval" / "wikitext2_test_docs.jsonl"
+
+
+def heldout_windows(tokenizer, data_dir: Path) -> torch.Tensor:
+    """wikitext-2 test as EVAL_WINDOW-token windows, every document preceded by <|endoftext|>."""
+    documents = read_jsonl_field(wikitext_path(data_dir), "page")
+    return windows(token_stream(tokenizer, documents), EVAL_WINDOW)
+
+
+def score(model, eval_windows: torch.Tensor, corpus: Corpus, args) -> dict:
     """Validation loss, and wikitext-2 test perplexity of the model and of the unigram baseline."""
-    wikitext_path = args.data_dir / "eval" / "wikitext2_test_docs.jsonl"
-    eval_windows = windows(token_stream(tokenizer, read_jsonl_field(wikitext_path, "page")), EVAL_WINDOW)
+    val_loss, _ = mean_nll(model, windows(corpus.val_stream, args.seq_len + 1), args.batch_size)
+    model_nll, scored = mean_nll(model, eval_windows, batch_size=4)
+    unigram = unigram_nll(corpus.train_stream, eval_windows, VOCAB_SIZE)
+    return {
+        "val_loss": round(val_loss, 4),
+        "heldout": {"file": relative_to_repo(wikitext_path(args.data_dir)), "field": "page",
+                    "documents_joined_with": EOS, "window": EVAL_WINDOW, "windows": len(eval_windows),
+                    "tokens_scored": scored, "perplexity": round(math.exp(model_nll), 3),
+                    "unigram_add_one_perplexity": round(math.exp(unigram), 3)},
+    }
+
+
+def evaluate(model, tokenizer, corpus: Corpus, args) -> dict:
+    """``score`` on the training scan, once it is shown to agree with the library's on the
+    trained model."""
+    eval_windows = heldout_windows(tokenizer, args.data_dir)
     logit_error = library_logit_error(model, eval_windows[:1])
     if logit_error > 1e-3:
         raise RuntimeError(f"training scan and library disagree on the trained model ({logit_error:.2e})")
     with training_scan():
-        val_loss, _ = mean_nll(model, windows(val_stream, args.seq_len + 1), args.batch_size)
-        model_nll, scored = mean_nll(model, eval_windows, batch_size=4)
-    return {
-        "val_loss": round(val_loss, 4),
-        "heldout": {"file": relative_to_repo(wikitext_path), "field": "page",
-                    "documents_joined_with": EOS, "window": EVAL_WINDOW, "windows": len(eval_windows),
-                    "tokens_scored": scored, "perplexity": round(math.exp(model_nll), 3),
-                    "unigram_add_one_perplexity": round(math.exp(unigram_nll(train_stream, eval_windows,
-                                                                             VOCAB_SIZE)), 3),
-                    "library_scan_max_abs_logit_diff": logit_error},
-    }
+        results = score(model, eval_windows, corpus, args)
+    results["heldout"]["library_scan_max_abs_logit_diff"] = logit_error
+    return results
 
 
 # --- output -------------------------------------------------------------------------------------
@@ -380,13 +438,13 @@ def directory_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def save_fixture(model, tokenizer, out_dir: Path) -> str:
+def save_fixture(model, tokenizer, out_dir: Path, layout: str = "transformers") -> str:
     """Save in fp32 if the directory stays within MAX_FIXTURE_BYTES, else in fp16."""
-    save_model(model, out_dir, layout="transformers", tokenizer=tokenizer)
+    save_model(model, out_dir, layout=layout, tokenizer=tokenizer)
     if directory_bytes(out_dir) <= MAX_FIXTURE_BYTES:
         return "fp32"
     from quamba.models.loading import cast_model
-    save_model(cast_model(model, torch.float16), out_dir, layout="transformers", tokenizer=tokenizer)
+    save_model(cast_model(model, torch.float16), out_dir, layout=layout, tokenizer=tokenizer)
     return "fp16"
 
 
@@ -395,8 +453,54 @@ def relative_to_repo(path: Path) -> str:
     return Path(os.path.relpath(path.resolve(), REPO_ROOT)).as_posix()
 
 
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def tokenizer_report(**origin) -> dict:
+    """The tokenizer section of the report; ``origin`` says where it came from."""
+    return {"kind": "byte-level BPE (tokenizers)", "vocab_size": VOCAB_SIZE,
+            "special_tokens": {EOS: 0, PAD: 1}, **origin}
+
+
+def data_report(corpus: Corpus, args) -> dict:
+    return {"sources": [relative_to_repo(args.data_dir / "text" / name)
+                        for name in ("c4_sample.jsonl", "tinyshakespeare.txt")],
+            "train_documents": len(corpus.train_docs), "val_documents": len(corpus.val_docs),
+            "train_tokens": corpus.train_stream.numel(), "val_tokens": corpus.val_stream.numel()}
+
+
+def training_report(losses: list[float], train_seconds: float, args) -> dict:
+    """The training section of the report and the mean loss of the last ``args.log_every`` steps."""
+    steps, final_losses = len(losses), losses[-args.log_every:]
+    return {
+        "training": {"seed": args.seed, "steps": steps, "batch_size": args.batch_size,
+                     "seq_len": args.seq_len, "tokens_seen": steps * args.batch_size * args.seq_len,
+                     "seconds": round(train_seconds, 1), "optimizer": "AdamW, betas (0.9, 0.95)",
+                     "peak_lr": args.lr, "schedule": "linear warm-up, cosine to 10%",
+                     "weight_decay": args.weight_decay, "grad_clip": 1.0,
+                     "torch_threads": args.threads},
+        "train_loss": round(sum(final_losses) / len(final_losses), 4),
+    }
+
+
+def write_report(report: dict, out_dir: Path, saved_dtype: str, started: float) -> None:
+    """Complete ``report`` with the fixture's dtype, size and the run's time, write it to
+    out_dir/training_report.json and print a summary."""
+    report.update({"saved_dtype": saved_dtype, "fixture_bytes": directory_bytes(out_dir),
+                   "total_seconds": round(time.perf_counter() - started, 1)})
+    (out_dir / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    training, heldout = report["training"], report["heldout"]
+    print(f"{training['steps']} steps, {training['seconds'] / 60:.1f} min of training; fixture "
+          f"{report['fixture_bytes'] / 1e6:.2f} MB ({saved_dtype})")
+    print(f"wikitext-2 test perplexity: model {heldout['perplexity']:.2f}, "
+          f"unigram {heldout['unigram_add_one_perplexity']:.2f}")
+
+
+def set_up_torch(args) -> None:
+    """``args.threads`` threads and deterministic kernels, so ``--steps`` repeats a run."""
+    torch.set_num_threads(args.threads)
+    torch.use_deterministic_algorithms(True)
+
+
+def parse_args(argv=None, doc: str = __doc__, out_dir: Path = OUT_DIR):
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--minutes", type=float, default=10.0, help="training time budget")
     parser.add_argument("--steps", type=int, default=None, help="fixed step count (overrides --minutes)")
     parser.add_argument("--seed", type=int, default=0)
@@ -409,61 +513,32 @@ def parse_args(argv=None):
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--log-every", type=int, default=25)
     parser.add_argument("--data-dir", type=Path, default=DATA_DIR)
-    parser.add_argument("--out", type=Path, default=OUT_DIR)
+    parser.add_argument("--out", type=Path, default=out_dir)
     return parser.parse_args(argv)
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
     started = time.perf_counter()
-    torch.set_num_threads(args.threads)
-    torch.use_deterministic_algorithms(True)
+    set_up_torch(args)
     check_training_scan()
 
-    train_docs, val_docs = split_train_val(training_documents(args.data_dir), args.val_fraction, args.seed)
+    train_docs, val_docs = split_documents(args)
     tokenizer = train_tokenizer(train_docs)
-    train_stream, val_stream = token_stream(tokenizer, train_docs), token_stream(tokenizer, val_docs)
-    print(f"{len(train_docs)} training documents, {train_stream.numel()} tokens; "
-          f"{len(val_docs)} validation documents, {val_stream.numel()} tokens", flush=True)
+    corpus = tokenize_corpus(tokenizer, train_docs, val_docs)
 
     config = tiny_config()
     model = build_model(config, args.seed)
     with training_scan():
-        steps = args.steps or steps_for_budget(model, train_stream, args)
-        train_started = time.perf_counter()
-        losses = train(model.train(), training_batches(train_stream, args.seq_len, args.batch_size,
-                                                       args.seed), steps, args)
-        train_seconds = time.perf_counter() - train_started
-    results = evaluate(model.eval(), tokenizer, train_stream, val_stream, args)
-    dtype = save_fixture(model, tokenizer, args.out)
+        losses, train_seconds = train_for_budget(model, corpus.train_stream, args)
+    results = evaluate(model.eval(), tokenizer, corpus, args)
+    saved_dtype = save_fixture(model, tokenizer, args.out)
 
-    final_losses = losses[-args.log_every:]
-    report = {
-        "config": config.to_dict(),
-        "tokenizer": {"kind": "byte-level BPE (tokenizers)", "vocab_size": VOCAB_SIZE,
-                      "special_tokens": {EOS: 0, PAD: 1}, "trained_on": "the training documents"},
-        "data": {"sources": [relative_to_repo(args.data_dir / "text" / name)
-                             for name in ("c4_sample.jsonl", "tinyshakespeare.txt")],
-                 "train_documents": len(train_docs), "val_documents": len(val_docs),
-                 "train_tokens": train_stream.numel(), "val_tokens": val_stream.numel()},
-        "training": {"seed": args.seed, "steps": steps, "batch_size": args.batch_size,
-                     "seq_len": args.seq_len, "tokens_seen": steps * args.batch_size * args.seq_len,
-                     "seconds": round(train_seconds, 1), "optimizer": "AdamW, betas (0.9, 0.95)",
-                     "peak_lr": args.lr, "schedule": "linear warm-up, cosine to 10%",
-                     "weight_decay": args.weight_decay, "grad_clip": 1.0,
-                     "torch_threads": args.threads},
-        "train_loss": round(sum(final_losses) / len(final_losses), 4),
-        **results,
-        "saved_dtype": dtype,
-        "fixture_bytes": directory_bytes(args.out),
-        "total_seconds": round(time.perf_counter() - started, 1),
-    }
-    (args.out / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
-    heldout = report["heldout"]
-    print(f"{steps} steps, {train_seconds / 60:.1f} min of training; fixture "
-          f"{report['fixture_bytes'] / 1e6:.2f} MB ({dtype})")
-    print(f"wikitext-2 test perplexity: model {heldout['perplexity']:.2f}, "
-          f"unigram {heldout['unigram_add_one_perplexity']:.2f}")
+    report = {"config": config.to_dict(),
+              "tokenizer": tokenizer_report(trained_on="the training documents"),
+              "data": data_report(corpus, args), **training_report(losses, train_seconds, args),
+              **results}
+    write_report(report, args.out, saved_dtype, started)
 
 
 if __name__ == "__main__":

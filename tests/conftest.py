@@ -4,16 +4,19 @@ Tests never reach the Hugging Face Hub. The offline switches are set when this f
 before any test module imports huggingface_hub, transformers or datasets (they read them at
 import time), and the datasets cache goes to a temporary directory removed at the end.
 """
+import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA_DIR = REPO_ROOT.parent / "shared" / "data"  # the repo is cloned next to shared/
 TINY_MODEL_DIR = REPO_ROOT / "tests" / "fixtures" / "tiny-mamba"
+TINY_MAMBA2_DIR = REPO_ROOT / "tests" / "fixtures" / "tiny-mamba2"
 TINY_VIM_DIR = REPO_ROOT / "tests" / "fixtures" / "tiny-vim"
 
 _DATASETS_CACHE = tempfile.mkdtemp(prefix="quamba-tests-datasets-")
@@ -45,6 +48,34 @@ def tiny_model_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_mamba2_dir() -> Path:
+    """The trained Mamba2 test model (scripts/train_tiny_mamba2.py writes it)."""
+    return TINY_MAMBA2_DIR
+
+
+@pytest.fixture(scope="session")
 def tiny_vim_dir() -> Path:
     """The trained test classifier (scripts/train_tiny_vim.py writes it)."""
     return TINY_VIM_DIR
+
+
+EVAL_WINDOW = 1024  # as in the training reports
+
+
+@pytest.fixture(scope="session")
+def heldout_windows(shared_data_dir):
+    """``heldout_windows(tokenizer, count)``: the first ``count`` 1024-token windows of wikitext-2
+    test, tokenized as scripts/train_tiny_mamba.py does (every document preceded by
+    <|endoftext|>)."""
+    wikitext_path = shared_data_dir / "eval" / "wikitext2_test_docs.jsonl"
+
+    def first_windows(tokenizer, count: int) -> torch.Tensor:
+        ids = []
+        with open(wikitext_path, encoding="utf-8") as f:
+            for line in f:
+                ids += [tokenizer.eos_token_id] + tokenizer(json.loads(line)["page"])["input_ids"]
+                if len(ids) >= count * EVAL_WINDOW:
+                    break
+        return torch.tensor(ids[:count * EVAL_WINDOW]).view(count, EVAL_WINDOW)
+
+    return first_windows

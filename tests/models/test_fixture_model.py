@@ -1,4 +1,5 @@
-"""The trained test model in tests/fixtures/tiny-mamba (written by scripts/train_tiny_mamba.py)."""
+"""The trained test models: tests/fixtures/tiny-mamba (written by scripts/train_tiny_mamba.py),
+and what both it and tiny-mamba2 (tests/models/test_fixture_mamba2.py) must satisfy."""
 import json
 import math
 
@@ -9,7 +10,6 @@ import torch.nn.functional as F
 import quamba
 
 MAX_FIXTURE_BYTES = 8_000_000
-EVAL_WINDOW = 1024  # as in the training report
 EVAL_WINDOWS = 2
 
 
@@ -23,18 +23,6 @@ def loaded(tiny_model_dir):
     return quamba.load_model(tiny_model_dir)
 
 
-def heldout_windows(tokenizer, wikitext_path, count: int) -> torch.Tensor:
-    """The first ``count`` 1024-token windows of wikitext-2 test, tokenized as the training script
-    does (every document preceded by <|endoftext|>)."""
-    ids = []
-    with open(wikitext_path, encoding="utf-8") as f:
-        for line in f:
-            ids += [tokenizer.eos_token_id] + tokenizer(json.loads(line)["page"])["input_ids"]
-            if len(ids) >= count * EVAL_WINDOW:
-                break
-    return torch.tensor(ids[:count * EVAL_WINDOW]).view(count, EVAL_WINDOW)
-
-
 def test_loads_by_path_relative_to_the_repo_root(repo_root, monkeypatch, report):
     monkeypatch.chdir(repo_root)
     model, tokenizer = quamba.load_model("tests/fixtures/tiny-mamba")
@@ -45,28 +33,33 @@ def test_loads_by_path_relative_to_the_repo_root(repo_root, monkeypatch, report)
     assert tokenizer.convert_tokens_to_ids("<|padding|>") == 1
 
 
-def test_fixture_is_small(tiny_model_dir):
-    size = sum(f.stat().st_size for f in tiny_model_dir.rglob("*") if f.is_file())
+@pytest.fixture(scope="module", params=["tiny_model_dir", "tiny_mamba2_dir"])
+def trained_dir(request):
+    """Each trained test LM: tiny-mamba (Mamba1) and tiny-mamba2."""
+    return request.getfixturevalue(request.param)
+
+
+def test_fixture_is_small(trained_dir):
+    size = sum(f.stat().st_size for f in trained_dir.rglob("*") if f.is_file())
     assert size <= MAX_FIXTURE_BYTES
 
 
-def test_generate_produces_text(loaded):
-    model, tokenizer = loaded
+def test_generate_produces_text(trained_dir):
+    model, tokenizer = quamba.load_model(trained_dir)
     prompt = tokenizer("The history of the city", return_tensors="pt")["input_ids"]
     output = model.generate(prompt, max_new_tokens=20)
     text = tokenizer.decode(output[0, prompt.shape[1]:], skip_special_tokens=True)
     assert text.strip()
 
 
-def test_report_shows_the_model_beats_the_unigram_baseline(report):
-    heldout = report["heldout"]
+def test_report_shows_the_model_beats_the_unigram_baseline(trained_dir):
+    heldout = json.loads((trained_dir / "training_report.json").read_text())["heldout"]
     assert heldout["perplexity"] < heldout["unigram_add_one_perplexity"] / 2
 
 
-def test_heldout_perplexity_is_below_the_unigram_baseline(loaded, report, shared_data_dir):
+def test_heldout_perplexity_is_below_the_unigram_baseline(loaded, report, heldout_windows):
     model, tokenizer = loaded
-    windows = heldout_windows(tokenizer, shared_data_dir / "eval" / "wikitext2_test_docs.jsonl",
-                              EVAL_WINDOWS)
+    windows = heldout_windows(tokenizer, EVAL_WINDOWS)
     with torch.inference_mode():
         logits = model(windows[:, :-1])
     nll = F.cross_entropy(logits.flatten(0, 1).float(), windows[:, 1:].flatten())
