@@ -130,6 +130,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> _Flags:
     flags.add(group, "--gptq_seqlen", type=int, default=1024,
               help="tokens per GPTQ sample (default 1024)")
     flags.add(group, "--act_order", action="store_true", help="GPTQ in decreasing Hessian-diagonal order")
+    flags.add(group, "--mixed_precision", type=float, metavar="FRACTION",
+              help="W4A8 only: per-layer mixed precision (Quamba2's W4AX), this fraction of the "
+                   "layers, those whose quantization raises the calibration loss most, run W4A16")
     flags.add(group, "--no_hadamard", action="store_true",
               help="do not rotate with Hadamard transforms (W8A8 and W4A8 rotate by default; "
                    "W4A16 does not rotate)")
@@ -172,7 +175,8 @@ def model_request(args: argparse.Namespace) -> ModelRequest:
         model=args.model, quantize=args.quantize, w_bits=args.w_bits, a_bits=args.a_bits,
         group_size=args.group_size, apply_gptq=args.apply_gptq, gptq_source=args.gptq_data,
         gptq_num_samples=args.gptq_data_num, gptq_seqlen=args.gptq_seqlen, act_order=args.act_order,
-        hadamard=False if args.no_hadamard else None, ssm_mode=args.ssm_mode,
+        hadamard=False if args.no_hadamard else None, mixed_precision=args.mixed_precision,
+        ssm_mode=args.ssm_mode,
         percentile_alpha=args.percentile_alpha,
         calib_source=args.calib_data, calib_num_samples=args.calib_data_num,
         calib_seqlen=args.calib_seqlen, seed=args.seed, pretrained_dir=args.pretrained_dir,

@@ -209,6 +209,9 @@ setup(
         "scikit-learn",  # its bundled 8x8 digits: the offline image set of the Vision Mamba tests
         "pillow",  # ImageFolder image sets for Vision Mamba evaluation
     ],
-    extras_require={"dev": ["pytest"]},
+    extras_require={"dev": [
+        "pytest",
+        "scipy",  # cont2discrete and solve_ivp: the references of tests/ops/test_discretization.py
+    ]},
     **extension_kwargs(),
 )

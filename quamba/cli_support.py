@@ -41,6 +41,7 @@ class ModelRequest:
     gptq_seqlen: int = 1024
     act_order: bool = False
     hadamard: bool | None = None
+    mixed_precision: float | None = None
     ssm_mode: str | None = None
     percentile_alpha: float | None = 0.9995
     calib_source: str | None = None
@@ -61,7 +62,7 @@ class ModelRequest:
         return QuantConfig(w_bits=self.w_bits, a_bits=self.a_bits, group_size=self.group_size,
                            apply_gptq=self.apply_gptq, gptq_num_samples=self.gptq_num_samples,
                            gptq_seqlen=self.gptq_seqlen, gptq_act_order=self.act_order,
-                           hadamard=self.hadamard,
+                           hadamard=self.hadamard, mixed_precision=self.mixed_precision,
                            ssm_mode=self.ssm_mode, percentile_alpha=self.percentile_alpha,
                            calib_num_samples=self.calib_num_samples, calib_seqlen=self.calib_seqlen,
                            seed=self.seed, backend=self.backend, **optional)
@@ -110,10 +111,12 @@ class PreparedModel:
                 "calibration": getattr(self.model, "calibration", None) or None}
 
 
-def saved_model_name(model: str, w_bits: int, a_bits: int) -> str:
-    """``quamba-<model basename>-w<W>a<A>``: the name a quantized model is saved under."""
+def saved_model_name(model: str, w_bits: int, a_bits: int, mixed_precision: float | None = None) -> str:
+    """``quamba-<model basename>-w<W>a<A>`` (``-mixed<fraction>`` for per-layer mixed precision):
+    the name a quantized model is saved under."""
     basename = Path(str(model).rstrip("/")).name
-    return f"quamba-{basename}-w{w_bits}a{a_bits}"
+    mixed = "" if mixed_precision is None else f"-mixed{mixed_precision:g}"
+    return f"quamba-{basename}-w{w_bits}a{a_bits}{mixed}"
 
 
 def default_device() -> str:
@@ -172,7 +175,8 @@ def _quantize_or_reuse(source: str, request: ModelRequest, device: str, backend:
     """Quantize the FP model ``source``, or reuse the copy saved earlier with the same recipe."""
     from quamba import load_model, quantize
     wanted = request.quant_config()
-    target = (Path(request.pretrained_dir) / saved_model_name(source, request.w_bits, request.a_bits)
+    target = (Path(request.pretrained_dir) / saved_model_name(source, request.w_bits, request.a_bits,
+                                                              request.mixed_precision)
               if request.pretrained_dir else None)
     if target is not None:
         recorded = _recorded_quant_config(target)

@@ -2,8 +2,9 @@
 
 Naive W8A8 = absmax observers everywhere and no Hadamard rotation. W4A8 and W4A16 quantize
 in_proj, x_proj and out_proj to 4-bit groups of --group_size with round-to-nearest, and with
-GPTQ too when --gptq_data is given. Every recipe is calibrated on the same samples (W4A16
-calibrates nothing). Example (offline, test model, the README's table):
+GPTQ too when --gptq_data is given; --mixed_precision adds W4AX rows (that fraction of the layers
+W4A16, chosen by measured sensitivity). Every recipe is calibrated on the same samples (W4A16
+calibrates nothing). Mamba2 models take the same recipes (Quamba2's scales). Example (offline, test model, the README's table):
 
     python scripts/compare_ppl.py tests/fixtures/tiny-mamba \
         --calib_data ../shared/data/text/c4_sample.jsonl \
@@ -39,6 +40,8 @@ def parse_args(argv=None):
     parser.add_argument("--gptq_data_num", type=int, default=128)
     parser.add_argument("--gptq_seqlen", type=int, default=1024)
     parser.add_argument("--act_order", action="store_true", help="GPTQ in act-order")
+    parser.add_argument("--mixed_precision", type=float, default=None, metavar="FRACTION",
+                        help="add per-layer mixed-precision rows: this fraction of the layers W4A16")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default=None, help="write the numbers as JSON here")
@@ -60,6 +63,12 @@ def _recipes(args) -> dict:
         recipes[f"W4A{a_bits} RTN"] = quamba.QuantConfig(**four_bit, a_bits=a_bits)
         if args.gptq_data:
             recipes[f"W4A{a_bits} GPTQ"] = quamba.QuantConfig(**four_bit, **gptq, a_bits=a_bits)
+    if args.mixed_precision is not None:
+        mixed = dict(four_bit, mixed_precision=args.mixed_precision)
+        name = f"W4AX mixed ({args.mixed_precision:g} of layers W4A16)"
+        recipes[f"{name} RTN"] = quamba.QuantConfig(**mixed)
+        if args.gptq_data:
+            recipes[f"{name} GPTQ"] = quamba.QuantConfig(**mixed, **gptq)
     return recipes
 
 

@@ -20,28 +20,38 @@ struct Epilogue {
   float bias_scale;
   float out_inv_scale;  // used when the output is int8
   bool silu;
+  // Per-channel scales (Quamba2's xBC conv, qconv1d_channelwise): [dim] fp32 replacing
+  // multiplier and out_inv_scale where not null.
+  const float* multipliers;
+  const float* out_inv_scales;
 
   // The dequantized bias of channel d, or -0.0f (adding it leaves every y unchanged).
   __device__ __forceinline__ float bias_of(int d) const {
     return bias != nullptr ? __fmul_rn(static_cast<float>(bias[d]), bias_scale) : -0.f;
   }
+  __device__ __forceinline__ float multiplier_of(int d) const {
+    return multipliers != nullptr ? multipliers[d] : multiplier;
+  }
+  __device__ __forceinline__ float out_inv_of(int d) const {
+    return out_inv_scales != nullptr ? out_inv_scales[d] : out_inv_scale;
+  }
+  bool per_channel() const { return multipliers != nullptr; }
 
-  __device__ __forceinline__ float apply(int acc, float bias_value) const {
-    const float y = __fadd_rn(__fmul_rn(static_cast<float>(acc), multiplier), bias_value);
+  __device__ __forceinline__ float apply(int acc, float bias_value, float channel_multiplier) const {
+    const float y = __fadd_rn(__fmul_rn(static_cast<float>(acc), channel_multiplier), bias_value);
     return silu ? silu_rn(y) : y;
   }
 };
 
+// One output value: int8 codes for out_inv (the channel's 1 / out_scale), or fp32.
 template <typename Out>
-__device__ __forceinline__ void store(Out* out, int64_t offset, float y, const Epilogue& ep);
+__device__ __forceinline__ void store(Out* out, int64_t offset, float y, float out_inv);
 template <>
-__device__ __forceinline__ void store<int8_t>(int8_t* out, int64_t offset, float y,
-                                              const Epilogue& ep) {
-  out[offset] = quantize_rn(y, ep.out_inv_scale);
+__device__ __forceinline__ void store<int8_t>(int8_t* out, int64_t offset, float y, float out_inv) {
+  out[offset] = quantize_rn(y, out_inv);
 }
 template <>
-__device__ __forceinline__ void store<float>(float* out, int64_t offset, float y,
-                                             const Epilogue&) {
+__device__ __forceinline__ void store<float>(float* out, int64_t offset, float y, float) {
   out[offset] = y;
 }
 
@@ -61,6 +71,7 @@ qconv1d_channel_fast_kernel(const int8_t* __restrict__ x, Strides3 xs, Out* __re
   Out* out_row = out + b * os.batch + d * os.dim;
 
   const float bias_value = ep.bias_of(d);
+  const float multiplier = ep.multiplier_of(d), out_inv = ep.out_inv_of(d);
   int w[W];
   int window[kRun + W - 1];  // inputs t0 - (W - 1) ... t0 + kRun - 1, zero outside the sequence
 #pragma unroll
@@ -76,7 +87,7 @@ qconv1d_channel_fast_kernel(const int8_t* __restrict__ x, Strides3 xs, Out* __re
       int acc = 0;
 #pragma unroll
       for (int j = 0; j < W; ++j) acc += w[j] * window[k + j];
-      store(out_row, (t0 + k) * os.time, ep.apply(acc, bias_value), ep);
+      store(out_row, (t0 + k) * os.time, ep.apply(acc, bias_value, multiplier), out_inv);
     }
   }
 }
@@ -105,13 +116,14 @@ qconv1d_time_fast_kernel(const int8_t* __restrict__ x, Strides3 xs, Out* __restr
       window[k] = t >= 0 && t < seqlen ? x_row[t * xs.time] : 0;
     }
     const float bias_value = ep.bias_of(d);
+    const float multiplier = ep.multiplier_of(d), out_inv = ep.out_inv_of(d);
 #pragma unroll
     for (int k = 0; k < kTimeRun; ++k) {
       if (t0 + k < seqlen) {
         int acc = 0;
 #pragma unroll
         for (int j = 0; j < W; ++j) acc += static_cast<int>(weight[d * W + j]) * window[k + j];
-        store(out_row, (t0 + k) * os.time, ep.apply(acc, bias_value), ep);
+        store(out_row, (t0 + k) * os.time, ep.apply(acc, bias_value, multiplier), out_inv);
       }
     }
   }
@@ -396,35 +408,59 @@ Epilogue make_epilogue(const c10::optional<at::Tensor>& bias, double multiplier,
                   bias.has_value() ? bias->data_ptr<int8_t>() : nullptr,
                   to_fp32(bias_scale),
                   out_inv_scale.has_value() ? to_fp32(*out_inv_scale) : 0.f,
-                  silu};
+                  silu,
+                  nullptr,
+                  nullptr};
 }
 
-// x: int8 [batch, dim, seqlen] with any strides. The output keeps x's layout family: channel-fast
-// (a transposed [batch, seqlen, dim] tensor, what x_proj reads next) when x.stride(1) == 1,
-// else contiguous [batch, dim, seqlen].
-at::Tensor qconv1d(const at::Tensor& x, const at::Tensor& weight,
-                   const c10::optional<at::Tensor>& bias, double multiplier, double bias_scale,
-                   c10::optional<double> out_inv_scale, bool silu) {
+// A per-channel scale vector: contiguous fp32 [dim] on x's device.
+void check_channel_scales(const at::Tensor& scales, const at::Tensor& x, int64_t dim,
+                          const char* name) {
+  check_same_device(scales, x, name);
+  check_dtype(scales, at::kFloat, name);
+  check_shape(scales, {dim}, name);
+  TORCH_CHECK(scales.is_contiguous(), name, " must be contiguous");
+}
+
+// Epilogue of qconv1d_channelwise: per-channel multipliers and output inverse scales.
+Epilogue make_channel_epilogue(const at::Tensor& x, const c10::optional<at::Tensor>& bias,
+                               const at::Tensor& multipliers, double bias_scale,
+                               const c10::optional<at::Tensor>& out_inv_scales, bool silu) {
+  const int64_t dim = x.size(1);
+  check_channel_scales(multipliers, x, dim, "multipliers");
+  if (out_inv_scales.has_value()) check_channel_scales(*out_inv_scales, x, dim, "out_inv_scales");
+  Epilogue ep = make_epilogue(bias, 1.0, bias_scale, c10::nullopt, silu);
+  ep.multipliers = multipliers.data_ptr<float>();
+  ep.out_inv_scales = out_inv_scales.has_value() ? out_inv_scales->data_ptr<float>() : nullptr;
+  return ep;
+}
+
+void check_conv_input(const at::Tensor& x) {
   check_cuda(x, "x");
   check_dtype(x, at::kChar, "x");
   TORCH_CHECK(x.dim() == 3, "x must be [batch, dim, seqlen], got ", text(x.sizes()));
-  const int64_t batch = x.size(0), dim = x.size(1), seqlen = x.size(2);
-  TORCH_CHECK(batch <= 65535, "x batch must be at most 65535, got ", text(batch));
+  TORCH_CHECK(x.size(0) <= 65535, "x batch must be at most 65535, got ", text(x.size(0)));
   TORCH_CHECK(x.numel() < (int64_t{1} << 31), "x must have fewer than 2^31 elements");
-  check_conv_params(x, weight, bias, dim, multiplier, bias_scale, out_inv_scale);
-  const c10::cuda::CUDAGuard guard(x.device());
+}
 
+// The conv of a checked x with the epilogue ep; int8 out if int8_out, else fp32. The output keeps
+// x's layout family: channel-fast (a transposed [batch, seqlen, dim] tensor, what x_proj reads
+// next) when x.stride(1) == 1, else contiguous [batch, dim, seqlen].
+at::Tensor run_qconv1d(const at::Tensor& x, const at::Tensor& weight, const Epilogue& ep,
+                       bool int8_out) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t batch = x.size(0), dim = x.size(1), seqlen = x.size(2);
   const bool channel_fast = x.stride(1) == 1 && x.stride(2) != 1;
-  const auto out_type = out_inv_scale.has_value() ? at::kChar : at::kFloat;
+  const auto out_type = int8_out ? at::kChar : at::kFloat;
   at::Tensor out =
       channel_fast
           ? at::empty({batch, seqlen, dim}, x.options().dtype(out_type)).transpose(1, 2)
           : at::empty({batch, dim, seqlen}, x.options().dtype(out_type));
   if (x.numel() == 0) return out;
   TORCH_CHECK(seqlen <= int64_t{65535} * kRun, "x seqlen must be at most ", text(65535 * kRun));
-  const Epilogue ep = make_epilogue(bias, multiplier, bias_scale, out_inv_scale, silu);
-  if (out_type == at::kChar && vector_layout(x, out, channel_fast)) {
-    if (silu) {
+  // the vector kernels keep one multiplier in registers: per-channel scales take the others
+  if (out_type == at::kChar && !ep.per_channel() && vector_layout(x, out, channel_fast)) {
+    if (ep.silu) {
       dispatch_vec_width<true>(weight.size(1), x, weight, ep, out, channel_fast);
     } else {
       dispatch_vec_width<false>(weight.size(1), x, weight, ep, out, channel_fast);
@@ -435,6 +471,28 @@ at::Tensor qconv1d(const at::Tensor& x, const at::Tensor& weight,
     dispatch_width<float>(weight.size(1), x, weight, ep, out, channel_fast);
   }
   return out;
+}
+
+// x: int8 [batch, dim, seqlen] with any strides (see run_qconv1d for the output's layout).
+at::Tensor qconv1d(const at::Tensor& x, const at::Tensor& weight,
+                   const c10::optional<at::Tensor>& bias, double multiplier, double bias_scale,
+                   c10::optional<double> out_inv_scale, bool silu) {
+  check_conv_input(x);
+  check_conv_params(x, weight, bias, x.size(1), multiplier, bias_scale, out_inv_scale);
+  return run_qconv1d(x, weight, make_epilogue(bias, multiplier, bias_scale, out_inv_scale, silu),
+                     out_inv_scale.has_value());
+}
+
+// qconv1d with one multiplier and one output inverse scale per channel (fp32 [dim] each).
+at::Tensor qconv1d_channelwise(const at::Tensor& x, const at::Tensor& weight,
+                               const c10::optional<at::Tensor>& bias, const at::Tensor& multipliers,
+                               double bias_scale, const c10::optional<at::Tensor>& out_inv_scales,
+                               bool silu) {
+  check_conv_input(x);
+  check_conv_params(x, weight, bias, x.size(1), 1.0, bias_scale, c10::nullopt);
+  return run_qconv1d(x, weight,
+                     make_channel_epilogue(x, bias, multipliers, bias_scale, out_inv_scales, silu),
+                     out_inv_scales.has_value());
 }
 
 // ---- decode step ---------------------------------------------------------------------------
@@ -458,7 +516,7 @@ qconv1d_update_kernel(const int8_t* __restrict__ x, int64_t x_batch_stride, int6
   for (int k = 0; k < W; ++k) acc += static_cast<int>(weight[d * W + k]) * window[k];
 #pragma unroll
   for (int k = 0; k < W - 1; ++k) s[k] = static_cast<int8_t>(window[k + 1]);
-  store(out, index, ep.apply(acc, ep.bias_of(d)), ep);
+  store(out, index, ep.apply(acc, ep.bias_of(d), ep.multiplier_of(d)), ep.out_inv_of(d));
 }
 
 template <int W, typename Out>
@@ -484,17 +542,17 @@ void dispatch_update(int width, const at::Tensor& x, at::Tensor& state, const at
   }
 }
 
-// x: int8 [batch, dim] (any strides); conv_state: contiguous int8 [batch, dim, width - 1],
-// oldest input first, rolled in place. Returns contiguous [batch, dim].
-at::Tensor qconv1d_update(const at::Tensor& x, at::Tensor& conv_state, const at::Tensor& weight,
-                          const c10::optional<at::Tensor>& bias, double multiplier,
-                          double bias_scale, c10::optional<double> out_inv_scale, bool silu) {
+void check_update_input(const at::Tensor& x) {
   check_cuda(x, "x");
   check_dtype(x, at::kChar, "x");
   TORCH_CHECK(x.dim() == 2, "x must be [batch, dim], got ", text(x.sizes()));
+  TORCH_CHECK(x.numel() < (int64_t{1} << 31), "x must have fewer than 2^31 elements");
+}
+
+// One decode step of a checked x with the epilogue ep (see qconv1d_update).
+at::Tensor run_qconv1d_update(const at::Tensor& x, at::Tensor& conv_state,
+                              const at::Tensor& weight, const Epilogue& ep, bool int8_out) {
   const int64_t batch = x.size(0), dim = x.size(1);
-  TORCH_CHECK(batch * dim < (int64_t{1} << 31), "x must have fewer than 2^31 elements");
-  check_conv_params(x, weight, bias, dim, multiplier, bias_scale, out_inv_scale);
   const int64_t width = weight.size(1);
   check_same_device(conv_state, x, "conv_state");
   check_dtype(conv_state, at::kChar, "conv_state");
@@ -502,16 +560,41 @@ at::Tensor qconv1d_update(const at::Tensor& x, at::Tensor& conv_state, const at:
   TORCH_CHECK(conv_state.is_contiguous(), "conv_state must be contiguous");
   const c10::cuda::CUDAGuard guard(x.device());
 
-  const auto out_type = out_inv_scale.has_value() ? at::kChar : at::kFloat;
+  const auto out_type = int8_out ? at::kChar : at::kFloat;
   at::Tensor out = at::empty({batch, dim}, x.options().dtype(out_type));
   if (x.numel() == 0) return out;
-  const Epilogue ep = make_epilogue(bias, multiplier, bias_scale, out_inv_scale, silu);
   if (out_type == at::kChar) {
     dispatch_update<int8_t>(width, x, conv_state, weight, ep, out);
   } else {
     dispatch_update<float>(width, x, conv_state, weight, ep, out);
   }
   return out;
+}
+
+// x: int8 [batch, dim] (any strides); conv_state: contiguous int8 [batch, dim, width - 1],
+// oldest input first, rolled in place. Returns contiguous [batch, dim].
+at::Tensor qconv1d_update(const at::Tensor& x, at::Tensor& conv_state, const at::Tensor& weight,
+                          const c10::optional<at::Tensor>& bias, double multiplier,
+                          double bias_scale, c10::optional<double> out_inv_scale, bool silu) {
+  check_update_input(x);
+  check_conv_params(x, weight, bias, x.size(1), multiplier, bias_scale, out_inv_scale);
+  return run_qconv1d_update(x, conv_state, weight,
+                            make_epilogue(bias, multiplier, bias_scale, out_inv_scale, silu),
+                            out_inv_scale.has_value());
+}
+
+// qconv1d_update with per-channel multipliers and output inverse scales (fp32 [dim] each).
+at::Tensor qconv1d_channelwise_update(const at::Tensor& x, at::Tensor& conv_state,
+                                      const at::Tensor& weight,
+                                      const c10::optional<at::Tensor>& bias,
+                                      const at::Tensor& multipliers, double bias_scale,
+                                      const c10::optional<at::Tensor>& out_inv_scales, bool silu) {
+  check_update_input(x);
+  check_conv_params(x, weight, bias, x.size(1), 1.0, bias_scale, c10::nullopt);
+  return run_qconv1d_update(
+      x, conv_state, weight,
+      make_channel_epilogue(x, bias, multipliers, bias_scale, out_inv_scales, silu),
+      out_inv_scales.has_value());
 }
 
 }  // namespace
@@ -524,9 +607,17 @@ TORCH_LIBRARY_FRAGMENT(quamba, m) {
   m.def(
       "qconv1d_update(Tensor x, Tensor(a!) conv_state, Tensor weight, Tensor? bias, "
       "float multiplier, float bias_scale, float? out_inv_scale, bool silu) -> Tensor");
+  m.def(
+      "qconv1d_channelwise(Tensor x, Tensor weight, Tensor? bias, Tensor multipliers, "
+      "float bias_scale, Tensor? out_inv_scales, bool silu) -> Tensor");
+  m.def(
+      "qconv1d_channelwise_update(Tensor x, Tensor(a!) conv_state, Tensor weight, Tensor? bias, "
+      "Tensor multipliers, float bias_scale, Tensor? out_inv_scales, bool silu) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(quamba, CUDA, m) {
   m.impl("qconv1d", &quamba_ssm::qconv1d);
   m.impl("qconv1d_update", &quamba_ssm::qconv1d_update);
+  m.impl("qconv1d_channelwise", &quamba_ssm::qconv1d_channelwise);
+  m.impl("qconv1d_channelwise_update", &quamba_ssm::qconv1d_channelwise_update);
 }

@@ -11,7 +11,9 @@ from tqdm.auto import tqdm
 
 from quamba.calibrate.data import CalibrationSet
 from quamba.calibrate.errors import CalibrationError
-from quamba.calibrate.observers import ObserverSpec, make_observer
+from quamba.calibrate.observers import ChannelAbsMaxObserver, ObserverSpec, make_observer
+from quamba.models.mamba2 import Mamba2Mixer
+from quamba.ops.causal_conv1d import causal_conv1d
 
 _ABSMAX = ObserverSpec("absmax")
 _PERCENTILE = ObserverSpec("percentile", 0.9995)
@@ -26,9 +28,22 @@ DEFAULT_OBSERVERS = MappingProxyType({
     "ssm_state": _PERCENTILE,  # the last SSM state of each sample
     "out_proj.input": _ABSMAX,  # after the online Hadamard, if the model was rotated
 })
+# The kinds of a Mamba2 layer beyond in_proj.input, ssm_state and out_proj.input (Quamba2's
+# scales): in_proj's output by segment, before the conv.
+MAMBA2_OBSERVERS = MappingProxyType({
+    "z": _ABSMAX,
+    "x_in": _ABSMAX,
+    "B_in": _ABSMAX,
+    "C_in": _ABSMAX,
+    "dt": _ABSMAX,
+})
 TENSOR_KINDS = tuple(DEFAULT_OBSERVERS)
+MAMBA2_KINDS = tuple(MAMBA2_OBSERVERS)
 # The backward branch of a bidirectional (Vision Mamba) mixer: observed as the forward kinds.
 BACKWARD_KINDS = ("x_proj_b.input", "x_proj_b.output", "dt_proj_b.output")
+# Per-channel absmax of a Mamba2 layer's conv output: x per channel [d_inner], B and C per state
+# group [ngroups]; their results are fp32 tensors.
+CHANNEL_KINDS = ("x", "B", "C")
 
 
 def base_kind(kind: str) -> str:
@@ -100,10 +115,11 @@ def _calibration_tokens(calib) -> torch.Tensor:
 
 
 def _observer_specs(overrides) -> dict[str, ObserverSpec]:
-    unknown = set(overrides or {}) - set(TENSOR_KINDS)
+    known = TENSOR_KINDS + MAMBA2_KINDS
+    unknown = set(overrides or {}) - set(known)
     if unknown:
-        raise CalibrationError(f"unknown tensor kind(s) {sorted(unknown)}; known: {list(TENSOR_KINDS)}")
-    return {**DEFAULT_OBSERVERS, **(overrides or {})}
+        raise CalibrationError(f"unknown tensor kind(s) {sorted(unknown)}; known: {list(known)}")
+    return {**DEFAULT_OBSERVERS, **MAMBA2_OBSERVERS, **(overrides or {})}
 
 
 class _Recorder:
@@ -118,7 +134,9 @@ class _Recorder:
 
     def observe(self, layer: int, kind: str, tensor: torch.Tensor) -> None:
         key = (layer, kind)
-        if key not in self.observers:
+        if kind in CHANNEL_KINDS:
+            self.observers.setdefault(key, ChannelAbsMaxObserver(f"layer {layer} {kind}"))
+        elif key not in self.observers:
             per_sample = tensor.numel() // tensor.shape[0]
             self.observers[key] = make_observer(self.specs[base_kind(kind)], f"layer {layer} {kind}",
                                                 expected_numel=per_sample * self.num_samples)
@@ -127,7 +145,8 @@ class _Recorder:
     def results(self) -> dict[int, dict[str, float]]:
         layers = sorted({layer for layer, _ in self.observers})
         return {layer: {kind: self.observers[layer, kind].result()
-                        for kind in TENSOR_KINDS + BACKWARD_KINDS if (layer, kind) in self.observers}
+                        for kind in TENSOR_KINDS + MAMBA2_KINDS + BACKWARD_KINDS + CHANNEL_KINDS
+                        if (layer, kind) in self.observers}
                 for layer in layers}
 
 
@@ -138,6 +157,12 @@ def _observing(model, recorder: _Recorder):
     handles = []
     try:
         for layer, mixer in enumerate(model.mixers()):
+            if isinstance(mixer, Mamba2Mixer):
+                handles += [
+                    mixer.in_proj.register_forward_hook(_mamba2_in_proj_hook(recorder, layer, mixer)),
+                    mixer.out_proj.register_forward_hook(_out_proj_hook(recorder, layer)),
+                ]
+                continue
             handles += [
                 mixer.in_proj.register_forward_hook(_in_proj_hook(recorder, layer)),
                 mixer.x_proj.register_forward_hook(_x_proj_hook(recorder, layer, mixer.dt_rank,
@@ -157,6 +182,26 @@ def _in_proj_hook(recorder: _Recorder, layer: int):
     def hook(module, inputs, output):
         recorder.observe(layer, "in_proj.input", inputs[0])
         recorder.observe(layer, "in_proj.output", output)
+    return hook
+
+
+def _mamba2_in_proj_hook(recorder: _Recorder, layer: int, mixer: Mamba2Mixer):
+    """Observes in_proj's input, its output by segment (z, x, B, C, dt) and the conv output (x per
+    channel, B and C per state group). The mixer runs the conv as an op, not a module, so the
+    hook recomputes it from in_proj's output (a whole prefill: calibration runs no decode)."""
+    def hook(module, inputs, output):
+        recorder.observe(layer, "in_proj.input", inputs[0])
+        z, xbc, dt = mixer.split_in_proj(output)
+        recorder.observe(layer, "z", z)
+        recorder.observe(layer, "dt", dt)
+        for kind, part in zip(("x_in", "B_in", "C_in"), mixer.split_xbc(xbc)):
+            recorder.observe(layer, kind, part)
+        conv_out = causal_conv1d(xbc.transpose(1, 2), mixer.conv1d.weight.squeeze(1),
+                                 mixer.conv1d.bias).transpose(1, 2)
+        x, B, C = mixer.split_xbc(conv_out)
+        recorder.observe(layer, "x", x)
+        for kind, part in (("B", B), ("C", C)):
+            recorder.observe(layer, kind, part.unflatten(-1, (mixer.ngroups, -1)).abs().amax(-1))
     return hook
 
 

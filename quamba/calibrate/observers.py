@@ -61,6 +61,24 @@ class AbsMaxObserver:
         return float(self.absmax)
 
 
+class ChannelAbsMaxObserver:
+    """max |x| per channel (the last dim) over everything seen: an fp32 tensor [channels]."""
+
+    def __init__(self, name: str = "tensor"):
+        self.name = name
+        self.absmax = None
+
+    def update(self, tensor: torch.Tensor) -> None:
+        finite_magnitudes(tensor, self.name)
+        batch_max = tensor.detach().float().abs().reshape(-1, tensor.shape[-1]).amax(dim=0)
+        self.absmax = batch_max if self.absmax is None else torch.maximum(self.absmax, batch_max)
+
+    def result(self) -> torch.Tensor:
+        if self.absmax is None:
+            raise CalibrationError(f"observer of {self.name} saw no data")
+        return self.absmax.cpu()
+
+
 class PercentileObserver:
     """The α-percentile of |x| over all elements seen, exact.
 

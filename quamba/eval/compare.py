@@ -24,8 +24,9 @@ from quamba.layers.modes import SSM_MODES
 from quamba.utils.io import atomic_write_text
 
 REFERENCE_MODE = "int8"
-# Intermediates compared layer by layer (names of the mixers' taps).
+# Intermediates compared layer by layer (names of the mixers' taps), Mamba1's and Mamba2's.
 LAYER_TAPS = ("x", "u", "dt", "y", "out_proj.input", "out")
+MAMBA2_LAYER_TAPS = ("z", "xbc", "y", "out_proj.input", "out")
 
 
 # --- paired statistics -------------------------------------------------------------------------
@@ -170,19 +171,19 @@ def _record_taps(model, mixers, ids) -> list[dict]:
 def layerwise_sqnr(qmodel, ids: torch.Tensor, modes=SSM_MODES[:-1]) -> dict:
     """``sqnr[mode][layer][tap]`` in dB of each quantized mode against the unquantized model,
     rotated as the quantized one is so every intermediate lives in the same basis."""
-    from quamba.quantization.rotation import rotate_model_
+    from quamba.quantization.rotation import quantization_basis_
     reference_model = copy.deepcopy(qmodel._fp())
     reference_model.float()
-    if qmodel.quant_config.hadamard:
-        rotate_model_(reference_model)
+    quantization_basis_(reference_model, qmodel.quant_config.hadamard)
     reference = _record_taps(reference_model, reference_model.mixers(), ids)
+    tap_names = MAMBA2_LAYER_TAPS if qmodel.config.layer == "Mamba2" else LAYER_TAPS
     previous_mode = qmodel.ssm_mode
     results = {}
     try:
         for mode in modes:
             qmodel.set_ssm_mode(mode)
             taps = _record_taps(qmodel, qmodel.mixers(), ids)
-            results[mode] = [{name: sqnr_db(ref[name], layer[name]) for name in LAYER_TAPS}
+            results[mode] = [{name: sqnr_db(ref[name], layer[name]) for name in tap_names}
                              for ref, layer in zip(reference, taps)]
     finally:
         qmodel.set_ssm_mode(previous_mode)
@@ -191,8 +192,8 @@ def layerwise_sqnr(qmodel, ids: torch.Tensor, modes=SSM_MODES[:-1]) -> dict:
 
 def sqnr_markdown(sqnr: dict) -> str:
     lines = ["# Layer-wise SQNR against the unquantized model (dB; higher is better)", ""]
-    for tap in LAYER_TAPS:
-        modes = list(sqnr)
+    modes = list(sqnr)
+    for tap in sqnr[modes[0]][0]:
         lines += [f"## {tap}", "", "| layer | " + " | ".join(modes) + " |",
                   "|---|" + "---|" * len(modes)]
         for layer in range(len(sqnr[modes[0]])):
@@ -206,10 +207,11 @@ def plot_sqnr(sqnr: dict, path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
+    taps = list(next(iter(sqnr.values()))[0])
     cols = 3
-    rows = math.ceil(len(LAYER_TAPS) / cols)
+    rows = math.ceil(len(taps) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3 * rows), squeeze=False)
-    for ax, tap in zip(axes.flat, LAYER_TAPS):
+    for ax, tap in zip(axes.flat, taps):
         for mode, layers in sqnr.items():
             values = [min(layer[tap], 99.0) for layer in layers]
             ax.plot(range(len(values)), values, marker="o", markersize=3, label=mode)
@@ -217,7 +219,7 @@ def plot_sqnr(sqnr: dict, path) -> None:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("layer")
         ax.set_ylabel("SQNR (dB)")
-    for ax in list(axes.flat)[len(LAYER_TAPS):]:
+    for ax in list(axes.flat)[len(taps):]:
         ax.axis("off")
     axes.flat[0].legend(fontsize=7)
     fig.suptitle("Where does each SSM mode lose precision?")

@@ -13,6 +13,26 @@ from quamba.ops.quant4 import (dequantize_int4, effective_scales, group_size_for
                                quantize_weight_w4a8, quantize_weight_w4a16)
 
 
+def register_out_scale(layer: QuantModule, out_scale) -> None:
+    """The int8 output scale of a linear layer: a float (per tensor, a registered scale), an fp32
+    tensor [out] (per output channel, a buffer: Quamba2's per-segment scales of in_proj's output),
+    or None for a float output."""
+    layer.int8_out = out_scale is not None
+    if isinstance(out_scale, torch.Tensor):
+        layer.register_buffer("out_scale", out_scale.detach().float().clone())
+    elif layer.int8_out:
+        layer.register_scale("out_scale", out_scale)
+
+
+def output_scale(layer: QuantModule):
+    """What :func:`register_out_scale` registered: a float, an fp32 tensor, or None."""
+    if not layer.int8_out:
+        return None
+    if "out_scale" in layer.scales:
+        return layer.scales["out_scale"]
+    return layer.out_scale
+
+
 class W8A8Linear(QuantModule):
     """y = x · Wᵀ with int8 x (scale ``in_scale``) and int8 W; int8 out (scale ``out_scale``) or a
     float out (``out_scale`` None). In float-sim mode x and y are fake-quantized fp32 tensors."""
@@ -24,9 +44,7 @@ class W8A8Linear(QuantModule):
                                                    device=device))
         self.register_scale("weight_scale", 1.0)
         self.register_scale("in_scale", in_scale)
-        self.int8_out = out_scale is not None
-        if self.int8_out:
-            self.register_scale("out_scale", out_scale)
+        register_out_scale(self, out_scale)
         self.out_dtype = out_dtype
 
     def load_float_weight(self, weight: torch.Tensor) -> None:
@@ -38,7 +56,7 @@ class W8A8Linear(QuantModule):
 
     def forward(self, x):
         s = self.scales
-        out_scale = s["out_scale"] if self.int8_out else None
+        out_scale = output_scale(self)
         if self.simulate:
             y = x.float() @ dequantize(self.weight, s["weight_scale"]).t()
             return fake_quantize(y, out_scale) if self.int8_out else y.to(self.out_dtype)
@@ -66,9 +84,7 @@ class W4A8Linear(QuantModule):
                                                             dtype=torch.int8, device=device))
         self.register_buffer("channel_scale", torch.ones(out_features, device=device))
         self.register_scale("in_scale", in_scale)
-        self.int8_out = out_scale is not None
-        if self.int8_out:
-            self.register_scale("out_scale", out_scale)
+        register_out_scale(self, out_scale)
         self.out_dtype = out_dtype
 
     def load_float_weight(self, weight: torch.Tensor, codes: torch.Tensor | None = None) -> None:
@@ -88,7 +104,7 @@ class W4A8Linear(QuantModule):
 
     def forward(self, x):
         s = self.scales
-        out_scale = s["out_scale"] if self.int8_out else None
+        out_scale = output_scale(self)
         if self.simulate:
             y = x.float() @ self.dequantized_weight().t()
             return fake_quantize(y, out_scale) if self.int8_out else y.to(self.out_dtype)

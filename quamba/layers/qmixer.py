@@ -16,10 +16,12 @@ from quamba.layers.base import QuantModule
 from quamba.layers.qlinear import W4A8Linear, W8A8Linear
 from quamba.models.mamba import MixerState
 from quamba.ops.causal_conv1d import causal_conv1d, causal_conv1d_update, conv_state_from_prefill
+from quamba.ops.discretization import (DEFAULT as DEFAULT_DISCRETIZATION,
+                                       check as check_discretization, input_drive)
 from quamba.ops.hadamard import hadamard_transform
 from quamba.ops.qconv1d import qconv1d, qconv1d_update
 from quamba.ops.qhadamard import hadamard_quant
-from quamba.ops.qsscan import SSMParams, qsscan, qsscan_update
+from quamba.ops.qsscan import SSMParams, qsscan, qsscan_last_drive, qsscan_update
 from quamba.ops.quant import dequantize, fake_quantize, quantize, quantize_weight
 from quamba.ops.selective_scan import selective_scan, selective_state_update
 
@@ -30,13 +32,16 @@ ACTIVATION_SCALES = ("xz_scale", "u_scale", "xdbl_scale", "dt_scale", "state_sca
 class QMambaMixer(QuantModule):
     """Quantized mixer with the FP mixer's interface: ``forward(h, state=None, step=False)`` and
     ``allocate_state(batch, device)``. Its input h is what QRMSNorm returns (int8 codes, or
-    fake-quantized floats in float-sim mode)."""
+    fake-quantized floats in float-sim mode). Its scan discretizes as ``discretization`` says
+    (quamba.ops.discretization), in every SSM mode."""
 
     def __init__(self, d_model: int, d_inner: int, d_state: int, d_conv: int, dt_rank: int,
                  scales: dict[str, float], h_scale: float, hadamard: bool, out_dtype,
-                 device=None, weight_bits: int = 8, group_size: int = 128):
+                 device=None, weight_bits: int = 8, group_size: int = 128,
+                 discretization: str = DEFAULT_DISCRETIZATION):
         super().__init__()
         self.d_inner, self.d_state, self.d_conv, self.dt_rank = d_inner, d_state, d_conv, dt_rank
+        self.discretization = check_discretization(discretization)
         self.hadamard = hadamard
         self.out_dtype = out_dtype
         self.weight_bits, self.group_size = weight_bits, group_size
@@ -78,7 +83,8 @@ class QMambaMixer(QuantModule):
         4-bit weights round to nearest (GPTQ replaces their codes afterwards)."""
         weight = mixer.in_proj.weight
         q = cls(weight.shape[1], mixer.d_inner, mixer.d_state, mixer.d_conv, mixer.dt_rank,
-                scales, h_scale, hadamard, weight.dtype, weight.device, weight_bits, group_size)
+                scales, h_scale, hadamard, weight.dtype, weight.device, weight_bits, group_size,
+                discretization=mixer.discretization)
         for name in ("in_proj", "out_proj"):
             getattr(q, name).load_float_weight(getattr(mixer, name).weight)
         q._load_branch("", mixer.conv1d, mixer.x_proj, mixer.dt_proj, mixer.A_log, mixer.D)
@@ -126,7 +132,9 @@ class QMambaMixer(QuantModule):
         dtype = torch.float32 if self.simulate else torch.int8
         return MixerState(
             conv=torch.zeros(batch_size, self.d_inner, self.d_conv - 1, dtype=dtype, device=device),
-            ssm=torch.zeros(batch_size, self.d_inner, self.d_state, dtype=dtype, device=device))
+            ssm=torch.zeros(batch_size, self.d_inner, self.d_state, dtype=dtype, device=device),
+            drive=(torch.zeros(batch_size, self.d_inner, self.d_state, device=device)
+                   if self.discretization == "foh" else None))
 
     def _scale(self, name: str, suffix: str) -> float:
         """The scale ``name`` (e.g. "u_scale") of the branch named by ``suffix``."""
@@ -137,18 +145,7 @@ class QMambaMixer(QuantModule):
 
     def _out(self, y):
         """Gated scan output y [..., d_inner] → (Hadamard) → int8 → out_proj."""
-        s = self.scales
-        if self.simulate:
-            y = hadamard_transform(y.float()) if self.hadamard else y.float()
-            y_q = fake_quantize(y, s["y_scale"])
-        elif self.hadamard:
-            y_q = hadamard_quant(y, s["y_scale"], backend_name=self.backend)
-        else:
-            y_q = quantize(y, s["y_scale"])
-        self._tap("out_proj.input", y_q, s["y_scale"])
-        out = self.out_proj(y_q)
-        self._tap("out", out)
-        return out
+        return out_projection(self, y)
 
     # --- forward -------------------------------------------------------------------------
 
@@ -159,9 +156,9 @@ class QMambaMixer(QuantModule):
         if state is not None:
             state.conv.copy_(conv_state_from_prefill(x, self.d_conv))
         branch = self._branch_simulated if self.simulate else self._branch
-        y, last_state = branch(x, z, "", with_state=state is not None)
+        y, last_state, last_drive = branch(x, z, "", with_state=state is not None)
         if state is not None:
-            state.ssm.copy_(last_state)
+            state.keep_scan(last_state, last_drive)
         y = y.transpose(1, 2)
         self._tap("y", y)
         return self._out(y)
@@ -176,7 +173,8 @@ class QMambaMixer(QuantModule):
 
     def _branch(self, x, z, suffix: str, with_state: bool = False):
         """conv1d → x_proj → dt_proj → QSScan of one branch over x, z [b, d_inner, l] (int8 codes):
-        (y [b, d_inner, l] in the output dtype, the last state: int8 if ``with_state``, else None)."""
+        (y [b, d_inner, l] in the output dtype, the last state: int8 if ``with_state``, else None,
+        and the last drive: fp32 if ``with_state`` and the scan is foh, else None)."""
         s = self.scales
         fp32_conv = self.mode == "fp32-conv"
         u_scale = self._scale("u_scale", suffix)
@@ -194,8 +192,14 @@ class QMambaMixer(QuantModule):
             scan_inputs = _dequantize_pairs(scan_inputs)
         y, last_state = qsscan(*scan_inputs, self.branch_ssm_params(suffix),
                                state_scale=s["state_scale"] if with_state else None,
-                               out_dtype=self.out_dtype, backend_name=self.backend)
-        return y, (last_state if with_state else None)
+                               out_dtype=self.out_dtype, backend_name=self.backend,
+                               discretization=self.discretization)
+        if not with_state:
+            return y, None, None
+        u_and_scale, B_and_scale = scan_inputs[0:2], scan_inputs[4:6]
+        last_drive = (qsscan_last_drive(*u_and_scale, *B_and_scale)
+                      if self.discretization == "foh" else None)
+        return y, last_state, last_drive
 
     def _step(self, h, state: MixerState):
         if self.simulate:
@@ -214,14 +218,16 @@ class QMambaMixer(QuantModule):
         if self.mode == "fp32-ssm-input":
             scan_inputs = _dequantize_pairs(scan_inputs)
         y = qsscan_update(state.ssm, s["state_scale"], *scan_inputs, self.ssm_params,
-                          out_dtype=self.out_dtype, backend_name=self.backend)
+                          out_dtype=self.out_dtype, backend_name=self.backend,
+                          discretization=self.discretization, drive=state.drive)
         return self._out(y).unsqueeze(1)
 
     # --- float simulation of the int8 path -------------------------------------------------------
 
     def _branch_simulated(self, x, z, suffix: str, with_state: bool = False):
-        """The float simulation of :meth:`_branch` (x, z fake-quantized fp32): y and the fp32
-        last state fake-quantized with the state scale (None unless ``with_state``)."""
+        """The float simulation of :meth:`_branch` (x, z fake-quantized fp32): y, the fp32 last
+        state fake-quantized with the state scale and the last drive (foh), both None unless
+        ``with_state``."""
         conv_weight, weight_scale, conv_bias, bias_scale = self._conv_weights(suffix)
         u = fake_quantize(causal_conv1d(x, dequantize(conv_weight, weight_scale),
                                         dequantize(conv_bias, bias_scale)),
@@ -233,10 +239,11 @@ class QMambaMixer(QuantModule):
         A, D, dt_bias = self.branch_ssm_params(suffix).dequantized()
         y, last_state = selective_scan(u, dt.transpose(1, 2), A, B.transpose(1, 2),
                                        C.transpose(1, 2), D, z=z, delta_bias=dt_bias,
-                                       delta_softplus=True)
+                                       delta_softplus=True, discretization=self.discretization)
         if not with_state:
-            return y, None
-        return y, fake_quantize(last_state, self.scales["state_scale"])
+            return y, None, None
+        last_drive = input_drive(u[..., -1], B[:, -1]) if self.discretization == "foh" else None
+        return y, fake_quantize(last_state, self.scales["state_scale"]), last_drive
 
     def _step_simulated(self, h, state: MixerState):
         s = self.scales
@@ -247,9 +254,27 @@ class QMambaMixer(QuantModule):
         dt = self.dt_proj(dt_low)
         A, D, dt_bias = self.ssm_params.dequantized()
         y = selective_state_update(state.ssm, u, dt, A, B, C, D, z=z, delta_bias=dt_bias,
-                                   delta_softplus=True)
+                                   delta_softplus=True, discretization=self.discretization,
+                                   drive=state.drive)
         state.ssm.copy_(fake_quantize(state.ssm, s["state_scale"]))
         return self._out(y).unsqueeze(1)
+
+
+def out_projection(mixer: QuantModule, y):
+    """A quantized mixer's y [..., d_inner] → (Hadamard if ``mixer.hadamard``) → int8 with its
+    y_scale → its out_proj; fake-quantized fp32 in float-sim mode. Taps out_proj.input and out."""
+    s = mixer.scales
+    if mixer.simulate:
+        y = hadamard_transform(y.float()) if mixer.hadamard else y.float()
+        y_q = fake_quantize(y, s["y_scale"])
+    elif mixer.hadamard:
+        y_q = hadamard_quant(y, s["y_scale"], backend_name=mixer.backend)
+    else:
+        y_q = quantize(y, s["y_scale"])
+    mixer._tap("out_proj.input", y_q, s["y_scale"])
+    out = mixer.out_proj(y_q)
+    mixer._tap("out", out)
+    return out
 
 
 def suffixed(scale_name: str, suffix: str) -> str:

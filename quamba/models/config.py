@@ -5,6 +5,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from quamba.ops.discretization import DEFAULT as DEFAULT_DISCRETIZATION, METHODS as DISCRETIZATIONS
+
 
 class ConfigError(ValueError):
     """A model configuration that quamba cannot build."""
@@ -17,6 +19,8 @@ class MambaConfig:
     ``layer`` is the block type: "Mamba1" (dt_rank used) or "Mamba2" (multi-head SSD: ``headdim``
     channels per head, ``ngroups`` groups of B and C shared by heads, scan in chunks of
     ``chunk_size`` tokens; its gated RMSNorm normalizes each group of d_inner / ngroups channels).
+    ``discretization``: how the Mamba1 selective scan discretizes its ODE ("zoh", mamba_ssm's, by
+    default; see quamba.ops.discretization); Mamba2 runs zoh only.
     """
 
     d_model: int = 768
@@ -39,6 +43,7 @@ class MambaConfig:
     headdim: int = 64  # Mamba2
     ngroups: int = 1  # Mamba2
     chunk_size: int = 256  # Mamba2
+    discretization: str = DEFAULT_DISCRETIZATION
 
     def __post_init__(self):
         if self.dt_rank in (0, "auto", None):
@@ -50,6 +55,12 @@ class MambaConfig:
                 raise ConfigError(f"config field {name} must be a positive integer, got {value!r}")
         if self.layer not in ("Mamba1", "Mamba2"):
             raise ConfigError(f"layer must be Mamba1 or Mamba2, got {self.layer!r}")
+        if self.discretization not in DISCRETIZATIONS:
+            raise ConfigError(f"discretization must be one of {', '.join(DISCRETIZATIONS)}, "
+                              f"got {self.discretization!r}")
+        if self.layer == "Mamba2" and self.discretization != DEFAULT_DISCRETIZATION:
+            raise ConfigError(f"Mamba2's SSD scan implements only the {DEFAULT_DISCRETIZATION!r} "
+                              f"discretization, not {self.discretization!r}")
         if self.layer == "Mamba2":
             if self.d_inner % self.headdim:
                 raise ConfigError(f"d_inner {self.d_inner} is not a multiple of headdim {self.headdim}")
@@ -113,6 +124,7 @@ class MambaConfig:
             headdim=ssm_cfg.get("headdim", 64),
             ngroups=ssm_cfg.get("ngroups", 1),
             chunk_size=ssm_cfg.get("chunk_size", 256),
+            discretization=ssm_cfg.get("discretization", DEFAULT_DISCRETIZATION),
         )
 
     @classmethod
@@ -145,6 +157,7 @@ class MambaConfig:
             bos_token_id=_first_id(cfg.get("bos_token_id"), 0),
             eos_token_id=_first_id(cfg.get("eos_token_id"), 0),
             pad_token_id=_first_id(cfg.get("pad_token_id"), 0),
+            discretization=cfg.get("discretization", DEFAULT_DISCRETIZATION),
         )
 
     @classmethod
@@ -173,7 +186,8 @@ class MambaConfig:
             chunk_size=cfg.get("chunk_size", 256))
 
     def to_transformers(self) -> dict:
-        """The transformers MambaConfig (Mamba2Config) fields of this model (vocabulary padded)."""
+        """The transformers MambaConfig (Mamba2Config) fields of this model (vocabulary padded),
+        with quamba's ``discretization`` where it is not the default (transformers runs zoh)."""
         if self.layer == "Mamba2":
             return {
                 "model_type": "mamba2", "architectures": ["Mamba2ForCausalLM"],
@@ -207,10 +221,12 @@ class MambaConfig:
             "bos_token_id": self.bos_token_id,
             "eos_token_id": self.eos_token_id,
             "pad_token_id": self.pad_token_id,
+            **self._discretization_entry(),
         }
 
     def to_mamba_ssm(self) -> dict:
-        """The mamba_ssm config.json fields of this model."""
+        """The mamba_ssm config.json fields of this model, with quamba's ``discretization`` in
+        ssm_cfg where it is not the default (mamba_ssm, which runs zoh only, then refuses it)."""
         return {
             "d_model": self.d_model,
             "n_layer": self.n_layer,
@@ -219,13 +235,20 @@ class MambaConfig:
                          "expand": self.expand, "headdim": self.headdim, "ngroups": self.ngroups,
                          "chunk_size": self.chunk_size} if self.layer == "Mamba2" else
                         {"d_state": self.d_state, "d_conv": self.d_conv, "expand": self.expand,
-                         "dt_rank": self.dt_rank}),
+                         "dt_rank": self.dt_rank, **self._discretization_entry()}),
             "rms_norm": True,
             "residual_in_fp32": self.residual_in_fp32,
             "fused_add_norm": True,
             "pad_vocab_size_multiple": self.pad_vocab_size_multiple,
             "tie_embeddings": self.tie_embeddings,
         }
+
+    def _discretization_entry(self) -> dict:
+        """{"discretization": ...} for a model that does not run the default, else {}: the config
+        files of zoh models stay what mamba_ssm and transformers write."""
+        if self.discretization == DEFAULT_DISCRETIZATION:
+            return {}
+        return {"discretization": self.discretization}
 
 
 def _check_mamba2_options(ssm_cfg: dict, d_model: int) -> None:

@@ -23,6 +23,7 @@ from quamba.models.mamba2 import Mamba2Mixer, init_mamba2_parameters
 from quamba.models.state import MixerState
 from quamba.ops import backend
 from quamba.ops.causal_conv1d import causal_conv1d, causal_conv1d_update, conv_state_from_prefill
+from quamba.ops.discretization import input_drive
 from quamba.ops.rms_norm import rms_norm
 from quamba.ops.selective_scan import selective_scan, selective_state_update
 
@@ -68,13 +69,15 @@ def ssm_branch(config: MambaConfig, device=None, dtype=None) -> tuple:
 
 class MambaMixer(nn.Module):
     """The Mamba1 mixer: in_proj → causal conv1d + SiLU → x_proj → dt_proj → selective scan →
-    out_proj. ``online_hadamard`` (set by the rotation pass) rotates y before out_proj."""
+    out_proj. ``online_hadamard`` (set by the rotation pass) rotates y before out_proj. The scan
+    discretizes as ``config.discretization`` says (quamba.ops.discretization)."""
 
     def __init__(self, config: MambaConfig, device=None, dtype=None):
         super().__init__()
         kw = dict(device=device, dtype=dtype)
         d_inner, self.d_state, self.d_conv = config.d_inner, config.d_state, config.d_conv
         self.d_inner, self.dt_rank = d_inner, config.dt_rank
+        self.discretization = config.discretization
         self.in_proj = nn.Linear(config.d_model, 2 * d_inner, bias=config.bias, **kw)
         self.conv1d, self.x_proj, self.dt_proj, self.A_log, self.D = ssm_branch(config, device, dtype)
         self.out_proj = nn.Linear(d_inner, config.d_model, bias=config.bias, **kw)
@@ -87,6 +90,8 @@ class MambaMixer(nn.Module):
             conv=torch.zeros(batch_size, self.d_inner, self.d_conv - 1, device=device,
                              dtype=self.conv1d.weight.dtype),
             ssm=torch.zeros(batch_size, self.d_inner, self.d_state, device=device),
+            drive=(torch.zeros(batch_size, self.d_inner, self.d_state, device=device)
+                   if self.discretization == "foh" else None),
         )
 
     def _ssm_params(self, x_dbl):
@@ -108,13 +113,15 @@ class MambaMixer(nn.Module):
 
     def _scan_branch(self, x, z, conv1d: nn.Conv1d, x_proj: nn.Module, dt_proj: nn.Linear, A_log, D):
         """conv1d + SiLU → x_proj → dt_proj → selective scan gated by z, for x and z [b, d_inner, l]
-        and one set of SSM parameters: (u, dt, y [b, d_inner, l], the last state)."""
+        and one set of SSM parameters: (u, dt, y [b, d_inner, l], the last state, the last drive
+        (foh, else None))."""
         u = causal_conv1d(x, conv1d.weight.squeeze(1), conv1d.bias, activation="silu")
         dt, B, C = self._ssm_params_channels_first(u, x_proj, dt_proj)
         A = -torch.exp(A_log.float())
         y, last_state = selective_scan(u, dt, A, B, C, D, z=z, delta_bias=dt_proj.bias,
-                                       delta_softplus=True)
-        return u, dt, y, last_state
+                                       delta_softplus=True, discretization=self.discretization)
+        last_drive = input_drive(u[..., -1], B[..., -1]) if self.discretization == "foh" else None
+        return u, dt, y, last_state, last_drive
 
     def _in_proj_channel_major(self, h):
         """in_proj(h) as [batch, 2·d_inner, seqlen] held as [2·d_inner, batch · seqlen] (W · hᵀ, as
@@ -146,10 +153,10 @@ class MambaMixer(nn.Module):
         x, z = xz.chunk(2, dim=1)
         if state is not None:
             state.conv.copy_(conv_state_from_prefill(x, self.d_conv))
-        u, dt, y, last_state = self._scan_branch(x, z, self.conv1d, self.x_proj, self.dt_proj,
-                                                 self.A_log, self.D)
+        u, dt, y, last_state, last_drive = self._scan_branch(x, z, self.conv1d, self.x_proj,
+                                                             self.dt_proj, self.A_log, self.D)
         if state is not None:
-            state.ssm.copy_(last_state)
+            state.keep_scan(last_state, last_drive)
         y = y.transpose(1, 2)
         y_rotated = self.online_hadamard(y)
         out = self.out_proj(y_rotated)
@@ -164,7 +171,8 @@ class MambaMixer(nn.Module):
         dt, B, C = self._ssm_params(self.x_proj(u))
         A = -torch.exp(self.A_log.float()) if ssm_A is None else ssm_A
         y = selective_state_update(state.ssm, u, dt, A, B, C, self.D, z=z,
-                                   delta_bias=self.dt_proj.bias, delta_softplus=True)
+                                   delta_bias=self.dt_proj.bias, delta_softplus=True,
+                                   discretization=self.discretization, drive=state.drive)
         return self.out_proj(self.online_hadamard(y)).unsqueeze(1)
 
 

@@ -60,6 +60,9 @@ class Mamba2Mixer(nn.Module):
         self.D = nn.Parameter(torch.empty(self.nheads, device=device))
         self.norm = GatedRMSNorm(self.d_inner, self.d_inner // self.ngroups, config.norm_epsilon, **kw)
         self.out_proj = nn.Linear(self.d_inner, config.d_model, bias=config.bias, **kw)
+        # y · G before out_proj once the model is Hadamard-rotated (quamba.quantization.rotation)
+        self.online_hadamard: nn.Module = nn.Identity()
+        self.taps: dict | None = None  # set to {} to record intermediates (mode comparisons)
 
     def allocate_state(self, batch_size: int, device=None) -> MixerState:
         device = device or self.in_proj.weight.device
@@ -68,38 +71,49 @@ class Mamba2Mixer(nn.Module):
                              dtype=self.conv1d.weight.dtype),
             ssm=torch.zeros(batch_size, self.nheads, self.headdim, self.d_state, device=device))
 
-    def _split(self, projected):
+    def split_in_proj(self, projected):
+        """z [..., d_inner], xBC [..., conv_dim], dt [..., nheads] from in_proj's output."""
         return torch.split(projected, [self.d_inner, self.conv_dim, self.nheads], dim=-1)
 
-    def _split_xbc(self, xbc):
+    def split_xbc(self, xbc):
+        """x [..., d_inner], B and C [..., ngroups · d_state] from xBC [..., conv_dim]."""
+        return torch.split(xbc, [self.d_inner, self.ngroups * self.d_state,
+                                 self.ngroups * self.d_state], dim=-1)
+
+    def ssd_inputs(self, xbc):
         """x [..., nheads, headdim], B and C [..., ngroups, d_state] from xBC [..., conv_dim]."""
-        x, B, C = torch.split(xbc, [self.d_inner, self.ngroups * self.d_state,
-                                    self.ngroups * self.d_state], dim=-1)
+        x, B, C = self.split_xbc(xbc)
         return (x.unflatten(-1, (self.nheads, self.headdim)), B.unflatten(-1, (self.ngroups, -1)),
                 C.unflatten(-1, (self.ngroups, -1)))
 
     def forward(self, h, state=None, step: bool = False):
         if step:
             return self._step(h, state)
-        z, xbc, dt = self._split(self.in_proj(h))
+        z, xbc, dt = self.split_in_proj(self.in_proj(h))
         xbc = xbc.transpose(1, 2)  # [b, conv_dim, l]
         if state is not None:
             state.conv.copy_(conv_state_from_prefill(xbc, self.d_conv))
         xbc = causal_conv1d(xbc, self.conv1d.weight.squeeze(1), self.conv1d.bias).transpose(1, 2)
-        x, B, C = self._split_xbc(xbc)
+        x, B, C = self.ssd_inputs(xbc)
         A = -torch.exp(self.A_log.float())
         y, last_state = ssd_scan(x, dt, A, B, C, self.D, self.dt_bias, self.chunk_size)
         if state is not None:
             state.ssm.copy_(last_state)
-        return self.out_proj(self.norm(y.flatten(-2), z))
+        y = y.flatten(-2)
+        out_proj_input = self.online_hadamard(self.norm(y, z))
+        out = self.out_proj(out_proj_input)
+        if self.taps is not None:
+            self.taps.update({"z": z, "xbc": xbc, "y": y, "out_proj.input": out_proj_input,
+                              "out": out})
+        return out
 
     def _step(self, h, state):
-        z, xbc, dt = self._split(self.in_proj(h[:, 0]))
+        z, xbc, dt = self.split_in_proj(self.in_proj(h[:, 0]))
         xbc = causal_conv1d_update(xbc, state.conv, self.conv1d.weight.squeeze(1), self.conv1d.bias)
-        x, B, C = self._split_xbc(xbc)
+        x, B, C = self.ssd_inputs(xbc)
         A = -torch.exp(self.A_log.float())
         y = ssd_state_update(state.ssm, x, dt, A, B, C, self.D, self.dt_bias)
-        return self.out_proj(self.norm(y.flatten(-2), z)).unsqueeze(1)
+        return self.out_proj(self.online_hadamard(self.norm(y.flatten(-2), z))).unsqueeze(1)
 
 
 def init_mamba2_parameters(mixer: Mamba2Mixer, dt_min: float = 1e-3, dt_max: float = 0.1,

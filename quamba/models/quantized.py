@@ -1,4 +1,4 @@
-"""QuantizedMambaLM: the Mamba1 LM with quantized blocks, and QuantizedModel, what it shares with
+"""QuantizedMambaLM: the Mamba1 or Mamba2 LM with quantized blocks, and QuantizedModel, what it shares with
 the quantized Vision Mamba classifier (quamba.models.quantized_vision): SSM modes and checkpoints.
 
 W8A8 and W4A8 blocks are a QRMSNorm (→ int8) and a QMambaMixer; W4A16 (weight-only) blocks are
@@ -18,6 +18,8 @@ from quamba.layers.base import QuantModule
 from quamba.layers.modes import FP_MODE, check_mode, check_weight_only_mode
 from quamba.layers.qlinear import W4A16Linear
 from quamba.layers.qmixer import ACTIVATION_SCALES, QMambaMixer
+from quamba.layers.qmixer2 import ACTIVATION_SCALES as MAMBA2_ACTIVATION_SCALES
+from quamba.layers.qmixer2 import QMamba2Mixer
 from quamba.layers.qnorm import QRMSNorm
 from quamba.layers.weight_only import weight_only_mixer
 from quamba.models.config import MambaConfig
@@ -39,18 +41,17 @@ class QuantizedModel:
         """Run the quantized blocks in ``mode`` (see quamba.layers.modes); ``fp16`` runs the
         unquantized model, loaded from the recorded base model if this one was reloaded. A W4A16
         model accepts only ``fp16``, which keeps it as it is (an int8 mode is a QuambaError);
-        ``backend`` then applies to its 4-bit linear layers."""
+        ``backend`` then applies to its 4-bit linear layers. In a mixed-precision model the
+        int8 modes switch the A8 layers; its W4A16 layers keep their float SSM."""
         if self.weight_only:
             check_weight_only_mode(mode)
-            for module in self.modules():
-                if isinstance(module, W4A16Linear):
-                    module.backend = backend
         elif check_mode(mode) == FP_MODE:
             self._fp()
-        else:
-            for module in self.modules():
-                if isinstance(module, QuantModule):
-                    module.set_mode(mode, backend)
+        for module in self.modules():
+            if isinstance(module, W4A16Linear):  # W4A16 layers, also those of a mixed model
+                module.backend = backend
+            elif isinstance(module, QuantModule) and mode != FP_MODE:
+                module.set_mode(mode, backend)
         self.ssm_mode = mode
         return self
 
@@ -90,9 +91,8 @@ class QuantizedMambaLM(QuantizedModel, MambaLMHeadModel):
         self.backbone = nn.Module()
         self.backbone.embedding = nn.Embedding(config.padded_vocab_size, config.d_model,
                                                device=device, dtype=dtype)
-        build_block = _weight_only_block if quant_config.weight_only else _int8_block
-        self.backbone.layers = nn.ModuleList(build_block(config, quant_config, dtype, device)
-                                             for _ in range(config.n_layer))
+        self.backbone.layers = nn.ModuleList(_empty_block(config, quant_config, i, dtype, device)
+                                             for i in range(config.n_layer))
         self.backbone.norm_f = RMSNorm(config.d_model, config.norm_epsilon,
                                        config.residual_in_fp32, device, dtype)
         self.lm_head = nn.Linear(config.d_model, config.padded_vocab_size, bias=False,
@@ -119,15 +119,30 @@ class QuantizedMambaLM(QuantizedModel, MambaLMHeadModel):
         return super().allocate_cache(batch_size, device)
 
 
-def _int8_block(config: MambaConfig, quant_config, dtype, device) -> Block:
-    """An empty W8A8 or W4A8 block: QRMSNorm (→ int8) and QMambaMixer."""
+def _empty_block(config: MambaConfig, quant_config, layer: int, dtype, device) -> Block:
+    """The empty block of layer ``layer``, of the precision the recipe gives it."""
+    w_bits, a_bits = quant_config.bits_of(layer)
+    if a_bits == 16:
+        return _weight_only_block(config, quant_config, dtype, device)
+    return _int8_block(config, quant_config, w_bits, dtype, device)
+
+
+def _int8_block(config: MambaConfig, quant_config, w_bits: int, dtype, device) -> Block:
+    """An empty W8A8 or W4A8 block: QRMSNorm (→ int8) and QMambaMixer (QMamba2Mixer for Mamba2)."""
     hadamard = quant_config.hadamard
-    ones = {name: 1.0 for name in ACTIVATION_SCALES}
-    return Block(QRMSNorm(config.d_model, config.norm_epsilon, config.residual_in_fp32, 1.0,
-                          has_weight=not hadamard, device=device),
-                 QMambaMixer(config.d_model, config.d_inner, config.d_state, config.d_conv,
-                             config.dt_rank, ones, 1.0, hadamard, dtype, device,
-                             quant_config.w_bits, quant_config.group_size))
+    norm = QRMSNorm(config.d_model, config.norm_epsilon, config.residual_in_fp32, 1.0,
+                    has_weight=not hadamard, device=device)
+    if config.layer == "Mamba2":
+        conv_ones = torch.ones(config.d_inner + 2 * config.ngroups * config.d_state)
+        mixer = QMamba2Mixer(config, {name: 1.0 for name in MAMBA2_ACTIVATION_SCALES}, conv_ones,
+                             conv_ones, 1.0, hadamard, dtype, device, w_bits,
+                             quant_config.group_size)
+    else:
+        mixer = QMambaMixer(config.d_model, config.d_inner, config.d_state, config.d_conv,
+                            config.dt_rank, {name: 1.0 for name in ACTIVATION_SCALES}, 1.0,
+                            hadamard, dtype, device, w_bits, quant_config.group_size,
+                            discretization=config.discretization)
+    return Block(norm, mixer)
 
 
 def _weight_only_block(config: MambaConfig, quant_config, dtype, device) -> Block:

@@ -8,7 +8,15 @@ import torch
 
 @dataclass
 class MixerState:
-    """Decode state of one mixer: the last conv inputs and the SSM state."""
+    """Decode state of one mixer: the last conv inputs, the SSM state, and for the foh
+    discretization the last step's drive u ⊗ B (quamba.ops.discretization)."""
 
     conv: torch.Tensor  # [batch, conv channels, d_conv - 1], model dtype
     ssm: torch.Tensor  # Mamba1: [batch, d_inner, d_state]; Mamba2: [batch, nheads, headdim, d_state]; fp32
+    drive: torch.Tensor | None = None  # foh only: [batch, d_inner, d_state], fp32
+
+    def keep_scan(self, last_state: torch.Tensor, last_drive: torch.Tensor | None) -> None:
+        """Store a prefill's last SSM state, and its last drive where the state carries one."""
+        self.ssm.copy_(last_state)
+        if self.drive is not None:
+            self.drive.copy_(last_drive)

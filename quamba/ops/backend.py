@@ -4,11 +4,12 @@
 Resolution order: the environment variable ``QUAMBA_BACKEND`` (torch | cuda | auto), then the
 argument, then ``auto``. ``auto`` takes the CUDA kernel for CUDA tensors when one can run there,
 else the torch reference. Asking for ``cuda`` where quamba's own kernel cannot run is an error,
-never a silent fallback.
+never a silent fallback; so is asking for it with an option that only the reference implements
+(a scan discretization other than zoh, quamba.ops.discretization), which ``auto`` runs there.
 
 A torch reference on a CUDA device is a slow path (the decode step of a quantized 2.8B model runs
 10-25x slower on it). Where ``auto`` (or ``cuda`` for the optional FP kernels) ends up there, a
-WARNING names the op and the reason, once per op and process. Every other first use of an
+WARNING names the op and the reason, once per op, reason and process. Every other first use of an
 (op, backend) pair is logged at INFO. :func:`recording` collects which backend each op ran on
 inside a block (the profile and the quantized model report it); :func:`plan` says what would run
 on a device without running anything (``python -m quamba.env``).
@@ -35,10 +36,12 @@ _REQUIREMENTS: dict[str, Callable[[], str | None]] = {}
 # ops whose cuda implementation is an optional accelerator from another package (the FP16
 # baseline kernels): asking for cuda where it is missing runs the torch reference instead
 _OPTIONAL: set[str] = set()
+# quantized ops with a torch reference only (see register)
+_REFERENCE_ONLY: set[str] = set()
 # op → the quamba._C ops its cuda implementation runs, where they are not the one of its own name
 _KERNELS: dict[str, tuple[str, ...]] = {}
 _LOGGED: set[tuple[str, str]] = set()
-_WARNED: set[str] = set()
+_WARNED: set[tuple[str, str]] = set()  # (op, why it runs the reference)
 _RECORDERS: list[dict[str, set[str]]] = []
 
 
@@ -47,15 +50,21 @@ class BackendError(QuambaError):
 
 
 def register(op: str, backend: str, requires: Callable[[], str | None] | None = None,
-             kernels: tuple[str, ...] | None = None, fp: bool = False):
+             kernels: tuple[str, ...] | None = None, fp: bool = False,
+             reference_only: bool = False):
     """Decorator registering ``fn`` as ``backend``'s implementation of ``op``. ``requires`` marks an
     optional cuda implementation from another package (the FP ops on mamba-ssm's kernels) and
     says whether it can run here: None, or why not. Where it cannot, both ``cuda`` and ``auto``
     run the torch reference: only quamba's own kernels make ``cuda`` strict. ``fp`` marks an FP
     op the same way where no cuda implementation exists yet. ``kernels`` names the quamba._C ops
-    a cuda implementation runs when it composes others (default: ``op`` itself)."""
+    a cuda implementation runs when it composes others (default: ``op`` itself).
+    ``reference_only`` marks a quantized op that has no kernel yet (the Mamba2 int8 ops): ``auto``
+    runs its reference with a warning, ``cuda`` is refused, and it is not among
+    :func:`quamba_ops`, the ops a complete build of quamba._C runs on the GPU."""
     def wrap(fn):
         _IMPLS.setdefault(op, {})[backend] = fn
+        if reference_only:
+            _REFERENCE_ONLY.add(op)
         if requires is not None:
             _REQUIREMENTS[op] = requires
         if requires is not None or fp:
@@ -68,7 +77,12 @@ def register(op: str, backend: str, requires: Callable[[], str | None] | None = 
 
 def quamba_ops() -> list[str]:
     """The ops whose cuda implementation is quamba's own kernel (the quantized ops)."""
-    return sorted(op for op in _IMPLS if op not in _OPTIONAL)
+    return sorted(op for op in _IMPLS if op not in _OPTIONAL and op not in _REFERENCE_ONLY)
+
+
+def reference_only_ops() -> list[str]:
+    """The quantized ops without a CUDA kernel yet."""
+    return sorted(_REFERENCE_ONLY)
 
 
 def fp_ops() -> list[str]:
@@ -122,13 +136,20 @@ def requested_backend(argument: str | None = None) -> str:
     return choice
 
 
-def resolve(op: str, device: torch.device, argument: str | None = None) -> tuple[str, str | None]:
+def resolve(op: str, device: torch.device, argument: str | None = None,
+            cuda_lacks: str | None = None) -> tuple[str, str | None]:
     """(the backend ``op`` runs on for tensors on ``device``, why not cuda where that is the torch
     reference and cuda was possible to ask for). Raises BackendError where ``cuda`` is required
-    and cannot run."""
+    and cannot run. ``cuda_lacks`` says why no cuda implementation can serve this call (an option
+    only the reference implements, e.g. a discretization): ``auto`` then runs the reference, and
+    ``cuda`` is refused even for the optional FP kernels."""
     choice = requested_backend(argument)
     if choice == "torch":
         return "torch", None
+    if cuda_lacks is not None:
+        if choice == "cuda":
+            raise BackendError(f"backend 'cuda' requested for {op} but {cuda_lacks}")
+        return "torch", cuda_lacks
     why_not = _why_not_cuda(op, device)
     if why_not is None:
         return "cuda", None
@@ -137,9 +158,11 @@ def resolve(op: str, device: torch.device, argument: str | None = None) -> tuple
     raise BackendError(f"backend 'cuda' requested for {op} but {why_not}")
 
 
-def select(op: str, device: torch.device, argument: str | None = None) -> Callable:
-    """The implementation of ``op`` to run on tensors on ``device``."""
-    name, why_not = resolve(op, device, argument)
+def select(op: str, device: torch.device, argument: str | None = None,
+           cuda_lacks: str | None = None) -> Callable:
+    """The implementation of ``op`` to run on tensors on ``device`` (``cuda_lacks``: see
+    :func:`resolve`)."""
+    name, why_not = resolve(op, device, argument, cuda_lacks)
     if device.type == "cuda" and why_not is not None:
         _warn_slow_path(op, device, why_not)
     _use(op, name)
@@ -162,7 +185,7 @@ def plan(device: torch.device, argument: str | None = None) -> dict[str, tuple[s
 def _why_not_cuda(op: str, device: torch.device) -> str | None:
     if device.type != "cuda":
         return f"its inputs are on {device}, not a CUDA device"
-    if op in _OPTIONAL and op not in _REQUIREMENTS:
+    if (op in _OPTIONAL and op not in _REQUIREMENTS) or op in _REFERENCE_ONLY:
         return f"no CUDA kernel implements {op} yet"
     missing = cuda_missing(op, device)
     if missing is None and "cuda" not in _IMPLS[op]:
@@ -201,9 +224,9 @@ def _kernel_missing(op: str) -> str | None:
 
 
 def _warn_slow_path(op: str, device: torch.device, why_not: str) -> None:
-    if op in _WARNED:
+    if (op, why_not) in _WARNED:
         return
-    _WARNED.add(op)
+    _WARNED.add((op, why_not))
     kind = "the FP16 kernel" if op in _OPTIONAL else "quamba's CUDA kernel"
     log.warning("op %s runs its torch reference on %s, a slow path, not %s: %s (%s)",
                 op, device, kind, why_not, ENV_HELP)
@@ -236,8 +259,8 @@ def summary(ran: dict[str, set[str]]) -> dict[str, str]:
 
 def on_reference(ran: dict[str, set[str]], ops=None) -> list[str]:
     """The ops of ``ran`` (a :func:`recording`) that ran their torch reference, limited to
-    ``ops`` (default: quamba's own, the quantized ops)."""
-    ops = set(quamba_ops() if ops is None else ops)
+    ``ops`` (default: the quantized ops, those without a kernel yet included)."""
+    ops = set(quamba_ops() + reference_only_ops() if ops is None else ops)
     return sorted(op for op, backends in ran.items() if op in ops and "torch" in backends)
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from quamba.ops import backend
+from quamba.ops.discretization import DEFAULT, input_drive, select_scan
 from quamba.ops.quant import dequantize, quantize
 from quamba.ops.selective_scan import selective_scan, selective_state_update
 
@@ -39,46 +40,71 @@ def as_float(t: torch.Tensor, scale) -> torch.Tensor:
 
 
 def qsscan(u, u_scale, dt, dt_scale, B, B_scale, C, C_scale, z, z_scale, params: SSMParams,
-           state_scale=None, out_dtype=torch.float16, backend_name=None):
+           state_scale=None, out_dtype=torch.float16, backend_name=None, discretization=DEFAULT):
     """Selective scan of a prefill.
 
     u, dt, z: [batch, d_inner, seqlen]; B, C: [batch, d_state, seqlen] (any strides); int8 codes
     with their float scales, or float tensors (scale ignored). z may be None (no gate).
 
         Δ = softplus(dt + dt_bias)  (PyTorch's softplus: x if x > 20 else log1p(exp(x)))
-        A = -exp(A_log);  h_t = exp(Δ_t A) ⊙ h_{t-1} + Δ_t u_t B_t
+        A = -exp(A_log);  h_t = Ā_t ⊙ h_{t-1} + B̄u_t
         y_t = (C_t · h_t + D u_t) ⊙ silu(z_t)
 
-    all in fp32. Returns ``(y, last_state)``: y [batch, d_inner, seqlen] in out_dtype (fp16/bf16/
-    fp32); last_state [batch, d_inner, d_state], int8 ``quantize(h_L, state_scale)`` when
-    state_scale is given, else fp32.
+    all in fp32, with Ā and B̄u of ``discretization`` (per channel d and state n: a = A[d, n],
+    z = Δ_t a, v_t = u_t B_t; φ1, φ2 as in quamba.ops.discretization):
+
+        zoh (default)  Ā = exp(z)                  B̄u_t = Δ_t u_t B_t
+        zoh-exact      Ā = exp(z)                  B̄u_t = (exp(z) - 1)/a · v_t
+        bilinear       Ā = (1 + z/2)/(1 - z/2)     B̄u_t = Δ_t/(1 - z/2) · v_t
+        foh            Ā = exp(z)                  B̄u_t = Δ_t(φ1 - φ2)(z) v_{t-1} + Δ_t φ2(z) v_t
+        rk4            Ā = 1 + z + z²/2 + z³/6 + z⁴/24,  B̄u_t = Δ_t(1 + z/2 + z²/6 + z³/24) v_t
+
+    foh starts from v_{-1} = 0; :func:`qsscan_last_drive` is the drive a decode continues from.
+    The CUDA kernel runs zoh only: another method runs the torch reference (``auto``) or is
+    refused (``cuda``).
+
+    Returns ``(y, last_state)``: y [batch, d_inner, seqlen] in out_dtype (fp16/bf16/fp32);
+    last_state [batch, d_inner, d_state], int8 ``quantize(h_L, state_scale)`` when state_scale is
+    given, else fp32.
     """
-    impl = backend.select("qsscan", u.device, backend_name)
+    impl = select_scan("qsscan", u.device, backend_name, discretization)
     return impl(u, u_scale, dt, dt_scale, B, B_scale, C, C_scale, z, z_scale, params,
                 state_scale, out_dtype)
 
 
 def qsscan_update(state, state_scale, u, u_scale, dt, dt_scale, B, B_scale, C, C_scale, z,
-                  z_scale, params: SSMParams, out_dtype=torch.float16, backend_name=None):
+                  z_scale, params: SSMParams, out_dtype=torch.float16, backend_name=None,
+                  discretization=DEFAULT, drive=None):
     """One decode step; updates ``state`` in place and returns y [batch, d_inner] in out_dtype.
 
     state: int8 [batch, d_inner, d_state] with ``state_scale`` (dequantized, stepped, requantized
     in place) or fp32 (stepped in place; state_scale ignored). u, dt, z: [batch, d_inner];
-    B, C: [batch, d_state]; int8 codes with scales, or floats. Same arithmetic as :func:`qsscan`.
+    B, C: [batch, d_state]; int8 codes with scales, or floats. Same arithmetic as :func:`qsscan`
+    for ``discretization``; foh needs ``drive``, the previous step's v = u ⊗ B in fp32
+    [batch, d_inner, d_state] (zeros before a sequence's first step, else
+    :func:`qsscan_last_drive` of the prefill), which it overwrites with this step's (never
+    quantized).
     """
-    impl = backend.select("qsscan_update", u.device, backend_name)
+    impl = select_scan("qsscan_update", u.device, backend_name, discretization, drive=drive)
     return impl(state, state_scale, u, u_scale, dt, dt_scale, B, B_scale, C, C_scale, z, z_scale,
                 params, out_dtype)
 
 
+def qsscan_last_drive(u, u_scale, B, B_scale) -> torch.Tensor:
+    """The drive v = u ⊗ B of a prefill's last step (u [batch, d_inner, seqlen], B [batch,
+    d_state, seqlen], codes with scales or floats, as :func:`qsscan` takes them): what a foh
+    :func:`qsscan_update` continues from."""
+    return input_drive(as_float(u[..., -1], u_scale), as_float(B[..., -1], B_scale))
+
+
 @backend.register("qsscan", "torch")
 def _qsscan_torch(u, u_scale, dt, dt_scale, B, B_scale, C, C_scale, z, z_scale, params,
-                  state_scale, out_dtype):
+                  state_scale, out_dtype, discretization=DEFAULT):
     A, D, dt_bias = params.dequantized()
     y, last_state = selective_scan(
         as_float(u, u_scale), as_float(dt, dt_scale), A, as_float(B, B_scale),
         as_float(C, C_scale), D, z=None if z is None else as_float(z, z_scale),
-        delta_bias=dt_bias, delta_softplus=True)
+        delta_bias=dt_bias, delta_softplus=True, discretization=discretization)
     if state_scale is not None:
         last_state = quantize(last_state, state_scale)
     return y.to(out_dtype), last_state
@@ -86,13 +112,14 @@ def _qsscan_torch(u, u_scale, dt, dt_scale, B, B_scale, C, C_scale, z, z_scale, 
 
 @backend.register("qsscan_update", "torch")
 def _qsscan_update_torch(state, state_scale, u, u_scale, dt, dt_scale, B, B_scale, C, C_scale, z,
-                         z_scale, params, out_dtype):
+                         z_scale, params, out_dtype, discretization=DEFAULT, drive=None):
     A, D, dt_bias = params.dequantized()
     h = dequantize(state, state_scale) if state.dtype == torch.int8 else state
     y = selective_state_update(h, as_float(u, u_scale), as_float(dt, dt_scale), A,
                                as_float(B, B_scale), as_float(C, C_scale), D,
                                z=None if z is None else as_float(z, z_scale),
-                               delta_bias=dt_bias, delta_softplus=True)
+                               delta_bias=dt_bias, delta_softplus=True,
+                               discretization=discretization, drive=drive)
     if state.dtype == torch.int8:
         state.copy_(quantize(h, state_scale))
     return y.to(out_dtype)

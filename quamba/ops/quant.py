@@ -75,11 +75,14 @@ def quantize_weight(weight: torch.Tensor, per_channel: bool = False):
 
 def requant_multiplier(in_scale, weight_scale, out_scale=None):
     """fp32 epilogue multiplier of an int32 accumulator: ``in_scale · weight_scale / out_scale``
-    (without ``out_scale`` for a float output). A tensor when ``weight_scale`` is per channel."""
+    (without ``out_scale`` for a float output). A tensor when ``weight_scale`` or ``out_scale`` is
+    per channel."""
     if isinstance(weight_scale, torch.Tensor) and weight_scale.numel() > 1:
         multiplier = weight_scale.float() * to_fp32(in_scale)
         return multiplier if out_scale is None else multiplier * reciprocal(out_scale)
     multiplier = to_fp32(to_fp32(in_scale) * to_fp32(float(weight_scale)))
+    if isinstance(out_scale, torch.Tensor):  # per output channel (Quamba2's in_proj segments)
+        return multiplier * reciprocal(out_scale)
     return multiplier if out_scale is None else to_fp32(multiplier * reciprocal(out_scale))
 
 

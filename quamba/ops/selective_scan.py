@@ -1,14 +1,17 @@
 """Floating-point selective scan (Mamba1 SSM), the reference for every scan in quamba.
 
 Layouts follow mamba_ssm's ``selective_scan_fn``: channels before time. On CUDA tensors the
-``auto`` backend runs mamba-ssm's kernels when they are installed (quamba.ops.fp_kernels).
+``auto`` backend runs mamba-ssm's kernels when they are installed (quamba.ops.fp_kernels); they
+implement the default zoh discretization only (the others: quamba.ops.discretization).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from quamba.errors import QuambaError
 from quamba.ops import backend, fp_kernels  # noqa: F401  fp_kernels registers the cuda kernels
+from quamba.ops.discretization import DEFAULT, discretize, input_drive, select_scan
 
 # Time steps whose discretised A and B·u are materialised at once: bounds the reference's
 # memory to batch * d_inner * _CHUNK * d_state floats whatever the sequence length.
@@ -16,7 +19,8 @@ _CHUNK = 256
 
 
 def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
-                   initial_state=None, backend_name=None):
+                   initial_state=None, backend_name=None, discretization=DEFAULT,
+                   initial_drive=None):
     """Selective scan in fp32; returns ``(y, last_state)``.
 
     u, delta: [batch, d_inner, seqlen]; A: [d_inner, d_state] (real, negative);
@@ -24,17 +28,32 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
     initial_state: [batch, d_inner, d_state] or None (zeros).
 
         Δ = softplus(delta + delta_bias)           (softplus only if delta_softplus)
-        h_t = exp(Δ_t A) ⊙ h_{t-1} + Δ_t u_t B_t
+        h_t = Ā_t ⊙ h_{t-1} + B̄u_t
         y_t = C_t · h_t + D u_t,   y_t ← y_t ⊙ SiLU(z_t)
+
+    with, per channel d and state n (a = A[d, n], Δ = Δ_t[d], z = Δa, v_t = u_t B_t):
+
+        zoh (default)  Ā = exp(z)                  B̄u_t = Δ u_t B_t
+        zoh-exact      Ā = exp(z)                  B̄u_t = (exp(z) - 1)/a · v_t   (Δ v_t at a = 0)
+        bilinear       Ā = (1 + z/2)/(1 - z/2)     B̄u_t = Δ/(1 - z/2) · v_t
+        foh            Ā = exp(z)                  B̄u_t = Δ(φ1 - φ2)(z) v_{t-1} + Δ φ2(z) v_t
+        rk4            Ā = 1 + z + z²/2 + z³/6 + z⁴/24,  B̄u_t = Δ(1 + z/2 + z²/6 + z³/24) v_t
+
+    φ1(z) = (exp(z) - 1)/z, φ2(z) = (exp(z) - 1 - z)/z² (quamba.ops.discretization derives each).
+    foh reads ``initial_drive`` (fp32 [batch, d_inner, d_state]) as v_{-1}, zeros if None; the
+    drive to continue after this scan is ``input_drive(u[..., -1], B[..., -1])``. The CUDA kernels
+    run zoh only: another method runs this reference (``auto``) or is refused (``cuda``).
 
     y has u's dtype; last_state is fp32 [batch, d_inner, d_state].
     """
-    impl = backend.select("selective_scan", u.device, backend_name)
+    impl = select_scan("selective_scan", u.device, backend_name, discretization,
+                       initial_drive=initial_drive)
     return impl(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state)
 
 
 @backend.register("selective_scan", "torch")
-def _selective_scan_torch(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state):
+def _selective_scan_torch(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state,
+                          discretization=DEFAULT, initial_drive=None):
     out_dtype = u.dtype
     u, delta, B, C = u.float(), delta.float(), B.float(), C.float()
     A = A.float()
@@ -45,15 +64,21 @@ def _selective_scan_torch(u, delta, A, B, C, D, z, delta_bias, delta_softplus, i
     batch, d_inner, seqlen = u.shape
     state = (torch.zeros(batch, d_inner, A.shape[1], dtype=torch.float32, device=u.device)
              if initial_state is None else initial_state.float().clone())
+    previous_drive = initial_drive
     ys = []
     for start in range(0, seqlen, _CHUNK):
         stop = min(start + _CHUNK, seqlen)
         dt = delta[:, :, start:stop]
-        decay = torch.exp(dt.unsqueeze(-1) * A[None, :, None, :])  # [b, d, t, n]
-        drive = (dt * u[:, :, start:stop]).unsqueeze(-1) * B[:, None, :, start:stop].transpose(-1, -2)
+        if discretization == DEFAULT:
+            decay = torch.exp(dt.unsqueeze(-1) * A[None, :, None, :])  # [b, d, t, n]
+            step_input = ((dt * u[:, :, start:stop]).unsqueeze(-1)
+                          * B[:, None, :, start:stop].transpose(-1, -2))
+        else:
+            decay, step_input, previous_drive = _discretized_chunk(
+                discretization, dt, A, u[:, :, start:stop], B[:, :, start:stop], previous_drive)
         states = torch.empty_like(decay)
         for t in range(stop - start):
-            state = decay[:, :, t] * state + drive[:, :, t]
+            state = decay[:, :, t] * state + step_input[:, :, t]
             states[:, :, t] = state
         ys.append(torch.einsum("bdtn,bnt->bdt", states, C[:, :, start:stop]))
     y = torch.cat(ys, dim=-1) if ys else u.new_zeros(batch, d_inner, 0)
@@ -64,27 +89,56 @@ def _selective_scan_torch(u, delta, A, B, C, D, z, delta_bias, delta_softplus, i
     return y.to(out_dtype), state
 
 
+def _discretized_chunk(method, dt, A, u, B, previous_drive):
+    """Ā and B̄u [b, d, t, n] of a chunk's steps by ``method`` (dt, u [b, d, t]; B [b, n, t]),
+    and the chunk's last drive, the next chunk's ``previous_drive`` (v_{-1}; None: zeros)."""
+    drive = input_drive(u, B)  # v_t [b, d, t, n]
+    earlier = None
+    if method == "foh":  # v_{t-1}
+        first = drive.new_zeros(drive[:, :, 0].shape) if previous_drive is None else previous_drive
+        earlier = torch.cat([first.float().unsqueeze(2), drive[:, :, :-1]], dim=2)
+    decay, step_input = discretize(method, dt.unsqueeze(-1), A[None, :, None, :], drive, earlier)
+    return decay, step_input, drive[:, :, -1]
+
+
 def selective_state_update(state, u, delta, A, B, C, D=None, z=None, delta_bias=None,
-                           delta_softplus=False, backend_name=None):
+                           delta_softplus=False, backend_name=None, discretization=DEFAULT,
+                           drive=None):
     """One decode step of the selective scan; updates ``state`` in place and returns y.
 
     state: [batch, d_inner, d_state] (fp32); u, delta, z: [batch, d_inner];
-    B, C: [batch, d_state]. y has u's dtype, shape [batch, d_inner].
+    B, C: [batch, d_state]. y has u's dtype, shape [batch, d_inner]. The step is
+    :func:`selective_scan`'s for ``discretization``; foh needs ``drive``, the previous step's
+    v = u ⊗ B (fp32 [batch, d_inner, d_state]; zeros before a sequence's first step, else
+    ``input_drive`` of a prefill's last step), which it overwrites with this step's.
     """
-    impl = backend.select("selective_state_update", u.device, backend_name)
+    if discretization == "foh" and drive is None:
+        raise QuambaError("a foh decode step needs drive=, the previous step's u ⊗ B "
+                          "(fp32 [batch, d_inner, d_state]), which it updates in place")
+    impl = select_scan("selective_state_update", u.device, backend_name, discretization,
+                       drive=drive)
     return impl(state, u, delta, A, B, C, D, z, delta_bias, delta_softplus)
 
 
 @backend.register("selective_state_update", "torch")
-def _selective_state_update_torch(state, u, delta, A, B, C, D, z, delta_bias, delta_softplus):
+def _selective_state_update_torch(state, u, delta, A, B, C, D, z, delta_bias, delta_softplus,
+                                  discretization=DEFAULT, drive=None):
     out_dtype = u.dtype
     u, delta = u.float(), delta.float()
     if delta_bias is not None:
         delta = delta + delta_bias.float()
     if delta_softplus:
         delta = F.softplus(delta)
-    decay = torch.exp(delta.unsqueeze(-1) * A.float())
-    new_state = decay * state.float() + (delta * u).unsqueeze(-1) * B.float().unsqueeze(1)
+    if discretization == DEFAULT:
+        decay = torch.exp(delta.unsqueeze(-1) * A.float())
+        step_input = (delta * u).unsqueeze(-1) * B.float().unsqueeze(1)
+    else:
+        current_drive = input_drive(u, B)
+        decay, step_input = discretize(discretization, delta.unsqueeze(-1), A.float(),
+                                       current_drive, drive)
+        if discretization == "foh":
+            drive.copy_(current_drive)
+    new_state = decay * state.float() + step_input
     state.copy_(new_state)
     y = torch.einsum("bdn,bn->bd", new_state, C.float())
     if D is not None:

@@ -16,6 +16,7 @@ import json
 import torch
 
 from quamba.errors import CheckpointError
+from quamba.layers.base import QuantModule
 from quamba.models.config import MambaConfig
 from quamba.models.loading import (is_quamba_checkpoint, load_tokenizer, parse_dtype,
                                    resolve_model_dir)
@@ -27,8 +28,9 @@ from quamba.utils.io import atomic_directory
 from quamba.version import __version__
 
 FORMAT_NAME = "quamba"
-# 2: 4-bit weights (W4A8); 3: weight-only W4A16. Versions 1 (W8A8) and 2 load unchanged.
-FORMAT_VERSION = 3
+# 2: 4-bit weights (W4A8); 3: weight-only W4A16; 4: Mamba2 (Quamba2) layers and per-layer mixed
+# precision (quantization_config's layer_bits). Versions 1 (W8A8) to 3 load unchanged.
+FORMAT_VERSION = 4
 WEIGHTS_FILE = "model.safetensors"
 
 
@@ -150,9 +152,11 @@ def _cast_float_parts(model, dtype: torch.dtype) -> None:
     for module in (model.backbone.embedding, model.backbone.norm_f, model.lm_head):
         module.to(dtype)
     for block in model.backbone.layers:
-        if model.weight_only:
-            for module in (block.norm, block.mixer.conv1d, block.mixer.dt_proj):
-                module.to(dtype)
+        if not isinstance(block.mixer, QuantModule):  # W4A16: the FP parts of its mixer
+            block.norm.to(dtype)
+            for name in ("conv1d", "dt_proj", "norm"):
+                if hasattr(block.mixer, name):
+                    getattr(block.mixer, name).to(dtype)
         else:
             block.mixer.out_dtype = dtype
             block.mixer.out_proj.out_dtype = dtype

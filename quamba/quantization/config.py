@@ -57,6 +57,12 @@ class QuantConfig:
     gptq_damp: float = 0.01
     gptq_block_size: int = 128
     gptq_act_order: bool = False
+    # Per-layer mixed precision (Quamba2's W4AX), W4A8 recipes only: the fraction of layers, the
+    # most sensitive ones by measurement, that run W4A16 instead (quamba.quantization.mixed).
+    mixed_precision: float | None = None
+    # (w_bits, a_bits) of each layer: set by quantize() from mixed_precision, or given; None:
+    # every layer takes (w_bits, a_bits).
+    layer_bits: tuple | None = None
 
     def __post_init__(self):
         if (self.w_bits, self.a_bits) not in SUPPORTED_BITS:
@@ -72,10 +78,34 @@ class QuantConfig:
         if unknown:
             raise QuambaError(f"gptq_layers may name in_proj, x_proj and out_proj, not {sorted(unknown)}")
         self.gptq_layers = tuple(self.gptq_layers)  # JSON round trips give lists
+        self._check_mixed_precision()
         for kind in ("calib_num_samples", "calib_seqlen", "calib_batch_size", "group_size",
                      "gptq_num_samples", "gptq_seqlen", "gptq_block_size"):
             if getattr(self, kind) <= 0:
                 raise QuambaError(f"{kind} must be positive, got {getattr(self, kind)}")
+
+    def _check_mixed_precision(self) -> None:
+        fraction = self.mixed_precision
+        if fraction is not None:
+            if (self.w_bits, self.a_bits) != (4, 8):
+                raise QuambaError("mixed precision chooses W4A16 layers in a W4A8 model; use it "
+                                  "with w_bits=4 a_bits=8")
+            if not 0.0 <= fraction <= 1.0:
+                raise QuambaError(f"mixed_precision is a fraction of the layers in [0, 1], got {fraction}")
+        if self.layer_bits is None:
+            return
+        self.layer_bits = tuple(tuple(bits) for bits in self.layer_bits)
+        for bits in set(self.layer_bits):
+            if bits not in SUPPORTED_BITS:
+                raise QuambaError(f"layer_bits holds {bits}; each layer takes one of "
+                                  f"{sorted(SUPPORTED_BITS)}")
+        if self.weight_only and any(a == 8 for _, a in self.layer_bits):
+            raise QuambaError("a W4A16 recipe calibrates no activations; layers with 8-bit "
+                              "activations need a_bits=8")
+
+    def bits_of(self, layer: int) -> tuple[int, int]:
+        """(w_bits, a_bits) of layer ``layer``."""
+        return (self.w_bits, self.a_bits) if self.layer_bits is None else self.layer_bits[layer]
 
     def _resolve_defaults(self) -> None:
         """Fill hadamard and ssm_mode left at None with the recipe's defaults; check the mode."""
@@ -120,6 +150,8 @@ class QuantConfig:
     def recipe(self) -> dict:
         """The fields that determine the quantized weights and scales (not how they are run)."""
         ignored = _RUNTIME_FIELDS + (_CALIBRATION_FIELDS if self.weight_only else ())
+        if self.mixed_precision is not None:  # the layers follow from it and the calibration data
+            ignored += ("layer_bits",)
         return {k: v for k, v in self.to_dict().items() if k not in ignored}
 
     def same_recipe(self, other: "QuantConfig") -> bool:

@@ -1,5 +1,6 @@
-"""quantize(): FP Mamba1 LM → QuantizedMambaLM (rotate, calibrate, quantize every block); Vision
-Mamba classifiers go to quamba.quantization.quantize_vision.
+"""quantize(): FP Mamba1 or Mamba2 LM → QuantizedMambaLM (rotate, calibrate, quantize every block:
+the Quamba recipe for Mamba1 mixers, Quamba2's for Mamba2 mixers); Vision Mamba classifiers go to
+quamba.quantization.quantize_vision.
 
 W4A16 is weight-only: no rotation by default and no calibration, only the 4-bit weights (RTN or
 GPTQ) of in_proj, x_proj and out_proj."""
@@ -13,15 +14,22 @@ import torch
 
 from quamba.errors import QuambaError
 from quamba.layers.qmixer import QMambaMixer
+from quamba.layers.qmixer2 import QMamba2Mixer
 from quamba.layers.qnorm import QRMSNorm
 from quamba.layers.weight_only import weight_only_mixer_from_float
 from quamba.models.mamba import MambaLMHeadModel
+from quamba.models.mamba2 import Mamba2Mixer
 from quamba.models.quantized import QuantizedMambaLM
 from quamba.models.vision import VisionMamba
 from quamba.ops.quant import scale_from_range
+from quamba.quantization.cluster import sort_and_cluster
 from quamba.quantization.config import QuantConfig
 
 log = logging.getLogger("quamba")
+
+# Per-tensor scales of a Mamba2 mixer (QMamba2Mixer) by the calibrated kind that sets them.
+_MAMBA2_SCALE_OF_KIND = {"z": "z_scale", "dt": "dt_scale", "ssm_state": "state_scale",
+                         "out_proj.input": "y_scale"}
 
 # Calibrated tensor kind → the mixer scale it sets.
 _SCALE_OF_KIND = {
@@ -37,7 +45,8 @@ _SCALE_OF_KIND = {
 @torch.inference_mode(False)  # the quantized model's tensors stay ordinary ones (see below)
 def quantize(model: MambaLMHeadModel, tokenizer=None, config: QuantConfig | None = None,
              calib_data=None, progress: bool = True) -> QuantizedMambaLM:
-    """Quantize an FP Mamba1 LM with the Quamba recipe (W8A8, W4A8, or weight-only W4A16);
+    """Quantize an FP Mamba1 or Mamba2 LM (W8A8, W4A8, or weight-only W4A16: the Quamba recipe,
+    with Quamba2's scales for Mamba2 mixers, quamba.layers.qmixer2);
     ``model`` itself is not modified. A Vision Mamba classifier is quantized W8A8 or W4A8 on
     calibration images instead (quamba.quantization.quantize_vision; no tokenizer).
 
@@ -49,20 +58,20 @@ def quantize(model: MambaLMHeadModel, tokenizer=None, config: QuantConfig | None
     still builds ordinary tensors: the CUDA backend caches per-weight constants against their
     version counters, which inference tensors lack.
     """
-    from quamba.quantization.rotation import rotate_model_
+    from quamba.quantization.rotation import quantization_basis_
 
     config = config or QuantConfig()
     if isinstance(model, VisionMamba):
         from quamba.quantization.quantize_vision import quantize_vision
         return quantize_vision(model, config, calib_data, progress)
     _check_quantizable(model, config)
-    work = copy.deepcopy(model)
-    if config.hadamard:
-        rotate_model_(work)
+    work = quantization_basis_(copy.deepcopy(model), config.hadamard)
     if config.weight_only:
-        ranges, record = None, {}
+        ranges, record, tokens = None, {}, None
     else:
-        ranges, record = _calibrate(work, tokenizer, config, calib_data, progress)
+        ranges, record, tokens = _calibrate(work, tokenizer, config, calib_data, progress)
+    if config.mixed_precision is not None and config.layer_bits is None:
+        config, record["layer_sensitivity"] = _mixed_precision(work, ranges, config, tokens)
     qmodel = build_quantized_model(work, ranges, config)
     qmodel.calibration = record
     qmodel.base_model = getattr(model, "source", {}).get("name_or_path")
@@ -79,9 +88,6 @@ def quantize(model: MambaLMHeadModel, tokenizer=None, config: QuantConfig | None
 def _check_quantizable(model, config: QuantConfig) -> None:
     if isinstance(model, QuantizedMambaLM) or type(model) is not MambaLMHeadModel:
         raise QuambaError(f"quantize needs an FP MambaLMHeadModel, got {type(model).__name__}")
-    if model.config.layer != "Mamba1":
-        raise QuambaError(f"{model.config.layer} models load and run in FP; their quantization "
-                          "(Quamba2) is not implemented yet")
     if not model.config.conv_bias and not config.weight_only:
         raise QuambaError("models without a conv1d bias are not supported by the W8A8 and W4A8 "
                           "recipes")
@@ -91,7 +97,8 @@ def _check_quantizable(model, config: QuantConfig) -> None:
 
 
 def _calibrate(fp_model, tokenizer, config: QuantConfig, calib_data, progress: bool):
-    """(clipping ranges ranges[layer][kind], the calibration record) of the activations."""
+    """(clipping ranges ranges[layer][kind], the calibration record, the calibration tokens) of
+    the activations."""
     from quamba.calibrate import CalibrationSet, calibrate, load_calibration_set
     calib = calib_data
     if not isinstance(calib, (CalibrationSet, torch.Tensor)):
@@ -101,7 +108,20 @@ def _calibrate(fp_model, tokenizer, config: QuantConfig, calib_data, progress: b
                                      config.calib_num_samples, config.calib_seqlen, config.seed)
     ranges = calibrate(fp_model, calib, observers=config.observer_specs(),
                        batch_size=config.calib_batch_size, progress=progress)
-    return ranges, _calibration_record(calib, config)
+    tokens = calib.tokens if isinstance(calib, CalibrationSet) else calib
+    return ranges, _calibration_record(calib, config), tokens
+
+
+def _mixed_precision(fp_model, ranges: dict, config: QuantConfig, tokens: torch.Tensor):
+    """(the config with the layer_bits chosen by measured sensitivity, the sensitivities): see
+    quamba.quantization.mixed."""
+    from quamba.quantization.mixed import choose_layer_bits, layer_sensitivity
+    all_w4a8 = build_quantized_model(fp_model, ranges, config)
+    all_w4a8.set_ssm_mode(config.ssm_mode, config.backend)
+    sensitivity = layer_sensitivity(fp_model, all_w4a8, tokens, config.calib_batch_size)
+    layer_bits = choose_layer_bits(sensitivity, config.mixed_precision)
+    log.info("mixed precision: W4A16 layers %s", [i for i, bits in enumerate(layer_bits) if bits[1] == 16])
+    return dataclasses.replace(config, layer_bits=layer_bits), sensitivity
 
 
 @torch.no_grad()
@@ -116,17 +136,39 @@ def build_quantized_model(fp_model: MambaLMHeadModel, ranges: dict, config: Quan
     if not qmodel.config.tie_embeddings:
         qmodel.lm_head.load_state_dict(fp_model.lm_head.state_dict())
     for i, (block, fp_block) in enumerate(zip(qmodel.backbone.layers, fp_model.backbone.layers)):
-        if config.weight_only:
+        w_bits, a_bits = config.bits_of(i)
+        if a_bits == 16:
             block.norm = copy.deepcopy(fp_block.norm)
             block.mixer = weight_only_mixer_from_float(fp_block.mixer, config.group_size)
             continue
         layer_ranges = ranges[i]
         h_scale = scale_from_range(layer_ranges["in_proj.input"])
-        scales = {name: scale_from_range(layer_ranges[kind]) for kind, name in _SCALE_OF_KIND.items()}
         block.norm = quantized_norm(fp_block.norm, h_scale, keep_weight=not config.hadamard)
+        if isinstance(fp_block.mixer, Mamba2Mixer):
+            block.mixer = _quantized_mamba2_mixer(fp_block.mixer, qmodel.config, layer_ranges,
+                                                  h_scale, w_bits, config)
+            continue
+        scales = {name: scale_from_range(layer_ranges[kind]) for kind, name in _SCALE_OF_KIND.items()}
         block.mixer = QMambaMixer.from_float(fp_block.mixer, h_scale, scales, config.hadamard,
-                                             config.w_bits, config.group_size)
+                                             w_bits, config.group_size)
     return qmodel
+
+
+def _quantized_mamba2_mixer(mixer: Mamba2Mixer, model_config, layer_ranges: dict, h_scale: float,
+                            w_bits: int, config: QuantConfig) -> QMamba2Mixer:
+    """Quamba2's scales from a Mamba2 layer's clipping ranges: in_proj's output per segment (z,
+    x, B, C, dt), the conv output's x per sort-and-clustered channel and B, C per state group."""
+    scales = {name: scale_from_range(layer_ranges[kind]) for kind, name in _MAMBA2_SCALE_OF_KIND.items()}
+    d_inner, group_width = mixer.d_inner, mixer.ngroups * mixer.d_state
+    xbc_in_range = torch.cat([torch.full((d_inner,), layer_ranges["x_in"]),
+                              torch.full((group_width,), layer_ranges["B_in"]),
+                              torch.full((group_width,), layer_ranges["C_in"])])
+    x_range = sort_and_cluster(layer_ranges["x"], mixer.nheads, mixer.ngroups).flatten()
+    xbc_range = torch.cat([x_range, layer_ranges["B"].repeat_interleave(mixer.d_state),
+                           layer_ranges["C"].repeat_interleave(mixer.d_state)])
+    return QMamba2Mixer.from_float(mixer, model_config, h_scale, scales,
+                                   scale_from_range(xbc_in_range), scale_from_range(xbc_range),
+                                   config.hadamard, w_bits, config.group_size)
 
 
 def _apply_gptq(qmodel: QuantizedMambaLM, fp_model: MambaLMHeadModel, tokenizer,

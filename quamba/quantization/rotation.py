@@ -1,4 +1,4 @@
-"""Hadamard rotation of the residual stream of an FP Mamba1 model (function-preserving).
+"""Hadamard rotation of the residual stream of an FP Mamba1 or Mamba2 model (function-preserving).
 
 Row-vector convention, as ``nn.Linear`` computes it: ``linear(x) = x @ W.T + b``. Let
 H = hadamard_matrix(d_model) and G = hadamard_matrix(d_inner), both orthonormal (H Hᵀ = I), and
@@ -15,7 +15,8 @@ is folded into the next linear layer the norm can run on the rotated residual:
 
 The mixer output lands in the rotated basis, so every residual add stays rotated; y G is computed
 online (``mixer.online_hadamard``), which is what lets out_proj's input be quantized per tensor.
-in_proj's bias is unchanged (its output basis is not rotated).
+in_proj's bias is unchanged (its output basis is not rotated). A Mamba2 mixer's y is the output of
+its gated RMSNorm, whose weight w_g is first folded into out_proj: W_out ← W_out diag(w_g).
 
 A Vision Mamba classifier (quamba.models.vision) is rotated the same way; its residual stream
 starts at the patch embedding, the class token and the position embedding, and ends in the head:
@@ -31,6 +32,7 @@ import torch
 import torch.nn as nn
 
 from quamba.models.mamba import MambaLMHeadModel, MambaMixer, RMSNorm
+from quamba.models.mamba2 import Mamba2Mixer
 from quamba.ops.hadamard import HadamardTransform, hadamard_matrix
 
 
@@ -77,6 +79,8 @@ def rotate_vision_model_(model) -> None:
 def _rotate_block(block, rotation: torch.Tensor, inner_rotation: torch.Tensor, d_inner: int) -> None:
     """Fold the block's norm into in_proj, rotate out_proj, and rotate y online."""
     _assign(block.mixer.in_proj.weight, _fold_norm(block.mixer.in_proj.weight, block.norm, rotation))
+    if isinstance(block.mixer, Mamba2Mixer):
+        fold_gated_norm_(block.mixer)
     _rotate_out_proj(block.mixer, rotation, inner_rotation)
     block.mixer.online_hadamard = HadamardTransform(d_inner)
 
@@ -86,7 +90,7 @@ def _check_rotatable(model: MambaLMHeadModel) -> None:
         raise ValueError("model is already Hadamard-rotated: the rotation runs once per model")
     layers = model.backbone.layers if hasattr(model, "backbone") else model.layers
     for i, block in enumerate(layers):
-        if not (isinstance(block.norm, RMSNorm) and isinstance(block.mixer, MambaMixer)
+        if not (isinstance(block.norm, RMSNorm) and isinstance(block.mixer, (MambaMixer, Mamba2Mixer))
                 and isinstance(block.mixer.online_hadamard, nn.Identity)):
             raise ValueError(f"the rotation needs an FP Mamba model; block {i} is "
                              f"{type(block.norm).__name__}/{type(block.mixer).__name__}")
@@ -100,6 +104,27 @@ def _fold_norm(weight: torch.Tensor, norm: RMSNorm, rotation: torch.Tensor) -> t
     folded = (weight.double() * norm.weight.double()) @ rotation
     norm.weight.fill_(1.0)
     return folded
+
+
+def quantization_basis_(model: MambaLMHeadModel, hadamard: bool) -> MambaLMHeadModel:
+    """Put an FP LM in the basis its quantized model computes in, in place: rotated if
+    ``hadamard``, else only the Mamba2 gated-norm weights folded into out_proj (what the
+    quantized Mamba2 mixer's out_proj holds). Function-preserving; returns the model."""
+    if hadamard:
+        return rotate_model_(model)
+    for mixer in model.mixers():
+        if isinstance(mixer, Mamba2Mixer):
+            fold_gated_norm_(mixer)
+    return model
+
+
+@torch.no_grad()
+def fold_gated_norm_(mixer: Mamba2Mixer) -> None:
+    """Fold a Mamba2 mixer's gated-RMSNorm weight into out_proj (W_out diag(w_g), in float64),
+    the norm's weight set to ones; the function is unchanged."""
+    out_proj, norm = mixer.out_proj, mixer.norm
+    _assign(out_proj.weight, out_proj.weight.double() * norm.weight.double())
+    norm.weight.fill_(1.0)
 
 
 def _untie_and_rotate_lm_head(model: MambaLMHeadModel, rotation: torch.Tensor) -> None:

@@ -62,3 +62,33 @@ def test_bad_group_size_and_backend():
     layer.backend = "cuda"
     with pytest.raises(BackendError, match="w4a16_linear"):
         layer(torch.zeros(1, 64))
+
+
+@pytest.mark.parametrize("weight_bits", [8, 4])
+@pytest.mark.parametrize("mode", ["int8", "float-sim-asic-int8"])
+def test_per_channel_output_scales_are_the_per_tensor_layer_per_channel(weight_bits, mode):
+    """An int8 output with one scale per output channel (Quamba2's in_proj segments) gives, in
+    each channel, what the layer with that channel's scale as its per-tensor scale gives."""
+    from quamba.layers.qlinear import W4A8Linear, W8A8Linear
+    n, k = 12, 64
+    weight = random_weight(n, k, seed=3)
+    out_scales = torch.linspace(0.002, 0.02, n)
+
+    def layer(out_scale):
+        if weight_bits == 4:
+            built = W4A8Linear(k, n, 0.05, out_scale, group_size=32)
+        else:
+            built = W8A8Linear(k, n, 0.05, out_scale)
+        built.load_float_weight(weight)
+        built.set_mode(mode)
+        return built
+
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randint(-127, 128, (2, 5, k), dtype=torch.int8, generator=gen)
+    if mode == "float-sim-asic-int8":
+        x = x.float() * 0.05
+    out = layer(out_scales)(x)
+    assert out.dtype == (torch.int8 if mode == "int8" else torch.float32)
+    for channel in range(n):
+        expected = layer(float(out_scales[channel]))(x)[..., channel]
+        assert torch.equal(out[..., channel], expected)

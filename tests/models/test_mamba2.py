@@ -7,7 +7,7 @@ import torch
 from transformers import Mamba2Config, Mamba2ForCausalLM
 
 import quamba
-from quamba.errors import CheckpointError, QuambaError
+from quamba.errors import CheckpointError
 from quamba.models.config import MambaConfig
 from quamba.models.loading import save_model
 from quamba.models.mamba import MambaLMHeadModel, randomize_
@@ -130,9 +130,3 @@ def test_unsupported_mamba2_configs_are_refused(tmp_path, ssm_cfg, message):
                                                       "ssm_cfg": ssm_cfg}))
     with pytest.raises(CheckpointError, match=message):
         quamba.load_model(tmp_path, tokenizer=False)
-
-
-def test_quantizing_a_mamba2_model_is_a_clear_error(hf_dir):
-    model, _ = quamba.load_model(hf_dir, tokenizer=False)
-    with pytest.raises(QuambaError, match="Mamba2 models load and run in FP"):
-        quamba.quantize(model, calib_data=ids(2, 8), progress=False)

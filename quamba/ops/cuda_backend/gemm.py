@@ -51,21 +51,20 @@ def _pad_k(t: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(t, (0, -t.shape[-1] % K_ALIGN)).contiguous()
 
 
-# Per-channel multipliers of tensor weight scales (W4A8's channel scales) by scale tensor: computed
-# once per (its version, x_scale, out_scale), not in every call (three small kernels per linear).
+# Per-channel multipliers (W4A8's channel scales, Quamba2's per-channel output scales) by the
+# scale tensor they come from: computed once per (the tensors' versions, the float scales), not in
+# every call (three small kernels per linear).
 _CHANNEL_MULTIPLIERS = WeakIdKeyDictionary()
 
 
 def _epilogue_multiplier(x_scale, weight_scale, out_scale, weight):
     """(scalar, None) for one multiplier, (0.0, fp32 [N] on the weight's device) per channel."""
-    if all(s is None or isinstance(s, (int, float)) for s in (x_scale, weight_scale, out_scale)):
+    scales = (x_scale, weight_scale, out_scale)
+    if all(s is None or isinstance(s, (int, float)) for s in scales):
         return _scalar_multiplier(x_scale, weight_scale, out_scale), None
-    # an inference tensor (made under torch.inference_mode) has no version counter to key on
-    cacheable = isinstance(weight_scale, torch.Tensor) and not weight_scale.is_inference() and all(
-        s is None or isinstance(s, (int, float)) for s in (x_scale, out_scale))
-    if cacheable:
-        key = (weight_scale._version, x_scale, out_scale, weight.device)
-        cached = _CHANNEL_MULTIPLIERS.get(weight_scale)
+    key, anchor = _multiplier_key(scales, weight.device)
+    if key is not None:
+        cached = _CHANNEL_MULTIPLIERS.get(anchor)
         if cached is not None and cached[0] == key:
             return 0.0, cached[1]
     multiplier = requant_multiplier(x_scale, weight_scale, out_scale)
@@ -75,9 +74,21 @@ def _epilogue_multiplier(x_scale, weight_scale, out_scale, weight):
     if per_channel.numel() == 1:  # a 0-d scale tensor: broadcast on the device, no host sync
         per_channel = per_channel.expand(weight.shape[0])
     per_channel = per_channel.contiguous()
-    if cacheable:
-        _CHANNEL_MULTIPLIERS[weight_scale] = (key, per_channel)
+    if key is not None:
+        _CHANNEL_MULTIPLIERS[anchor] = (key, per_channel)
     return 0.0, per_channel
+
+
+def _multiplier_key(scales: tuple, device):
+    """(cache key, the tensor it is stored under) of a per-channel multiplier, or (None, None)
+    where one of its tensors is an inference tensor (made under torch.inference_mode: no version
+    counter to key on) or x_scale is a tensor."""
+    x_scale, weight_scale, out_scale = scales
+    tensors = [s for s in (weight_scale, out_scale) if isinstance(s, torch.Tensor)]
+    if isinstance(x_scale, torch.Tensor) or any(s.is_inference() for s in tensors):
+        return None, None
+    key = tuple((id(s), s._version) if isinstance(s, torch.Tensor) else s for s in scales) + (device,)
+    return key, tensors[0]
 
 
 @functools.lru_cache(maxsize=4096)

@@ -1,6 +1,7 @@
 """The SSM-side ops on the kernels of ``quamba._C`` (csrc/conv1d, csrc/qsscan, csrc/norm):
-``qconv1d``, ``qconv1d_update``, ``qsscan``, ``qsscan_update``, ``rmsnorm_quant`` and
-``hadamard_quant``, with the torch references' signatures.
+``qconv1d``, ``qconv1d_update``, their per-channel-scale variants ``qconv1d_channelwise`` and
+``qconv1d_channelwise_update`` (Mamba2's xBC), ``qsscan``, ``qsscan_update``, ``rmsnorm_quant``
+and ``hadamard_quant``, with the torch references' signatures.
 
 Every fp32 constant a kernel applies (epilogue multiplier, reciprocal of an output scale, 1/sqrt(n))
 is computed here by the functions of :mod:`quamba.ops.quant` that the references use, so both
@@ -18,6 +19,7 @@ import functools
 import math
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 import quamba._C  # noqa: F401  loads torch.ops.quamba.*
 from quamba.ops import backend
@@ -77,6 +79,47 @@ def _qconv1d_update_cuda(x, conv_state, x_scale, weight, weight_scale, bias, bia
                                                         out_scale)
     return torch.ops.quamba.qconv1d_update(x, conv_state, weight, bias, multiplier, bias_scale32,
                                            out_inv, silu)
+
+
+# Per-channel constants of qconv1d_channelwise by its x_scale tensor: computed once per (the
+# scale tensors' versions, weight_scale), not in every call (a few small kernels per layer).
+_CHANNEL_CONSTANTS = WeakIdKeyDictionary()
+
+
+def _channel_conv_constants(x_scale, weight_scale, out_scale, device):
+    """(multipliers fp32 [dim], out_inv_scales fp32 [dim] or None) on ``device``, computed by the
+    reference's functions."""
+    tensors = [s for s in (x_scale, out_scale) if s is not None]
+    cacheable = not any(s.is_inference() for s in tensors)
+    key = tuple((id(s), s._version) for s in tensors) + (float(weight_scale), device)
+    cached = _CHANNEL_CONSTANTS.get(x_scale) if cacheable else None
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    multipliers = requant_multiplier(x_scale.float(), weight_scale).to(device).contiguous()
+    out_inv = None if out_scale is None else reciprocal(out_scale).to(device).contiguous()
+    if cacheable:
+        _CHANNEL_CONSTANTS[x_scale] = (key, (multipliers, out_inv))
+    return multipliers, out_inv
+
+
+@backend.register("qconv1d_channelwise", "cuda")
+def _qconv1d_channelwise_cuda(x, x_scale, weight, weight_scale, bias, bias_scale, out_scale,
+                              activation):
+    silu = _silu_flag(activation)
+    multipliers, out_inv = _channel_conv_constants(x_scale, weight_scale, out_scale, x.device)
+    bias_scale32 = _fp32(_scale(bias_scale)) if bias is not None else 1.0
+    return torch.ops.quamba.qconv1d_channelwise(x, weight, bias, multipliers, bias_scale32,
+                                                out_inv, silu)
+
+
+@backend.register("qconv1d_channelwise_update", "cuda")
+def _qconv1d_channelwise_update_cuda(x, conv_state, x_scale, weight, weight_scale, bias,
+                                     bias_scale, out_scale, activation):
+    silu = _silu_flag(activation)
+    multipliers, out_inv = _channel_conv_constants(x_scale, weight_scale, out_scale, x.device)
+    bias_scale32 = _fp32(_scale(bias_scale)) if bias is not None else 1.0
+    return torch.ops.quamba.qconv1d_channelwise_update(x, conv_state, weight, bias, multipliers,
+                                                       bias_scale32, out_inv, silu)
 
 
 def _input_scale(t: torch.Tensor, scale) -> float:
