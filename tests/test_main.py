@@ -285,3 +285,27 @@ def test_eval_image_needs_a_classifier(model_dir, tmp_path, capsys):
     argv = [str(model_dir), "--tokenizer", TOKENIZER, "--eval_image", "digits", "--log_dir", str(tmp_path)]
     assert main.main(argv) == 2
     assert "needs a Vision Mamba classifier" in capsys.readouterr().err
+
+
+def test_mamba2_mixed_precision_from_the_command_line(tiny_mamba2_dir, tmp_path, caplog):
+    """The trained Mamba2 model quantized W4A8 with a quarter of its layers W4A16, saved under a
+    name that says so, evaluated, and reused by a second run with the same recipe."""
+    pretrained = tmp_path / "pretrained"
+    text = tmp_path / "text.txt"
+    text.write_text("The history of the city begins with a small settlement by the river. " * 20)
+    argv = [tiny_mamba2_dir, "--quantize", "--w_bits", "4", "--group_size", "64",
+            "--mixed_precision", "0.25", "--pretrained_dir", pretrained, "--calib_data",
+            SHARED_DATA / "text" / "c4_sample.jsonl", "--calib_data_num", "8", "--calib_seqlen", "64",
+            "--eval_ppl", "--ppl_dataset", text, "--ppl_window", "64"]
+    assert main.main([str(a) for a in [*argv, "--log_dir", tmp_path / "first"]]) == 0
+    config = json.loads((pretrained / "quamba-tiny-mamba2-w4a8-mixed0.25" / "config.json").read_text())
+    recipe = config["quantization_config"]
+    assert config["model"]["layer"] == "Mamba2" and recipe["mixed_precision"] == 0.25
+    assert sorted(map(tuple, recipe["layer_bits"])) == [(4, 8)] * 3 + [(4, 16)]
+    assert len(recipe["calibration"]["layer_sensitivity"]) == 4
+    first = json.loads(next((tmp_path / "first").iterdir()).read_text())["perplexity"]["perplexity"]
+    caplog.set_level(logging.INFO, logger="quamba")
+    assert main.main([str(a) for a in [*argv, "--log_dir", tmp_path / "second"]]) == 0
+    assert "reusing" in caplog.text
+    second = json.loads(next((tmp_path / "second").iterdir()).read_text())["perplexity"]["perplexity"]
+    assert second == first

@@ -36,8 +36,6 @@ _REQUIREMENTS: dict[str, Callable[[], str | None]] = {}
 # ops whose cuda implementation is an optional accelerator from another package (the FP16
 # baseline kernels): asking for cuda where it is missing runs the torch reference instead
 _OPTIONAL: set[str] = set()
-# quantized ops with a torch reference only (see register)
-_REFERENCE_ONLY: set[str] = set()
 # op → the quamba._C ops its cuda implementation runs, where they are not the one of its own name
 _KERNELS: dict[str, tuple[str, ...]] = {}
 _LOGGED: set[tuple[str, str]] = set()
@@ -50,21 +48,16 @@ class BackendError(QuambaError):
 
 
 def register(op: str, backend: str, requires: Callable[[], str | None] | None = None,
-             kernels: tuple[str, ...] | None = None, fp: bool = False,
-             reference_only: bool = False):
+             kernels: tuple[str, ...] | None = None, fp: bool = False):
     """Decorator registering ``fn`` as ``backend``'s implementation of ``op``. ``requires`` marks an
     optional cuda implementation from another package (the FP ops on mamba-ssm's kernels) and
     says whether it can run here: None, or why not. Where it cannot, both ``cuda`` and ``auto``
     run the torch reference: only quamba's own kernels make ``cuda`` strict. ``fp`` marks an FP
     op the same way where no cuda implementation exists yet. ``kernels`` names the quamba._C ops
-    a cuda implementation runs when it composes others (default: ``op`` itself).
-    ``reference_only`` marks a quantized op that has no kernel yet (the Mamba2 int8 ops): ``auto``
-    runs its reference with a warning, ``cuda`` is refused, and it is not among
-    :func:`quamba_ops`, the ops a complete build of quamba._C runs on the GPU."""
+    a cuda implementation runs when it composes others (default: ``op`` itself; ``()`` for a
+    Triton kernel, which needs no quamba._C op)."""
     def wrap(fn):
         _IMPLS.setdefault(op, {})[backend] = fn
-        if reference_only:
-            _REFERENCE_ONLY.add(op)
         if requires is not None:
             _REQUIREMENTS[op] = requires
         if requires is not None or fp:
@@ -77,12 +70,7 @@ def register(op: str, backend: str, requires: Callable[[], str | None] | None = 
 
 def quamba_ops() -> list[str]:
     """The ops whose cuda implementation is quamba's own kernel (the quantized ops)."""
-    return sorted(op for op in _IMPLS if op not in _OPTIONAL and op not in _REFERENCE_ONLY)
-
-
-def reference_only_ops() -> list[str]:
-    """The quantized ops without a CUDA kernel yet."""
-    return sorted(_REFERENCE_ONLY)
+    return sorted(op for op in _IMPLS if op not in _OPTIONAL)
 
 
 def fp_ops() -> list[str]:
@@ -185,7 +173,7 @@ def plan(device: torch.device, argument: str | None = None) -> dict[str, tuple[s
 def _why_not_cuda(op: str, device: torch.device) -> str | None:
     if device.type != "cuda":
         return f"its inputs are on {device}, not a CUDA device"
-    if (op in _OPTIONAL and op not in _REQUIREMENTS) or op in _REFERENCE_ONLY:
+    if op in _OPTIONAL and op not in _REQUIREMENTS:
         return f"no CUDA kernel implements {op} yet"
     missing = cuda_missing(op, device)
     if missing is None and "cuda" not in _IMPLS[op]:
@@ -259,8 +247,8 @@ def summary(ran: dict[str, set[str]]) -> dict[str, str]:
 
 def on_reference(ran: dict[str, set[str]], ops=None) -> list[str]:
     """The ops of ``ran`` (a :func:`recording`) that ran their torch reference, limited to
-    ``ops`` (default: the quantized ops, those without a kernel yet included)."""
-    ops = set(quamba_ops() + reference_only_ops() if ops is None else ops)
+    ``ops`` (default: quamba's own, the quantized ops)."""
+    ops = set(quamba_ops() if ops is None else ops)
     return sorted(op for op, backends in ran.items() if op in ops and "torch" in backends)
 
 

@@ -3,10 +3,9 @@ and the SSD on int8 inputs (fp32 inside).
 
 Quamba2 gives each part of xBC its own scales: x one per channel (a few distinct values per SSD
 group, from quamba.quantization.cluster), B and C one per state group. So, unlike the Mamba1 ops
-(quamba.ops.qconv1d, quamba.ops.qsscan), these take per-channel scale tensors. The conv runs the
-qconv1d kernels with per-channel epilogues on a GPU (quamba.ops.cuda_backend.ssm); the int8 SSD
-has its torch reference only so far (``backend.register(..., reference_only=True)``): on a GPU
-``auto`` runs it with a warning and ``cuda`` is refused.
+(quamba.ops.qconv1d, quamba.ops.qsscan), these take per-channel scale tensors. On a GPU the conv
+runs the qconv1d kernels with per-channel epilogues (quamba.ops.cuda_backend.ssm), the SSD Triton
+kernels (quamba.ops.cuda_backend.ssd).
 """
 from __future__ import annotations
 
@@ -85,7 +84,7 @@ def qssd_state_update(state, state_scale, x, x_scale, dt, dt_scale, B, B_scale, 
                 out_dtype)
 
 
-@backend.register("qssd_scan", "torch", reference_only=True)
+@backend.register("qssd_scan", "torch")
 def _qssd_scan_torch(x, x_scale, dt, dt_scale, B, B_scale, C, C_scale, params, chunk_size,
                      state_scale, out_dtype):
     A, D, dt_bias = params.dequantized()
@@ -96,7 +95,7 @@ def _qssd_scan_torch(x, x_scale, dt, dt_scale, B, B_scale, C, C_scale, params, c
     return y.to(out_dtype), last_state
 
 
-@backend.register("qssd_state_update", "torch", reference_only=True)
+@backend.register("qssd_state_update", "torch")
 def _qssd_state_update_torch(state, state_scale, x, x_scale, dt, dt_scale, B, B_scale, C, C_scale,
                              params, out_dtype):
     A, D, dt_bias = params.dequantized()

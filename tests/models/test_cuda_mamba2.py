@@ -1,6 +1,6 @@
 """Quamba2 (Mamba2) on the GPU: in_proj's per-channel output scales on the W8A8 / W4A8 kernels,
 the whole quantized model against the torch reference, decode against prefill, CUDA-graph decode,
-and which op runs where (the int8 SSD has its torch reference only so far)."""
+and every quantized op on its kernel."""
 import pytest
 import torch
 
@@ -61,16 +61,16 @@ def qmodel(request, fp_model):
                            calib_data=tokens(8, 256, seed=1), progress=False)
 
 
-def test_quantized_ops_run_on_cuda_but_the_mamba2_references(qmodel):
+def test_every_quantized_op_runs_on_cuda(qmodel):
     with torch.inference_mode(), backend.recording() as ran:
         cache = qmodel.allocate_cache(2)
         qmodel(tokens(2, 33, seed=2), cache=cache)
         qmodel(tokens(2, 1, seed=3), cache=cache)
-    assert backend.on_reference(ran) == backend.reference_only_ops(), backend.summary(ran)
+    assert backend.on_reference(ran) == [], backend.summary(ran)
     on_cuda = {op for op, used in ran.items() if "cuda" in used}
     linear = "w4a8_linear" if qmodel.quant_config.w_bits == 4 else "w8a8_linear"
     assert {linear, "rmsnorm_quant", "hadamard_quant", "qconv1d_channelwise",
-            "qconv1d_channelwise_update"} <= on_cuda
+            "qconv1d_channelwise_update", "qssd_scan", "qssd_state_update"} <= on_cuda
 
 
 @pytest.mark.parametrize("mode", ["int8", "fp32-ssm-input", "fp32-conv"])
@@ -103,3 +103,19 @@ def test_graph_decode_gives_the_eager_tokens(qmodel, fp_model):
             eager = model.generate(prompt, max_new_tokens=12, eos_token_id=-1)
             graphed = model.generate(prompt, max_new_tokens=12, eos_token_id=-1, cache_graph=True)
         assert torch.equal(graphed, eager)
+
+
+def test_fp_model_runs_the_ssd_kernels(fp_model, monkeypatch):
+    ids = tokens(2, 300, seed=7)
+    with torch.inference_mode(), backend.recording() as ran:
+        cache = fp_model.allocate_cache(2)
+        fast = fp_model(ids, cache=cache).float()
+        fast_step = fp_model(ids[:, -1:], cache=cache).float()
+    assert ran["ssd_scan"] == {"cuda"} and ran["ssd_state_update"] == {"cuda"}
+    monkeypatch.setenv("QUAMBA_BACKEND", "torch")
+    with torch.inference_mode():
+        cache = fp_model.allocate_cache(2)
+        reference = fp_model(ids, cache=cache).float()
+        reference_step = fp_model(ids[:, -1:], cache=cache).float()
+    assert (fast - reference).norm() / reference.norm() < 1e-2
+    assert (fast_step - reference_step).norm() / reference_step.norm() < 1e-2

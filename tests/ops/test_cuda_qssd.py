@@ -1,9 +1,13 @@
-"""The per-channel-scale conv kernels of Mamba2's xBC (qconv1d_channelwise and its update) against
-their torch reference: int8 codes equal, fp32 outputs within 1e-4 relative."""
+"""Mamba2's int8 kernels against their torch references: the per-channel-scale conv over xBC
+(qconv1d_channelwise and its update: int8 codes equal, fp32 outputs within 1e-4 relative) and the
+Triton SSD (qssd_scan and qssd_state_update: fp32, summation order apart)."""
 import pytest
 import torch
 
-from quamba.ops.qssd import qconv1d_channelwise, qconv1d_channelwise_update
+from quamba.ops.qssd import (qconv1d_channelwise, qconv1d_channelwise_update, qssd_scan,
+                             qssd_state_update)
+from quamba.ops.qsscan import SSMParams
+from quamba.ops.quant import dequantize, quantize_weight
 
 pytestmark = [
     pytest.mark.gpu,
@@ -66,3 +70,60 @@ def test_channelwise_update_chain_equals_the_prefill(batch, dim, width):
                                                backend_name="torch", **case)
         assert torch.equal(step, prefill[..., t]) and torch.equal(step, reference), f"step {t}"
     assert torch.equal(state, reference_state)
+
+
+def ssd_inputs(batch, seqlen, nheads, headdim, ngroups, d_state, seed):
+    """int8 x, dt, B, C with per-channel / per-group scales on the GPU, and int8 SSM parameters."""
+    gen = torch.Generator().manual_seed(seed)
+    inputs = dict(x=codes(batch, seqlen, nheads, headdim, seed=seed),
+                  x_scale=channel_scales(nheads * headdim, seed, 0.005, 0.05).view(nheads, headdim),
+                  dt=codes(batch, seqlen, nheads, seed=seed + 1), dt_scale=0.02,
+                  B=codes(batch, seqlen, ngroups, d_state, seed=seed + 2),
+                  B_scale=channel_scales(ngroups, seed + 3, 0.005, 0.05).view(ngroups, 1),
+                  C=codes(batch, seqlen, ngroups, d_state, seed=seed + 4),
+                  C_scale=channel_scales(ngroups, seed + 5, 0.005, 0.05).view(ngroups, 1))
+    params = [quantize_weight(values.to(DEVICE)) for values in (
+        torch.log(torch.rand(nheads, generator=gen) * 15 + 1), torch.rand(nheads, generator=gen) + 0.5,
+        torch.rand(nheads, generator=gen) * 2 - 3)]
+    return inputs, SSMParams(*params[0], *params[1], *params[2])
+
+
+SSD_SHAPES = [(1, 2048, 24, 64, 1, 128), (2, 300, 8, 48, 2, 32), (3, 37, 4, 12, 2, 16), (1, 1, 2, 8, 1, 5)]
+
+
+@pytest.mark.parametrize("batch,seqlen,nheads,headdim,ngroups,d_state", SSD_SHAPES)
+@pytest.mark.parametrize("floats", [False, True])
+def test_ssd_kernel_matches_the_reference(batch, seqlen, nheads, headdim, ngroups, d_state, floats):
+    inputs, params = ssd_inputs(batch, seqlen, nheads, headdim, ngroups, d_state, seed=seqlen)
+    if floats:  # the fp32-ssm-input mode passes dequantized floats
+        for name in ("x", "dt", "B", "C"):
+            inputs[name] = dequantize(inputs[name], inputs[name + "_scale"])
+    results = {name: qssd_scan(**inputs, params=params, out_dtype=torch.float32, backend_name=name)
+               for name in ("cuda", "torch")}
+    (y, state), (y_ref, state_ref) = results["cuda"], results["torch"]
+    torch.testing.assert_close(y, y_ref, rtol=1e-3, atol=1e-3 * float(y_ref.abs().max()))
+    torch.testing.assert_close(state, state_ref, rtol=1e-3, atol=1e-3 * float(state_ref.abs().max()))
+
+
+@pytest.mark.parametrize("batch,seqlen,nheads,headdim,ngroups,d_state", SSD_SHAPES[1:])
+def test_ssd_step_kernel_continues_the_prefill(batch, seqlen, nheads, headdim, ngroups, d_state):
+    inputs, params = ssd_inputs(batch, seqlen + 3, nheads, headdim, ngroups, d_state, seed=seqlen + 1)
+    y_all, _ = qssd_scan(**inputs, params=params, out_dtype=torch.float32, backend_name="cuda")
+    prefix = {k: v[:, :seqlen] if k in ("x", "dt", "B", "C") else v for k, v in inputs.items()}
+    _, state = qssd_scan(**prefix, params=params, out_dtype=torch.float32, backend_name="cuda")
+    reference_state = state.clone()
+    for t in range(seqlen, seqlen + 3):
+        step = {k: v[:, t] if k in ("x", "dt", "B", "C") else v for k, v in inputs.items()}
+        y = qssd_state_update(state, None, **step, params=params, out_dtype=torch.float32,
+                              backend_name="cuda")
+        y_ref = qssd_state_update(reference_state, None, **step, params=params,
+                                  out_dtype=torch.float32, backend_name="torch")
+        scale = float(y_all[:, t].abs().max())
+        torch.testing.assert_close(y, y_ref, rtol=1e-4, atol=1e-4 * scale)
+        torch.testing.assert_close(y, y_all[:, t], rtol=1e-3, atol=1e-3 * scale)
+    int8_state = torch.zeros(batch, nheads, headdim, d_state, dtype=torch.int8, device=DEVICE)
+    reference_int8 = int8_state.clone()
+    step = {k: v[:, 0] if k in ("x", "dt", "B", "C") else v for k, v in inputs.items()}
+    qssd_state_update(int8_state, 0.05, **step, params=params, backend_name="cuda")
+    qssd_state_update(reference_int8, 0.05, **step, params=params, backend_name="torch")
+    assert int((int8_state.int() - reference_int8.int()).abs().max()) <= 1
