@@ -78,6 +78,14 @@ def select_scan(op: str, device: torch.device, backend_name: str | None, method:
                                                             **foh_drives)
 
 
+def require_drive(method: str, drive) -> None:
+    """A foh decode step reads and updates the previous step's drive: a one-line QuambaError
+    where none is given."""
+    if method == "foh" and drive is None:
+        raise QuambaError("a foh decode step needs drive=, the previous step's u ⊗ B "
+                          "(fp32 [batch, d_inner, d_state]), which it updates in place")
+
+
 def _cuda_lacks(method: str) -> str | None:
     if method == DEFAULT:
         return None

@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from quamba.errors import QuambaError
 from quamba.ops import backend, fp_kernels  # noqa: F401  fp_kernels registers the cuda kernels
-from quamba.ops.discretization import DEFAULT, discretize, input_drive, select_scan
+from quamba.ops.discretization import (DEFAULT, discretize, input_drive, require_drive,
+                                       select_scan)
 
 # Time steps whose discretised A and B·u are materialised at once: bounds the reference's
 # memory to batch * d_inner * _CHUNK * d_state floats whatever the sequence length.
@@ -112,9 +112,7 @@ def selective_state_update(state, u, delta, A, B, C, D=None, z=None, delta_bias=
     v = u ⊗ B (fp32 [batch, d_inner, d_state]; zeros before a sequence's first step, else
     ``input_drive`` of a prefill's last step), which it overwrites with this step's.
     """
-    if discretization == "foh" and drive is None:
-        raise QuambaError("a foh decode step needs drive=, the previous step's u ⊗ B "
-                          "(fp32 [batch, d_inner, d_state]), which it updates in place")
+    require_drive(discretization, drive)
     impl = select_scan("selective_state_update", u.device, backend_name, discretization,
                        drive=drive)
     return impl(state, u, delta, A, B, C, D, z, delta_bias, delta_softplus)
