@@ -1,9 +1,11 @@
-"""QuantizedMambaLM: the Mamba1 or Mamba2 LM with quantized blocks, and QuantizedModel, what it shares with
-the quantized Vision Mamba classifier (quamba.models.quantized_vision): SSM modes and checkpoints.
+"""QuantizedMambaLM: the Mamba1 or Mamba2 LM with quantized blocks, and QuantizedModel, what it
+shares with the quantized Vision Mamba classifier (quamba.models.quantized_vision): SSM modes and
+checkpoints.
 
-W8A8 and W4A8 blocks are a QRMSNorm (→ int8) and a QMambaMixer; W4A16 (weight-only) blocks are
-the FP RMSNorm and the FP mixer with 4-bit in_proj, x_proj and out_proj
-(quamba.layers.weight_only). It reuses MambaLMHeadModel's forward, decode step, cache and
+W8A8 and W4A8 blocks are a QRMSNorm (→ int8) and a QMambaMixer (QMamba2Mixer for Mamba2);
+W4A16 (weight-only) blocks are the FP RMSNorm and the FP mixer with 4-bit in_proj, x_proj and
+out_proj (quamba.layers.weight_only). A mixed-precision model (QuantConfig.layer_bits) holds
+both kinds. It reuses MambaLMHeadModel's forward, decode step, cache and
 generate: only the blocks differ. The embedding, final norm and lm_head stay in the float dtype.
 """
 from __future__ import annotations
