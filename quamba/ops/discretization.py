@@ -92,11 +92,17 @@ def _cuda_lacks(method: str) -> str | None:
     return f"its CUDA kernel implements only the {DEFAULT!r} discretization, not {method!r}"
 
 
+def compute_dtype(u: torch.Tensor) -> torch.dtype:
+    """The scans' arithmetic: fp32, or fp64 for fp64 inputs (gradient checks in float64)."""
+    return torch.float64 if u.dtype == torch.float64 else torch.float32
+
+
 def input_drive(u: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
-    """The drive v = u ⊗ B in fp32: [batch, d_inner, (seqlen,) d_state] from u [batch, d_inner
-    (, seqlen)] and B [batch, d_state (, seqlen)]. Of a prefill's last step (u[..., -1],
-    B[..., -1]) it is what a foh decode step continues from."""
-    return u.float().unsqueeze(-1) * B.float().movedim(1, -1).unsqueeze(1)
+    """The drive v = u ⊗ B in fp32 (fp64 for fp64 u): [batch, d_inner, (seqlen,) d_state] from
+    u [batch, d_inner (, seqlen)] and B [batch, d_state (, seqlen)]. Of a prefill's last step
+    (u[..., -1], B[..., -1]) it is what a foh decode step continues from."""
+    dtype = compute_dtype(u)
+    return u.to(dtype).unsqueeze(-1) * B.to(dtype).movedim(1, -1).unsqueeze(1)
 
 
 def discretize(method: str, dt: torch.Tensor, A: torch.Tensor, drive: torch.Tensor,

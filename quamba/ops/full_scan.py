@@ -34,7 +34,8 @@ import torch
 import torch.nn.functional as F
 
 from quamba.ops import backend
-from quamba.ops.discretization import DEFAULT, input_drive, require_drive, select_scan
+from quamba.ops.discretization import (DEFAULT, compute_dtype, input_drive, require_drive,
+                                       select_scan)
 
 # Time steps whose Ā ([batch, d_inner, _CHUNK, d_state, d_state]) are materialised at once.
 _CHUNK = 64
@@ -54,7 +55,7 @@ def structured_A(diagonal: torch.Tensor, U: torch.Tensor, V: torch.Tensor) -> to
 def full_selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
                         initial_state=None, discretization=DEFAULT, backend_name=None,
                         initial_drive=None):
-    """Full-A selective scan in fp32; returns ``(y, last_state)``.
+    """Full-A selective scan in fp32 (fp64 for fp64 inputs); returns ``(y, last_state)``.
 
     u, delta, z: [batch, d_inner, seqlen]; A: [d_inner, d_state, d_state] or ``(diagonal, U, V)``;
     B, C: [batch, d_state, seqlen]; D, delta_bias: [d_inner]; initial_state: [batch, d_inner,
@@ -119,13 +120,14 @@ def _check_shapes(u, delta, A, B, C, D, z, delta_bias, time_dims, **states):
 def _full_selective_scan_torch(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state,
                                discretization=DEFAULT, initial_drive=None):
     out_dtype = u.dtype
-    u, B, C, A = u.float(), B.float(), C.float(), A.float()
+    dtype = compute_dtype(u)
+    u, B, C, A = u.to(dtype), B.to(dtype), C.to(dtype), A.to(dtype)
     dt = _step_lengths(u, delta, delta_bias, delta_softplus)
     batch, d_inner, seqlen = u.shape
     state = (u.new_zeros(batch, d_inner, A.shape[-1]) if initial_state is None
-             else initial_state.float().clone())
+             else initial_state.to(dtype).clone())
     previous_drive = (state.new_zeros(state.shape) if initial_drive is None
-                      else initial_drive.float())
+                      else initial_drive.to(dtype))
     ys = []
     for start in range(0, seqlen, _CHUNK):
         chunk = slice(start, min(start + _CHUNK, seqlen))
@@ -147,21 +149,24 @@ def _full_selective_scan_torch(u, delta, A, B, C, D, z, delta_bias, delta_softpl
 def _full_selective_state_update_torch(state, u, delta, A, B, C, D, z, delta_bias, delta_softplus,
                                        discretization=DEFAULT, drive=None):
     out_dtype = u.dtype
-    u = u.float()
+    dtype = compute_dtype(u)
+    u = u.to(dtype)
     dt = _step_lengths(u, delta, delta_bias, delta_softplus)
     current_drive = input_drive(u, B)
-    decay, step_input = _discretize(discretization, dt, A.float()[None], current_drive, drive)
-    new_state = _step(decay, state.float(), step_input)
+    previous_drive = None if drive is None else drive.to(dtype, copy=True)  # autograd keeps it
+    decay, step_input = _discretize(discretization, dt, A.to(dtype)[None], current_drive,
+                                    previous_drive)
+    new_state = _step(decay, state.to(dtype, copy=True), step_input)
     state.copy_(new_state)
     if drive is not None:
         drive.copy_(current_drive)
-    y = torch.einsum("bdn,bn->bd", new_state, C.float())
+    y = torch.einsum("bdn,bn->bd", new_state, C.to(dtype))
     return _output(y, u, D, z).to(out_dtype)
 
 
 def _step_lengths(u, delta, delta_bias, delta_softplus):
-    """Δ in fp32: delta + delta_bias, through softplus if asked."""
-    dt = delta.float()
+    """Δ in u's (compute) dtype: delta + delta_bias, through softplus if asked."""
+    dt = delta.to(u.dtype)
     if delta_bias is not None:
         dt = dt + _per_channel(delta_bias, u)
     return F.softplus(dt) if delta_softplus else dt
@@ -173,17 +178,17 @@ def _step(decay, state, step_input):
 
 
 def _output(y, u, D, z):
-    """y + D u, gated by SiLU(z), in fp32."""
+    """y + D u, gated by SiLU(z), in y's dtype."""
     if D is not None:
         y = y + u * _per_channel(D, u)
     if z is not None:
-        y = y * F.silu(z.float())
+        y = y * F.silu(z.to(y.dtype))
     return y
 
 
 def _per_channel(values, u):
-    """[d_inner] values shaped to broadcast against u [batch, d_inner(, seqlen)], in fp32."""
-    return values.float().reshape(-1, *(1,) * (u.dim() - 2))
+    """[d_inner] values shaped to broadcast against u [batch, d_inner(, seqlen)], in u's dtype."""
+    return values.to(u.dtype).reshape(-1, *(1,) * (u.dim() - 2))
 
 
 def _discretize(method, dt, A, drive, previous_drive):

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from quamba.ops import backend, fp_kernels  # noqa: F401  fp_kernels registers the cuda kernels
-from quamba.ops.discretization import (DEFAULT, discretize, input_drive, require_drive,
-                                       select_scan)
+from quamba.ops.discretization import (DEFAULT, compute_dtype, discretize, input_drive,
+                                       require_drive, select_scan)
 
 # Time steps whose discretised A and B·u are materialised at once: bounds the reference's
 # memory to batch * d_inner * _CHUNK * d_state floats whatever the sequence length.
@@ -44,7 +44,8 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
     drive to continue after this scan is ``input_drive(u[..., -1], B[..., -1])``. The CUDA kernels
     run zoh only: another method runs this reference (``auto``) or is refused (``cuda``).
 
-    y has u's dtype; last_state is fp32 [batch, d_inner, d_state].
+    y has u's dtype; last_state is fp32 [batch, d_inner, d_state]. fp64 inputs compute in fp64
+    (gradient checks; autograd runs through this reference).
     """
     impl = select_scan("selective_scan", u.device, backend_name, discretization,
                        initial_drive=initial_drive)
@@ -54,16 +55,15 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
 @backend.register("selective_scan", "torch")
 def _selective_scan_torch(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state,
                           discretization=DEFAULT, initial_drive=None):
-    out_dtype = u.dtype
-    u, delta, B, C = u.float(), delta.float(), B.float(), C.float()
-    A = A.float()
+    out_dtype, dtype = u.dtype, compute_dtype(u)
+    u, delta, B, C, A = (t.to(dtype) for t in (u, delta, B, C, A))
     if delta_bias is not None:
-        delta = delta + delta_bias.float()[None, :, None]
+        delta = delta + delta_bias.to(dtype)[None, :, None]
     if delta_softplus:
         delta = F.softplus(delta)
     batch, d_inner, seqlen = u.shape
-    state = (torch.zeros(batch, d_inner, A.shape[1], dtype=torch.float32, device=u.device)
-             if initial_state is None else initial_state.float().clone())
+    state = (torch.zeros(batch, d_inner, A.shape[1], dtype=dtype, device=u.device)
+             if initial_state is None else initial_state.to(dtype).clone())
     previous_drive = initial_drive
     ys = []
     for start in range(0, seqlen, _CHUNK):
@@ -83,9 +83,9 @@ def _selective_scan_torch(u, delta, A, B, C, D, z, delta_bias, delta_softplus, i
         ys.append(torch.einsum("bdtn,bnt->bdt", states, C[:, :, start:stop]))
     y = torch.cat(ys, dim=-1) if ys else u.new_zeros(batch, d_inner, 0)
     if D is not None:
-        y = y + u * D.float()[None, :, None]
+        y = y + u * D.to(dtype)[None, :, None]
     if z is not None:
-        y = y * F.silu(z.float())
+        y = y * F.silu(z.to(dtype))
     return y.to(out_dtype), state
 
 
@@ -96,7 +96,7 @@ def _discretized_chunk(method, dt, A, u, B, previous_drive):
     earlier = None
     if method == "foh":  # v_{t-1}
         first = drive.new_zeros(drive[:, :, 0].shape) if previous_drive is None else previous_drive
-        earlier = torch.cat([first.float().unsqueeze(2), drive[:, :, :-1]], dim=2)
+        earlier = torch.cat([first.to(drive.dtype).unsqueeze(2), drive[:, :, :-1]], dim=2)
     decay, step_input = discretize(method, dt.unsqueeze(-1), A[None, :, None, :], drive, earlier)
     return decay, step_input, drive[:, :, -1]
 
@@ -121,26 +121,29 @@ def selective_state_update(state, u, delta, A, B, C, D=None, z=None, delta_bias=
 @backend.register("selective_state_update", "torch")
 def _selective_state_update_torch(state, u, delta, A, B, C, D, z, delta_bias, delta_softplus,
                                   discretization=DEFAULT, drive=None):
-    out_dtype = u.dtype
-    u, delta = u.float(), delta.float()
+    out_dtype, dtype = u.dtype, compute_dtype(u)
+    u, delta, A = u.to(dtype), delta.to(dtype), A.to(dtype)
     if delta_bias is not None:
-        delta = delta + delta_bias.float()
+        delta = delta + delta_bias.to(dtype)
     if delta_softplus:
         delta = F.softplus(delta)
     if discretization == DEFAULT:
-        decay = torch.exp(delta.unsqueeze(-1) * A.float())
-        step_input = (delta * u).unsqueeze(-1) * B.float().unsqueeze(1)
+        decay = torch.exp(delta.unsqueeze(-1) * A)
+        step_input = (delta * u).unsqueeze(-1) * B.to(dtype).unsqueeze(1)
     else:
         current_drive = input_drive(u, B)
-        decay, step_input = discretize(discretization, delta.unsqueeze(-1), A.float(),
-                                       current_drive, drive)
+        previous_drive = None if drive is None else drive.to(dtype, copy=True)
+        decay, step_input = discretize(discretization, delta.unsqueeze(-1), A, current_drive,
+                                       previous_drive)
         if discretization == "foh":
             drive.copy_(current_drive)
-    new_state = decay * state.float() + step_input
+    # a copy: autograd keeps the old state for decay's gradient, and state is overwritten below
+    # (as the drive is)
+    new_state = decay * state.to(dtype, copy=True) + step_input
     state.copy_(new_state)
-    y = torch.einsum("bdn,bn->bd", new_state, C.float())
+    y = torch.einsum("bdn,bn->bd", new_state, C.to(dtype))
     if D is not None:
-        y = y + u * D.float()
+        y = y + u * D.to(dtype)
     if z is not None:
-        y = y * F.silu(z.float())
+        y = y * F.silu(z.to(dtype))
     return y.to(out_dtype)
