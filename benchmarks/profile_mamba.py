@@ -64,7 +64,8 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--config", choices=list(PRESETS), default="130m",
-                        help="random weights at this model size (default 130m)")
+                        help="random weights at this model size (default 130m; mamba2-*: a "
+                             "Mamba2 model, against mamba-ssm's own Mamba2 model)")
     source.add_argument("--model", help="a real FP model: Hub id or directory")
     parser.add_argument("--precisions", default=",".join(PRECISIONS),
                         help=f"comma-separated, of {', '.join(PRECISIONS)} (default all)")

@@ -275,14 +275,22 @@ def _first_id(value, default: int) -> int:
     return default if value is None else int(value)
 
 
-# Shapes of the published state-spaces/mamba-* models, for benchmarks and tests with random
-# weights (vocab_size is the unpadded GPT-NeoX size; the embedding has 50280 rows).
+# Shapes of the published state-spaces/mamba-* and mamba2-* models, for benchmarks and tests with
+# random weights (vocab_size is the unpadded GPT-NeoX size; the embedding has 50280 rows, 50288
+# for Mamba2, whose vocabulary is padded to a multiple of 16).
+_MAMBA2 = dict(layer="Mamba2", d_state=128, headdim=64, ngroups=1, chunk_size=256,
+               pad_vocab_size_multiple=16)
 PRESETS = {
     "130m": dict(d_model=768, n_layer=24),
     "370m": dict(d_model=1024, n_layer=48),
     "790m": dict(d_model=1536, n_layer=48),
     "1.4b": dict(d_model=2048, n_layer=48),
     "2.8b": dict(d_model=2560, n_layer=64),
+    "mamba2-130m": dict(d_model=768, n_layer=24, **_MAMBA2),
+    "mamba2-370m": dict(d_model=1024, n_layer=48, **_MAMBA2),
+    "mamba2-780m": dict(d_model=1536, n_layer=48, **_MAMBA2),
+    "mamba2-1.3b": dict(d_model=2048, n_layer=48, **_MAMBA2),
+    "mamba2-2.7b": dict(d_model=2560, n_layer=64, **_MAMBA2),
 }
 
 

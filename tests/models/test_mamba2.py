@@ -8,7 +8,7 @@ from transformers import Mamba2Config, Mamba2ForCausalLM
 
 import quamba
 from quamba.errors import CheckpointError
-from quamba.models.config import MambaConfig
+from quamba.models.config import MambaConfig, preset_config
 from quamba.models.loading import save_model
 from quamba.models.mamba import MambaLMHeadModel, randomize_
 from quamba.ops.ssd import ssd_scan, ssd_state_update
@@ -130,3 +130,15 @@ def test_unsupported_mamba2_configs_are_refused(tmp_path, ssm_cfg, message):
                                                       "ssm_cfg": ssm_cfg}))
     with pytest.raises(CheckpointError, match=message):
         quamba.load_model(tmp_path, tokenizer=False)
+
+
+@pytest.mark.parametrize("name,d_inner,nheads,n_layer", [("mamba2-130m", 1536, 24, 24),
+                                                         ("mamba2-2.7b", 5120, 80, 64)])
+def test_presets_have_the_published_mamba2_shapes(name, d_inner, nheads, n_layer):
+    config = preset_config(name)
+    assert (config.layer, config.d_inner, config.nheads) == ("Mamba2", d_inner, nheads)
+    assert config.n_layer == n_layer
+    assert (config.d_state, config.headdim, config.ngroups) == (128, 64, 1)
+    assert config.padded_vocab_size == 50288
+    ssm_cfg = config.to_mamba_ssm()["ssm_cfg"]  # what profile_mamba.py gives mamba-ssm's own model
+    assert ssm_cfg["layer"] == "Mamba2" and ssm_cfg["d_state"] == 128 and ssm_cfg["headdim"] == 64
