@@ -69,8 +69,8 @@ class ChannelAbsMaxObserver:
         self.absmax = None
 
     def update(self, tensor: torch.Tensor) -> None:
-        finite_magnitudes(tensor, self.name)
-        batch_max = tensor.detach().float().abs().reshape(-1, tensor.shape[-1]).amax(dim=0)
+        magnitudes = finite_magnitudes(tensor, self.name)  # flattened in order: channels last
+        batch_max = magnitudes.view(-1, tensor.shape[-1]).amax(dim=0)
         self.absmax = batch_max if self.absmax is None else torch.maximum(self.absmax, batch_max)
 
     def result(self) -> torch.Tensor:

@@ -70,9 +70,9 @@ def quantize(model: MambaLMHeadModel, tokenizer=None, config: QuantConfig | None
         ranges, record, tokens = None, {}, None
     else:
         ranges, record, tokens = _calibrate(work, tokenizer, config, calib_data, progress)
-    if config.mixed_precision is not None and config.layer_bits is None:
-        config, record["layer_sensitivity"] = _mixed_precision(work, ranges, config, tokens)
     qmodel = build_quantized_model(work, ranges, config)
+    if config.mixed_precision is not None and config.layer_bits is None:
+        config, record["layer_sensitivity"] = _mixed_precision_(qmodel, work, ranges, config, tokens)
     qmodel.calibration = record
     qmodel.base_model = getattr(model, "source", {}).get("name_or_path")
     qmodel.tokenizer = tokenizer
@@ -112,16 +112,23 @@ def _calibrate(fp_model, tokenizer, config: QuantConfig, calib_data, progress: b
     return ranges, _calibration_record(calib, config), tokens
 
 
-def _mixed_precision(fp_model, ranges: dict, config: QuantConfig, tokens: torch.Tensor):
-    """(the config with the layer_bits chosen by measured sensitivity, the sensitivities): see
-    quamba.quantization.mixed."""
+def _mixed_precision_(qmodel: QuantizedMambaLM, fp_model, ranges: dict, config: QuantConfig,
+                      tokens: torch.Tensor):
+    """Turn the all-W4A8 ``qmodel`` into the mixed one in place: the layers whose measured
+    sensitivity is highest rebuilt W4A16 (quamba.quantization.mixed). Returns (the config with
+    those layer_bits, the sensitivities)."""
     from quamba.quantization.mixed import choose_layer_bits, layer_sensitivity
-    all_w4a8 = build_quantized_model(fp_model, ranges, config)
-    all_w4a8.set_ssm_mode(config.ssm_mode, config.backend)
-    sensitivity = layer_sensitivity(fp_model, all_w4a8, tokens, config.calib_batch_size)
-    layer_bits = choose_layer_bits(sensitivity, config.mixed_precision)
-    log.info("mixed precision: W4A16 layers %s", [i for i, bits in enumerate(layer_bits) if bits[1] == 16])
-    return dataclasses.replace(config, layer_bits=layer_bits), sensitivity
+    qmodel.set_ssm_mode(config.ssm_mode, config.backend)
+    sensitivity = layer_sensitivity(fp_model, qmodel, tokens, config.calib_batch_size)
+    config = dataclasses.replace(config, layer_bits=choose_layer_bits(sensitivity,
+                                                                      config.mixed_precision))
+    w4a16 = [i for i, bits in enumerate(config.layer_bits) if bits[1] == 16]
+    for i in w4a16:
+        _quantize_block_(qmodel.backbone.layers[i], fp_model.backbone.layers[i], i, ranges, config,
+                         qmodel.config)
+    qmodel.quant_config = config
+    log.info("mixed precision: W4A16 layers %s", w4a16)
+    return config, sensitivity
 
 
 @torch.no_grad()
@@ -136,22 +143,28 @@ def build_quantized_model(fp_model: MambaLMHeadModel, ranges: dict, config: Quan
     if not qmodel.config.tie_embeddings:
         qmodel.lm_head.load_state_dict(fp_model.lm_head.state_dict())
     for i, (block, fp_block) in enumerate(zip(qmodel.backbone.layers, fp_model.backbone.layers)):
-        w_bits, a_bits = config.bits_of(i)
-        if a_bits == 16:
-            block.norm = copy.deepcopy(fp_block.norm)
-            block.mixer = weight_only_mixer_from_float(fp_block.mixer, config.group_size)
-            continue
-        layer_ranges = ranges[i]
-        h_scale = scale_from_range(layer_ranges["in_proj.input"])
-        block.norm = quantized_norm(fp_block.norm, h_scale, keep_weight=not config.hadamard)
-        if isinstance(fp_block.mixer, Mamba2Mixer):
-            block.mixer = _quantized_mamba2_mixer(fp_block.mixer, qmodel.config, layer_ranges,
-                                                  h_scale, w_bits, config)
-            continue
-        scales = {name: scale_from_range(layer_ranges[kind]) for kind, name in _SCALE_OF_KIND.items()}
-        block.mixer = QMambaMixer.from_float(fp_block.mixer, h_scale, scales, config.hadamard,
-                                             w_bits, config.group_size)
+        _quantize_block_(block, fp_block, i, ranges, config, qmodel.config)
     return qmodel
+
+
+def _quantize_block_(block, fp_block, layer: int, ranges: dict, config: QuantConfig,
+                     model_config) -> None:
+    """Set ``block``'s norm and mixer to ``fp_block``'s, quantized at the layer's bits."""
+    w_bits, a_bits = config.bits_of(layer)
+    if a_bits == 16:
+        block.norm = copy.deepcopy(fp_block.norm)
+        block.mixer = weight_only_mixer_from_float(fp_block.mixer, config.group_size)
+        return
+    layer_ranges = ranges[layer]
+    h_scale = scale_from_range(layer_ranges["in_proj.input"])
+    block.norm = quantized_norm(fp_block.norm, h_scale, keep_weight=not config.hadamard)
+    if isinstance(fp_block.mixer, Mamba2Mixer):
+        block.mixer = _quantized_mamba2_mixer(fp_block.mixer, model_config, layer_ranges, h_scale,
+                                              w_bits, config)
+        return
+    scales = {name: scale_from_range(layer_ranges[kind]) for kind, name in _SCALE_OF_KIND.items()}
+    block.mixer = QMambaMixer.from_float(fp_block.mixer, h_scale, scales, config.hadamard, w_bits,
+                                         config.group_size)
 
 
 def _quantized_mamba2_mixer(mixer: Mamba2Mixer, model_config, layer_ranges: dict, h_scale: float,

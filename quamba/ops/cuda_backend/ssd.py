@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch.utils.weak import WeakIdKeyDictionary
 
 from quamba.ops import backend
 from quamba.ops.quant import dequantize, quantize
@@ -123,17 +124,63 @@ def _ssd_step_kernel(state_ptr, x_ptr, x_scale_ptr, dt_ptr, dt_scale, B_ptr, B_s
              mask=p_mask)
 
 
-def _scale_table(scale, rows: int, cols: int, device) -> torch.Tensor:
-    """A scale (a float, or a tensor broadcasting to [rows, cols]) as contiguous fp32 [rows, cols].
-    A float becomes a fill, not a host-to-device copy, so a CUDA graph can capture it."""
-    if isinstance(scale, torch.Tensor):
-        return scale.to(device=device, dtype=torch.float32).expand(rows, cols).contiguous()
-    return torch.full((rows, cols), float(scale), dtype=torch.float32, device=device)
+# Per-call constants (scale tables, dequantized SSM parameters) by the tensor they come from:
+# built once per (its version, the view and shape asked), not on every call (small kernels per
+# layer and decode step). Not kept for an inference tensor (no version counter) nor while a CUDA
+# graph is being captured (its kernels run only at replay).
+_CONSTANTS = WeakIdKeyDictionary()
+_ONES = {}
 
 
-def _input(t, scale, rows: int, cols: int):
-    """(t, its scale table): int8 codes keep theirs; float inputs (their scale ignored) get ones."""
-    return t, _scale_table(scale if t.dtype == torch.int8 else 1.0, rows, cols, t.device)
+def _keeps_constants(device: torch.device) -> bool:
+    return not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+
+
+def _cached(anchor: torch.Tensor, key: tuple, make):
+    """``make()``, kept per (``anchor``, ``key``) until ``anchor`` changes (several views of one
+    buffer each keep theirs)."""
+    if anchor.is_inference() or not _keeps_constants(anchor.device):
+        return make()
+    entries = _CONSTANTS.setdefault(anchor, {})
+    version, value = entries.get(key, (None, None))
+    if version != anchor._version:
+        value = make()
+        entries[key] = (anchor._version, value)
+    return value
+
+
+def _ones(rows: int, cols: int, device: torch.device) -> torch.Tensor:
+    """The scale table of float inputs, whose scale is ignored."""
+    key = (rows, cols, device)
+    if key not in _ONES:
+        ones = torch.ones(rows, cols, dtype=torch.float32, device=device)
+        if not _keeps_constants(device):
+            return ones
+        _ONES[key] = ones
+    return _ONES[key]
+
+
+def _scale_table(t, scale, rows: int, cols: int) -> torch.Tensor:
+    """The fp32 [rows, cols] scales of input ``t``: int8 codes' ``scale`` (a float, or a tensor
+    broadcasting to [rows, cols]) expanded; ones for a float input."""
+    if t.dtype != torch.int8:
+        return _ones(rows, cols, t.device)
+    if not isinstance(scale, torch.Tensor):
+        return torch.full((rows, cols), float(scale), dtype=torch.float32, device=t.device)
+    # the mixer passes views of one [conv_dim] buffer, new objects each call: key on the buffer
+    anchor = scale if scale._base is None else scale._base
+    view = (scale.storage_offset(), tuple(scale.shape), tuple(scale.stride()))
+    return _cached(anchor, view + (rows, cols, t.device), lambda: scale.to(
+        device=t.device, dtype=torch.float32).expand(rows, cols).contiguous())
+
+
+def _scale_tables(x, x_scale, B, B_scale, C, C_scale) -> tuple:
+    """(x's [nheads, headdim], B's and C's [ngroups, d_state] scale tables) of the SSD inputs
+    (x [..., nheads, headdim], B and C [..., ngroups, d_state])."""
+    nheads, headdim = x.shape[-2:]
+    ngroups, d_state = B.shape[-2:]
+    return (_scale_table(x, x_scale, nheads, headdim), _scale_table(B, B_scale, ngroups, d_state),
+            _scale_table(C, C_scale, ngroups, d_state))
 
 
 def _scalar_scale(t, scale) -> float:
@@ -179,19 +226,19 @@ def _launch_step(state, x, x_table, dt, dt_scale, B, B_table, C, C_table, A, D, 
     return y
 
 
-def _params(params, device):
-    A, D, dt_bias = params.dequantized()
-    return (A.to(device).contiguous(), D.to(device).contiguous(), dt_bias.to(device).contiguous())
+def _params(params, device) -> tuple:
+    """(A, D, dt_bias) fp32 [nheads] on ``device`` from the int8 SSM parameters."""
+    def dequantized():
+        return tuple(p.to(device).contiguous() for p in params.dequantized())
+    return _cached(params.A_log, (params.A_log_scale, params.D._version, params.D_scale,
+                                  params.dt_bias._version, params.dt_bias_scale, device),
+                   dequantized)
 
 
 @backend.register("qssd_scan", "cuda", kernels=())
 def _qssd_scan_cuda(x, x_scale, dt, dt_scale, B, B_scale, C, C_scale, params, chunk_size,
                     state_scale, out_dtype):
-    nheads, headdim = x.shape[2:]
-    ngroups, d_state = B.shape[2:]
-    x, x_table = _input(x, x_scale, nheads, headdim)
-    B, B_table = _input(B, B_scale, ngroups, d_state)
-    C, C_table = _input(C, C_scale, ngroups, d_state)
+    x_table, B_table, C_table = _scale_tables(x, x_scale, B, B_scale, C, C_scale)
     y, state = _launch_scan(x, x_table, dt, _scalar_scale(dt, dt_scale), B, B_table, C, C_table,
                             *_params(params, x.device), out_dtype)
     if state_scale is not None:
@@ -202,11 +249,7 @@ def _qssd_scan_cuda(x, x_scale, dt, dt_scale, B, B_scale, C, C_scale, params, ch
 @backend.register("qssd_state_update", "cuda", kernels=())
 def _qssd_state_update_cuda(state, state_scale, x, x_scale, dt, dt_scale, B, B_scale, C, C_scale,
                             params, out_dtype):
-    nheads, headdim = x.shape[1:]
-    ngroups, d_state = B.shape[1:]
-    x, x_table = _input(x, x_scale, nheads, headdim)
-    B, B_table = _input(B, B_scale, ngroups, d_state)
-    C, C_table = _input(C, C_scale, ngroups, d_state)
+    x_table, B_table, C_table = _scale_tables(x, x_scale, B, B_scale, C, C_scale)
     int8_state = state.dtype == torch.int8
     h = dequantize(state, state_scale) if int8_state else state
     y = _launch_step(h, x, x_table, dt, _scalar_scale(dt, dt_scale), B, B_table, C, C_table,
@@ -214,10 +257,6 @@ def _qssd_state_update_cuda(state, state_scale, x, x_scale, dt, dt_scale, B, B_s
     if int8_state:
         state.copy_(quantize(h, state_scale))
     return y
-
-
-def _ones(t, rows: int, cols: int) -> torch.Tensor:
-    return _scale_table(1.0, rows, cols, t.device)
 
 
 def _fp32(*tensors):
@@ -228,15 +267,13 @@ def _fp32(*tensors):
 # mamba-ssm's are for Mamba1, present wherever quamba's cuda backend loads.
 @backend.register("ssd_scan", "cuda", requires=lambda: None)
 def _ssd_scan_cuda(x, dt, A, B, C, D, dt_bias, chunk_size, initial_state):
-    nheads, headdim = x.shape[2:]
-    ngroups, d_state = B.shape[2:]
-    return _launch_scan(x, _ones(x, nheads, headdim), dt, 1.0, B, _ones(x, ngroups, d_state), C,
-                        _ones(x, ngroups, d_state), *_fp32(A, D, dt_bias), x.dtype, initial_state)
+    x_table, B_table, C_table = _scale_tables(x, None, B, None, C, None)
+    return _launch_scan(x, x_table, dt, 1.0, B, B_table, C, C_table, *_fp32(A, D, dt_bias),
+                        x.dtype, initial_state)
 
 
 @backend.register("ssd_state_update", "cuda", requires=lambda: None)
 def _ssd_state_update_cuda(state, x, dt, A, B, C, D, dt_bias):
-    nheads, headdim = x.shape[1:]
-    ngroups, d_state = B.shape[1:]
-    return _launch_step(state, x, _ones(x, nheads, headdim), dt, 1.0, B, _ones(x, ngroups, d_state),
-                        C, _ones(x, ngroups, d_state), *_fp32(A, D, dt_bias), x.dtype)
+    x_table, B_table, C_table = _scale_tables(x, None, B, None, C, None)
+    return _launch_step(state, x, x_table, dt, 1.0, B, B_table, C, C_table, *_fp32(A, D, dt_bias),
+                        x.dtype)
