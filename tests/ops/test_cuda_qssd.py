@@ -1,6 +1,7 @@
 """Mamba2's int8 kernels against their torch references: the per-channel-scale conv over xBC
 (qconv1d_channelwise and its update: int8 codes equal, fp32 outputs within 1e-4 relative) and the
-Triton SSD (qssd_scan and qssd_state_update: fp32, summation order apart)."""
+Triton SSD (qssd_scan: products in fp16 for int8 inputs, in tf32 for fp32 ones, so within 3e-3 of
+the output's range; qssd_state_update: fp32, summation order apart)."""
 import pytest
 import torch
 
@@ -8,6 +9,7 @@ from quamba.ops.qssd import (qconv1d_channelwise, qconv1d_channelwise_update, qs
                              qssd_state_update)
 from quamba.ops.qsscan import SSMParams
 from quamba.ops.quant import dequantize, quantize_weight
+from quamba.ops.ssd import ssd_scan
 
 pytestmark = [
     pytest.mark.gpu,
@@ -101,8 +103,8 @@ def test_ssd_kernel_matches_the_reference(batch, seqlen, nheads, headdim, ngroup
     results = {name: qssd_scan(**inputs, params=params, out_dtype=torch.float32, backend_name=name)
                for name in ("cuda", "torch")}
     (y, state), (y_ref, state_ref) = results["cuda"], results["torch"]
-    torch.testing.assert_close(y, y_ref, rtol=1e-3, atol=1e-3 * float(y_ref.abs().max()))
-    torch.testing.assert_close(state, state_ref, rtol=1e-3, atol=1e-3 * float(state_ref.abs().max()))
+    torch.testing.assert_close(y, y_ref, rtol=1e-3, atol=3e-3 * float(y_ref.abs().max()))
+    torch.testing.assert_close(state, state_ref, rtol=1e-3, atol=3e-3 * float(state_ref.abs().max()))
 
 
 @pytest.mark.parametrize("batch,seqlen,nheads,headdim,ngroups,d_state", SSD_SHAPES[1:])
@@ -120,10 +122,32 @@ def test_ssd_step_kernel_continues_the_prefill(batch, seqlen, nheads, headdim, n
                                   out_dtype=torch.float32, backend_name="torch")
         scale = float(y_all[:, t].abs().max())
         torch.testing.assert_close(y, y_ref, rtol=1e-4, atol=1e-4 * scale)
-        torch.testing.assert_close(y, y_all[:, t], rtol=1e-3, atol=1e-3 * scale)
+        torch.testing.assert_close(y, y_all[:, t], rtol=1e-3, atol=3e-3 * scale)
     int8_state = torch.zeros(batch, nheads, headdim, d_state, dtype=torch.int8, device=DEVICE)
     reference_int8 = int8_state.clone()
     step = {k: v[:, 0] if k in ("x", "dt", "B", "C") else v for k, v in inputs.items()}
     qssd_state_update(int8_state, 0.05, **step, params=params, backend_name="cuda")
     qssd_state_update(reference_int8, 0.05, **step, params=params, backend_name="torch")
     assert int((int8_state.int() - reference_int8.int()).abs().max()) <= 1
+
+
+@pytest.mark.parametrize("batch,seqlen,nheads,headdim,ngroups,d_state", [
+    (2, 700, 8, 64, 2, 128), (1, 513, 4, 32, 1, 256), (3, 90, 6, 20, 3, 40)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_fp_ssd_kernel_matches_the_reference(batch, seqlen, nheads, headdim, ngroups, d_state, dtype):
+    """The FP model's ssd_scan on the same kernels (products in its input dtype, tf32 for fp32),
+    carrying an initial state, against the reference on the same inputs."""
+    gen = torch.Generator(device=DEVICE).manual_seed(seqlen)
+    def randn(*shape):
+        return torch.randn(*shape, device=DEVICE, generator=gen)
+    x, dt = randn(batch, seqlen, nheads, headdim).to(dtype), randn(batch, seqlen, nheads).to(dtype)
+    B, C = (randn(batch, seqlen, ngroups, d_state).to(dtype) for _ in range(2))
+    A, D, dt_bias = -torch.rand(nheads, device=DEVICE, generator=gen) * 4, randn(nheads), randn(nheads) - 2
+    initial = randn(batch, nheads, headdim, d_state)
+    (y, state), (y_ref, state_ref) = (
+        ssd_scan(x, dt, A, B, C, D, dt_bias, 256, initial_state=initial, backend_name=name)
+        for name in ("cuda", "torch"))
+    assert y.dtype == dtype and state.dtype == torch.float32
+    ulp = {torch.float16: 1e-3, torch.bfloat16: 8e-3, torch.float32: 1e-3}[dtype]
+    torch.testing.assert_close(y.float(), y_ref.float(), rtol=ulp, atol=3 * ulp * float(y_ref.abs().max()))
+    torch.testing.assert_close(state, state_ref, rtol=ulp, atol=3 * ulp * float(state_ref.abs().max()))
