@@ -15,8 +15,8 @@ Products run on tensor cores in fp16 for int8 and fp16 inputs (int8 codes are ex
 per-channel scales multiply the results), bf16 for bf16, tf32 for fp32, with fp32 accumulation and
 fp32 elsewhere: results differ from the fp32 reference by the rounding of one product operand
 (about 1e-3 of the output's range for int8 inputs, an eighth of an int8 step). Decode: one program
-per (batch, head, channel block) steps its fp32 state; an int8 state is dequantized before and
-requantized after, in torch, as the reference does.
+per (batch, head, channel block) steps its state in place, an int8 state dequantized on load and
+requantized on store (one kernel per step).
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ import triton.language as tl
 from torch.utils.weak import WeakIdKeyDictionary
 
 from quamba.ops import backend
-from quamba.ops.quant import dequantize, quantize
+from quamba.ops.quant import quantize, reciprocal, to_fp32
 
 # Tiles, chosen on an H100 at Mamba2-2.7B's heads (80 × 64, d_state 128), L 1024-2048, batch 1-8
 CHUNK = 256  # steps per chunk (mamba-ssm's default)
@@ -43,6 +43,12 @@ DOT_PRECISION = "tf32"  # fp32 inputs' products
 def _block(size: int) -> int:
     """A power of two ≥ size and ≥ 16 (tl.dot's smallest tile)."""
     return max(16, triton.next_power_of_2(size))
+
+
+@triton.jit
+def _round_half_even(x):
+    # |x| ≤ 2^22: adding 1.5·2^23 leaves no fraction bits, so fp32 addition rounds half to even
+    return (x + 12582912.0) - 12582912.0
 
 
 @triton.jit
@@ -219,11 +225,14 @@ def _chunk_scan_kernel(x_ptr, x_scale_ptr, scores_ptr, C_ptr, C_scale_ptr, D_ptr
 
 
 @triton.jit
-def _ssd_step_kernel(state_ptr, x_ptr, x_scale_ptr, dt_ptr, dt_scale, B_ptr, B_scale_ptr, C_ptr,
-                     C_scale_ptr, A_ptr, D_ptr, dt_bias_ptr, y_ptr,
+def _ssd_step_kernel(state_ptr, state_scale, state_inverse, x_ptr, x_scale_ptr, dt_ptr, dt_scale,
+                     B_ptr, B_scale_ptr, C_ptr, C_scale_ptr, A_ptr, D_ptr, dt_bias_ptr, y_ptr,
                      headdim, d_state, heads_per_group,
                      sx_b, sx_h, sx_p, sdt_b, sdt_h, sB_b, sB_g, sB_n, sC_b, sC_g, sC_n,
-                     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+                     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, INT8_STATE: tl.constexpr):
+    """One decode step in place; an int8 state (INT8_STATE) is dequantized on load and
+    requantized on store by quamba.ops.quant's rule (fp32 ``state_inverse`` = fp32(1/scale),
+    round half to even, ±127), y being read off the fp32 state as the reference does."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -240,9 +249,15 @@ def _ssd_step_kernel(state_ptr, x_ptr, x_scale_ptr, dt_ptr, dt_scale, B_ptr, B_s
     C = tl.load(C_ptr + b * sC_b + g * sC_g + n * sC_n, mask=n_mask, other=0).to(tl.float32)
     C = C * tl.load(C_scale_ptr + g * d_state + n, mask=n_mask, other=0.0)
     offsets = ((b * tl.num_programs(1) + h) * headdim + p[:, None]) * d_state + n[None, :]
-    state = tl.load(state_ptr + offsets, mask=mask, other=0.0)
+    state = tl.load(state_ptr + offsets, mask=mask, other=0).to(tl.float32)
+    if INT8_STATE:
+        state = state * state_scale
     state = state * tl.exp(dt * tl.load(A_ptr + h)) + (dt * x)[:, None] * B[None, :]
-    tl.store(state_ptr + offsets, state, mask=mask)
+    if INT8_STATE:
+        codes = _round_half_even(tl.clamp(state * state_inverse, -128.0, 128.0))
+        tl.store(state_ptr + offsets, tl.clamp(codes, -127.0, 127.0).to(tl.int8), mask=mask)
+    else:
+        tl.store(state_ptr + offsets, state, mask=mask)
     y = tl.sum(state * C[None, :], axis=1) + tl.load(D_ptr + h) * x
     tl.store(y_ptr + (b * tl.num_programs(1) + h) * headdim + p, y.to(y_ptr.dtype.element_ty),
              mask=p_mask)
@@ -370,20 +385,26 @@ def _launch_scan(x, x_table, dt, dt_scale, B, B_table, C, C_table, A, D, dt_bias
     return y, state
 
 
-def _launch_step(state, x, x_table, dt, dt_scale, B, B_table, C, C_table, A, D, dt_bias, out_dtype):
-    """y [batch, nheads, headdim] in out_dtype of one decode step; ``state`` (contiguous fp32)
-    stepped in place."""
+def _launch_step(state, x, x_table, dt, dt_scale, B, B_table, C, C_table, A, D, dt_bias, out_dtype,
+                 state_scale=None):
+    """y [batch, nheads, headdim] in out_dtype of one decode step; ``state`` (contiguous fp32, or
+    int8 codes of ``state_scale``) stepped in place."""
     batch, nheads, headdim = x.shape
     ngroups, d_state = B.shape[1], B.shape[2]
-    if state.dtype != torch.float32 or not state.is_contiguous():
-        raise ValueError("the SSD step kernel needs a contiguous fp32 state")
+    int8_state = state.dtype == torch.int8
+    if state.dtype not in (torch.float32, torch.int8) or not state.is_contiguous():
+        raise ValueError("the SSD step kernel needs a contiguous fp32 or int8 state")
+    if int8_state and state_scale is None:
+        raise ValueError("an int8 SSD state needs its state_scale")
+    scale = to_fp32(float(state_scale)) if int8_state else 1.0
     y = torch.empty(batch, nheads, headdim, dtype=out_dtype, device=x.device)
     block_p = min(_block(headdim), 64)
     grid = (batch, nheads, triton.cdiv(headdim, block_p))
     _ssd_step_kernel[grid](
-        state, x, x_table, dt, dt_scale, B, B_table, C, C_table, A, D, dt_bias, y, headdim,
-        d_state, nheads // ngroups, *x.stride(), *dt.stride(), *B.stride(), *C.stride(),
-        BLOCK_P=block_p, BLOCK_N=_block(d_state))
+        state, scale, reciprocal(scale) if int8_state else 1.0, x, x_table, dt, dt_scale, B,
+        B_table, C, C_table, A, D, dt_bias, y, headdim, d_state, nheads // ngroups,
+        *x.stride(), *dt.stride(), *B.stride(), *C.stride(),
+        BLOCK_P=block_p, BLOCK_N=_block(d_state), INT8_STATE=int8_state)
     return y
 
 
@@ -411,13 +432,8 @@ def _qssd_scan_cuda(x, x_scale, dt, dt_scale, B, B_scale, C, C_scale, params, ch
 def _qssd_state_update_cuda(state, state_scale, x, x_scale, dt, dt_scale, B, B_scale, C, C_scale,
                             params, out_dtype):
     x_table, B_table, C_table = _scale_tables(x, x_scale, B, B_scale, C, C_scale)
-    int8_state = state.dtype == torch.int8
-    h = dequantize(state, state_scale) if int8_state else state
-    y = _launch_step(h, x, x_table, dt, _scalar_scale(dt, dt_scale), B, B_table, C, C_table,
-                     *_params(params, x.device), out_dtype)
-    if int8_state:
-        state.copy_(quantize(h, state_scale))
-    return y
+    return _launch_step(state, x, x_table, dt, _scalar_scale(dt, dt_scale), B, B_table, C, C_table,
+                        *_params(params, x.device), out_dtype, state_scale)
 
 
 def _fp32(*tensors):
