@@ -892,22 +892,27 @@ __device__ __forceinline__ float step_state(const StepArgs& a, int b, int d, int
   const float h = a.state_int8 ? dequantize(static_cast<int8_t*>(a.state)[offset], a.state_scale)
                                : static_cast<float*>(a.state)[offset];
   const float A = -expf(dequantize(a.A_log[d * a.dstate + n], a.A_log_scale));
+  const float z = __fmul_rn(delta, A);
+  StepCoefficients c{};  // zoh uses the decay only
+  if constexpr (kMethod == Discretization::kZoh) {
+    c.decay = expf(z);
+  } else {
+    c = exact_coefficients<kMethod>(delta, z);
+  }
   const float B = a.B.load(b * a.B_st[0] + n * a.B_st[1]);
   const float C = a.C.load(b * a.C_st[0] + n * a.C_st[1]);
-  float h_new;
+  float step_input;
   if constexpr (kMethod == Discretization::kZoh) {
-    const float decay = expf(__fmul_rn(delta, A));
-    h_new = __fadd_rn(__fmul_rn(decay, h), __fmul_rn(__fmul_rn(delta, u), B));
+    step_input = __fmul_rn(__fmul_rn(delta, u), B);
   } else {
-    const StepCoefficients c = exact_coefficients<kMethod>(delta, __fmul_rn(delta, A));
     const float v = __fmul_rn(u, B);
-    float step_input = __fmul_rn(c.gain, v);
+    step_input = __fmul_rn(c.gain, v);
     if constexpr (kMethod == Discretization::kFoh) {
       step_input = __fadd_rn(step_input, __fmul_rn(c.previous_gain, a.drive[offset]));
       a.drive[offset] = v;
     }
-    h_new = __fadd_rn(__fmul_rn(c.decay, h), step_input);
   }
+  const float h_new = __fadd_rn(__fmul_rn(c.decay, h), step_input);
   if (a.state_int8) {
     static_cast<int8_t*>(a.state)[offset] = quantize_rn(h_new, a.state_inv_scale);
   } else {
