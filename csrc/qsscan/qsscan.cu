@@ -65,34 +65,65 @@ __device__ __forceinline__ float rcp_approx(float x) {
   return y;
 }
 
+// near_zero's value where |z| < kPhi2SeriesBelow, else far's, by one selp: the asm takes both
+// operands computed, so the compiler cannot turn the choice into a divergent branch around the
+// series (it did, per element, with a plain ?:).
+__device__ __forceinline__ float select_near_zero(float z, float near_zero, float far) {
+  float chosen;
+  asm("{\n\t.reg .pred p;\n\t.reg .f32 m;\n\t"
+      "abs.f32 m, %1;\n\t"
+      "setp.lt.f32 p, m, %4;\n\t"
+      "selp.f32 %0, %2, %3, p;\n\t}"
+      : "=f"(chosen)
+      : "f"(z), "f"(near_zero), "f"(far), "f"(kPhi2SeriesBelow));
+  return chosen;
+}
+
+// Both of φ1 and φ2 chosen as select_near_zero does, on one predicate.
+__device__ __forceinline__ void select_near_zero(float z, float& phi1, float& phi2,
+                                                 float phi1_near, float phi2_near,
+                                                 float phi1_far, float phi2_far) {
+  asm("{\n\t.reg .pred p;\n\t.reg .f32 m;\n\t"
+      "abs.f32 m, %2;\n\t"
+      "setp.lt.f32 p, m, %7;\n\t"
+      "selp.f32 %0, %3, %5, p;\n\t"
+      "selp.f32 %1, %4, %6, p;\n\t}"
+      : "=f"(phi1), "=f"(phi2)
+      : "f"(z), "f"(phi1_near), "f"(phi2_near), "f"(phi1_far), "f"(phi2_far),
+        "f"(kPhi2SeriesBelow));
+}
+
 constexpr bool is_exponential(Discretization method) {
   return method == Discretization::kZohExact || method == Discretization::kFoh;
 }
 
-// The prefill's coefficients of kMethod (not zoh) for step Δ and A's value a, for speed: exp
-// through ex2.approx (as zoh's decay), divisions through rcp.approx, fused Horner steps, and
-// φ1 = 1 + z φ2 from φ2's series where the reference sums that series (|z| < 0.5; (exp(z) - 1) / z
-// would cancel there). Each value is within a few fp32 ulps of exact_coefficients'.
+// The prefill's coefficients of kMethod (not zoh) for step Δ and A's value a, as Ā and the drive
+// gains over Δ (B̄ / Δ, so that the Δ u products zoh forms serve the other methods too), for
+// speed: exp through ex2.approx (as zoh's decay), divisions through rcp.approx, fused Horner
+// steps, φ1 = 1 + z φ2 from φ2's series where the reference sums that series (|z| < 0.5;
+// (exp(z) - 1) / z would cancel there), rk4's R(z) as 1 + z S(z) and bilinear's Ā as
+// 2 / (1 - z/2) - 1. Each value is within a few fp32 ulps of exact_coefficients' (over Δ).
 template <Discretization kMethod>
 __device__ __forceinline__ StepCoefficients fast_coefficients(float delta, float a) {
   const float z = delta * a;
   if constexpr (kMethod == Discretization::kBilinear) {
-    const float half = 0.5f * z;
-    const float inverse = rcp_approx(1.f - half);
-    return {(1.f + half) * inverse, delta * inverse, 0.f};
+    const float inverse = rcp_approx(fmaf(z, -0.5f, 1.f));
+    return {fmaf(2.f, inverse, -1.f), inverse, 0.f};
   } else if constexpr (kMethod == Discretization::kRk4) {
-    return {rk4_decay<false>(z), delta * rk4_gain<false>(z), 0.f};
+    const float gain = rk4_gain<false>(z);
+    return {fmaf(z, gain, 1.f), gain, 0.f};
   } else {
     const float decay = exp2_approx(z * kLog2e);
     const float expm1 = decay - 1.f, inverse = rcp_approx(z);
     const float series = phi2_series<false>(z);  // φ2 near 0
-    const bool near_zero = fabsf(z) < kPhi2SeriesBelow;
-    const float phi1 = near_zero ? fmaf(z, series, 1.f) : expm1 * inverse;
+    const float phi1_near = fmaf(z, series, 1.f), phi1_far = expm1 * inverse;
     if constexpr (kMethod == Discretization::kZohExact) {
-      return {decay, delta * phi1, 0.f};
+      return {decay, select_near_zero(z, phi1_near, phi1_far), 0.f};
     } else {
-      const float phi2 = near_zero ? series : (expm1 - z) * inverse * inverse;
-      return {decay, delta * phi2, delta * (phi1 - phi2)};
+      float phi1, phi2;
+      select_near_zero(z, phi1, phi2, phi1_near, series, phi1_far,
+                       (expm1 - z) * inverse * inverse);
+      return {decay, phi2, phi1 - phi2};
     }
   }
 }
@@ -337,12 +368,13 @@ __device__ __forceinline__ float state_before(float end_state, float first) {
 }
 
 // The (decay, drive) pairs of state n over a lane's kItems steps and the lane's end state from
-// zero, for a method other than zoh: drive = gain · v_t (+ previous gain · v_{t-1} for foh),
-// v_t = u_t B_t. v_before: v of the step before the lane's first. Returns the lane's decay
-// product (exp(a ΣΔ) for the exponential methods, the explicit product for the others).
+// zero, for a method other than zoh: drive = (B̄ / Δ) · (Δ u) · B, or for foh
+// Δ ((φ1 - φ2) v_{t-1} + φ2 v_t) with v = u B. drive_base: Δ u (u for foh); v_before: foh's v of
+// the step before the lane's first. Returns the lane's decay product (exp(a ΣΔ) for the
+// exponential methods, the explicit product for the others).
 template <Discretization kMethod, int kItems>
 __device__ __forceinline__ float discretized_pairs(const float (&delta)[kItems],
-                                                   const float (&u)[kItems],
+                                                   const float (&drive_base)[kItems],
                                                    const float (&B)[kItems], float a,
                                                    float delta_sum, float v_before,
                                                    float (&decay)[kItems], float (&drive)[kItems],
@@ -351,11 +383,14 @@ __device__ __forceinline__ float discretized_pairs(const float (&delta)[kItems],
 #pragma unroll
   for (int i = 0; i < kItems; ++i) {
     const StepCoefficients c = fast_coefficients<kMethod>(delta[i], a);
-    const float v = u[i] * B[i];
     decay[i] = c.decay;
-    drive[i] = kMethod == Discretization::kFoh ? fmaf(c.previous_gain, v_previous, c.gain * v)
-                                               : c.gain * v;
-    v_previous = v;
+    if constexpr (kMethod == Discretization::kFoh) {
+      const float v = drive_base[i] * B[i];
+      drive[i] = delta[i] * fmaf(c.previous_gain, v_previous, c.gain * v);
+      v_previous = v;
+    } else {
+      drive[i] = c.gain * drive_base[i] * B[i];
+    }
     end_state = fmaf(decay[i], end_state, drive[i]);
     if constexpr (!is_exponential(kMethod)) lane_decay *= decay[i];
   }
@@ -378,7 +413,7 @@ __device__ __forceinline__ void scan_chunk(float* u_tile, const float* dt_tile,
                                            float bias, float skip) {
   constexpr bool kZoh = kMethod == Discretization::kZoh;
   const int sub = threadIdx.x % kLanes;
-  // drive_base: Δ u for zoh, u for the others (their gains carry Δ).
+  // drive_base: Δ u (u for foh, whose drive pairs Δ_t with u_{t-1}).
   float delta[kItems], drive_base[kItems], acc[kItems], delta_sum = 0.f;
   {
     float dt[kItems], u[kItems];
@@ -390,7 +425,7 @@ __device__ __forceinline__ void scan_chunk(float* u_tile, const float* dt_tile,
       const bool valid = row_valid && t0 + sub * kItems + i < a.seqlen;
       // Padding steps get Δ = 0: decay 1, drive 0, so the carried state passes through.
       delta[i] = valid ? softplus_fast(__fadd_rn(dt[i], bias)) : 0.f;
-      drive_base[i] = kZoh ? __fmul_rn(delta[i], u[i]) : u[i];
+      drive_base[i] = kMethod == Discretization::kFoh ? u[i] : __fmul_rn(delta[i], u[i]);
       delta_sum += delta[i];
       acc[i] = 0.f;
     }
