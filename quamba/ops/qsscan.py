@@ -60,8 +60,9 @@ def qsscan(u, u_scale, dt, dt_scale, B, B_scale, C, C_scale, z, z_scale, params:
         rk4            Ā = 1 + z + z²/2 + z³/6 + z⁴/24,  B̄u_t = Δ_t(1 + z/2 + z²/6 + z³/24) v_t
 
     foh starts from v_{-1} = 0; :func:`qsscan_last_drive` is the drive a decode continues from.
-    The CUDA kernel runs every method (zoh's arithmetic unchanged; the others' coefficients in
-    fp32 with fast exponentials and reciprocals, within a few ulps of the reference's).
+    The CUDA kernels run every method: zoh's arithmetic unchanged; for the others the prefill
+    computes the coefficients in fp32 with fast exponentials and reciprocals (within a few ulps
+    of the reference's), the decode step operation by operation as the reference does.
 
     Returns ``(y, last_state)``: y [batch, d_inner, seqlen] in out_dtype (fp16/bf16/fp32);
     last_state [batch, d_inner, d_state], int8 ``quantize(h_L, state_scale)`` when state_scale is
