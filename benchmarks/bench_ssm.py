@@ -9,7 +9,11 @@ read once and each output written once (y, and the last state); ``floor_us`` is 
 over the device's measured copy bandwidth. The baseline columns are left empty, with a note,
 where mamba-ssm or causal-conv1d is not installed.
 
-    python benchmarks/bench_ssm.py --out results_ssm.json [--configs]
+``--discretizations`` times instead QSScan's prefill (module layout, batch 1 and 8) and decode
+step (batch 1 and 8) for every discretization of quamba.ops.discretization, with each one's time
+over zoh's (``vs_zoh``) on the same inputs.
+
+    python benchmarks/bench_ssm.py --out results_ssm.json [--configs | --discretizations]
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ import torch
 
 import common
 from quamba.ops import backend
+from quamba.ops.discretization import DEFAULT, METHODS
 from quamba.ops.qconv1d import qconv1d, qconv1d_update
 from quamba.ops.qhadamard import hadamard_quant
 from quamba.ops.qnorm import rmsnorm_quant
@@ -29,6 +34,8 @@ BATCH, D_INNER, D_STATE, D_CONV, D_MODEL = 1, 5120, 16, 4, 2560
 DT_RANK = math.ceil(D_MODEL / 16)
 SEQLENS = (1024, 2048)
 COLUMNS = ("op", "layout", "seqlen", "us", "GB/s", "floor_us", "baseline_us", "speedup")
+DISCRETIZATION_COLUMNS = ("op", "discretization", "batch", "seqlen", "us", "vs_zoh")
+DISCRETIZATION_BATCHES = (1, 8)
 
 
 def codes(*shape):
@@ -78,18 +85,18 @@ def ssm_params():
                      torch.randint(-127, -30, (D_INNER,), dtype=torch.int8, device=DEVICE), 0.05)
 
 
-def scan_inputs(seqlen, layout):
+def scan_inputs(seqlen, layout, batch=BATCH):
     """int8 u, dt, z [b, d, l] and B, C [b, n, l], laid out as the module passes them or
     channel-first."""
     if layout == "module":
-        x_dbl = codes(BATCH, seqlen, DT_RANK + 2 * D_STATE)
+        x_dbl = codes(batch, seqlen, DT_RANK + 2 * D_STATE)
         B, C = (t.transpose(1, 2) for t in x_dbl.split([DT_RANK, D_STATE, D_STATE], -1)[1:])
-        return dict(u=codes(BATCH, seqlen, D_INNER).transpose(1, 2),
-                    dt=codes(BATCH, seqlen, D_INNER).transpose(1, 2),
-                    z=codes(BATCH, seqlen, 2 * D_INNER).transpose(1, 2)[:, D_INNER:], B=B, C=C)
-    return dict(u=codes(BATCH, D_INNER, seqlen), dt=codes(BATCH, D_INNER, seqlen),
-                z=codes(BATCH, D_INNER, seqlen), B=codes(BATCH, D_STATE, seqlen),
-                C=codes(BATCH, D_STATE, seqlen))
+        return dict(u=codes(batch, seqlen, D_INNER).transpose(1, 2),
+                    dt=codes(batch, seqlen, D_INNER).transpose(1, 2),
+                    z=codes(batch, seqlen, 2 * D_INNER).transpose(1, 2)[:, D_INNER:], B=B, C=C)
+    return dict(u=codes(batch, D_INNER, seqlen), dt=codes(batch, D_INNER, seqlen),
+                z=codes(batch, D_INNER, seqlen), B=codes(batch, D_STATE, seqlen),
+                C=codes(batch, D_STATE, seqlen))
 
 
 def scan_bytes(seqlen, elem_in, elem_out, state_bytes):
@@ -144,6 +151,37 @@ def bench_scan_configs(timer, seqlen):
             run = lambda: torch.ops.quamba.qsscan(*args, config)
             rows.append(timer.row(f"qsscan config {config}", layout, seqlen, run,
                                   scan_bytes(seqlen, 1, 2, 1)))
+    return rows
+
+
+def bench_discretizations(timer):
+    """QSScan's prefill (module layout) and decode step for every discretization, each at batch
+    1 and 8, with its time over zoh's on the same inputs (the tests hold each method's accuracy;
+    these random codes may overflow rk4's state, which does not change its time)."""
+    params, rows = ssm_params(), []
+    for batch in DISCRETIZATION_BATCHES:
+        for seqlen in SEQLENS:
+            t = scan_inputs(seqlen, "module", batch)
+            rows += _method_rows(timer, "qsscan int8", batch, seqlen, lambda method: qsscan(
+                t["u"], 0.03, t["dt"], 0.02, t["B"], 0.02, t["C"], 0.02, t["z"], 0.03, params,
+                state_scale=0.05, out_dtype=torch.float16, backend_name="cuda",
+                discretization=method))
+        step = {name: x[:, :, 0] for name, x in scan_inputs(1, "module", batch).items()}
+        state = codes(batch, D_INNER, D_STATE)
+        drive = torch.zeros(batch, D_INNER, D_STATE, device=DEVICE)
+        rows += _method_rows(timer, "qsscan_update int8", batch, 1, lambda method: qsscan_update(
+            state, 0.05, step["u"], 0.03, step["dt"], 0.02, step["B"], 0.02, step["C"], 0.02,
+            step["z"], 0.03, params, backend_name="cuda", discretization=method,
+            drive=drive if method == "foh" else None))
+    return rows
+
+
+def _method_rows(timer, op, batch, seqlen, run_method) -> list[dict]:
+    rows = [{"op": op, "discretization": method, "batch": batch, "seqlen": seqlen,
+             "us": timer.us(lambda: run_method(method))} for method in METHODS]
+    zoh_us = next(row["us"] for row in rows if row["discretization"] == DEFAULT)
+    for row in rows:
+        row["vs_zoh"] = row["us"] / zoh_us
     return rows
 
 
@@ -219,6 +257,8 @@ def bench_decode(timer, fns):
 def add_options(parser):
     parser.add_argument("--configs", action="store_true",
                         help="also time every launch configuration of the QSScan kernel")
+    parser.add_argument("--discretizations", action="store_true",
+                        help="time QSScan for every discretization instead (ratio to zoh)")
 
 
 def main():
@@ -227,6 +267,8 @@ def main():
     baselines = load_baselines()
     bandwidth = common.copy_bandwidth_gbs()
     timer = Timer(args.quick, bandwidth)
+    if args.discretizations:
+        return report_discretizations(timer, args.out, bandwidth)
     rows = []
     for seqlen in SEQLENS:
         rows += bench_scan(timer, baselines["fns"], seqlen)
@@ -243,6 +285,15 @@ def main():
         print("note:", note)
     common.write_json(args.out, {"meta": meta, "copy_bandwidth_gbs": bandwidth, "rows": rows,
                                  "notes": baselines["notes"]})
+
+
+def report_discretizations(timer, out, bandwidth):
+    rows = bench_discretizations(timer)
+    meta = common.run_metadata()
+    title = (f"QSScan per discretization on {meta['device']} (d_inner {D_INNER}, d_state "
+             f"{D_STATE}, module layout; vs_zoh = time / zoh's time)")
+    print(common.format_table(rows, DISCRETIZATION_COLUMNS, title))
+    common.write_json(out, {"meta": meta, "copy_bandwidth_gbs": bandwidth, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -59,6 +59,75 @@ __device__ __forceinline__ float softplus_fast(float x) {
   return x > 20.f ? x : log1p_e;
 }
 
+__device__ __forceinline__ float rcp_approx(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// near_zero's value where |z| < kPhi2SeriesBelow, else far's, by one selp: the asm takes both
+// operands computed, so the compiler cannot turn the choice into a divergent branch around the
+// series (it did, per element, with a plain ?:).
+__device__ __forceinline__ float select_near_zero(float z, float near_zero, float far) {
+  float chosen;
+  asm("{\n\t.reg .pred p;\n\t.reg .f32 m;\n\t"
+      "abs.f32 m, %1;\n\t"
+      "setp.lt.f32 p, m, %4;\n\t"
+      "selp.f32 %0, %2, %3, p;\n\t}"
+      : "=f"(chosen)
+      : "f"(z), "f"(near_zero), "f"(far), "f"(kPhi2SeriesBelow));
+  return chosen;
+}
+
+// Both of φ1 and φ2 chosen as select_near_zero does, on one predicate.
+__device__ __forceinline__ void select_near_zero(float z, float& phi1, float& phi2,
+                                                 float phi1_near, float phi2_near,
+                                                 float phi1_far, float phi2_far) {
+  asm("{\n\t.reg .pred p;\n\t.reg .f32 m;\n\t"
+      "abs.f32 m, %2;\n\t"
+      "setp.lt.f32 p, m, %7;\n\t"
+      "selp.f32 %0, %3, %5, p;\n\t"
+      "selp.f32 %1, %4, %6, p;\n\t}"
+      : "=f"(phi1), "=f"(phi2)
+      : "f"(z), "f"(phi1_near), "f"(phi2_near), "f"(phi1_far), "f"(phi2_far),
+        "f"(kPhi2SeriesBelow));
+}
+
+constexpr bool is_exponential(Discretization method) {
+  return method == Discretization::kZohExact || method == Discretization::kFoh;
+}
+
+// The prefill's coefficients of kMethod (not zoh) for step Δ and A's value a, as Ā and the drive
+// gains over Δ (B̄ / Δ, so that the Δ u products zoh forms serve the other methods too), for
+// speed: exp through ex2.approx (as zoh's decay), divisions through rcp.approx, fused Horner
+// steps, φ1 = 1 + z φ2 from φ2's series where the reference sums that series (|z| < 0.5;
+// (exp(z) - 1) / z would cancel there), rk4's R(z) as 1 + z S(z) and bilinear's Ā as
+// 2 / (1 - z/2) - 1. Each value is within a few fp32 ulps of exact_coefficients' (over Δ).
+template <Discretization kMethod>
+__device__ __forceinline__ StepCoefficients fast_coefficients(float delta, float a) {
+  const float z = delta * a;
+  if constexpr (kMethod == Discretization::kBilinear) {
+    const float inverse = rcp_approx(fmaf(z, -0.5f, 1.f));
+    return {fmaf(2.f, inverse, -1.f), inverse, 0.f};
+  } else if constexpr (kMethod == Discretization::kRk4) {
+    const float gain = rk4_gain<false>(z);
+    return {fmaf(z, gain, 1.f), gain, 0.f};
+  } else {
+    const float decay = exp2_approx(z * kLog2e);
+    const float expm1 = decay - 1.f, inverse = rcp_approx(z);
+    const float series = phi2_series<false>(z);  // φ2 near 0
+    const float phi1_near = fmaf(z, series, 1.f), phi1_far = expm1 * inverse;
+    if constexpr (kMethod == Discretization::kZohExact) {
+      return {decay, select_near_zero(z, phi1_near, phi1_far), 0.f};
+    } else {
+      float phi1, phi2;
+      select_near_zero(z, phi1, phi2, phi1_near, series, phi1_far,
+                       (expm1 - z) * inverse * inverse);
+      return {decay, phi2, phi1 - phi2};
+    }
+  }
+}
+
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
   const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(address), "l"(gmem));
@@ -298,17 +367,53 @@ __device__ __forceinline__ float state_before(float end_state, float first) {
   return h;
 }
 
+// The (decay, drive) pairs of state n over a lane's kItems steps and the lane's end state from
+// zero, for a method other than zoh: drive = (B̄ / Δ) · (Δ u) · B, or for foh
+// Δ ((φ1 - φ2) v_{t-1} + φ2 v_t) with v = u B. drive_base: Δ u (u for foh); v_before: foh's v of
+// the step before the lane's first. Returns the lane's decay product (exp(a ΣΔ) for the
+// exponential methods, the explicit product for the others).
+template <Discretization kMethod, int kItems>
+__device__ __forceinline__ float discretized_pairs(const float (&delta)[kItems],
+                                                   const float (&drive_base)[kItems],
+                                                   const float (&B)[kItems], float a,
+                                                   float delta_sum, float v_before,
+                                                   float (&decay)[kItems], float (&drive)[kItems],
+                                                   float& end_state) {
+  float lane_decay = 1.f, v_previous = v_before;
+#pragma unroll
+  for (int i = 0; i < kItems; ++i) {
+    const StepCoefficients c = fast_coefficients<kMethod>(delta[i], a);
+    decay[i] = c.decay;
+    if constexpr (kMethod == Discretization::kFoh) {
+      const float v = drive_base[i] * B[i];
+      drive[i] = delta[i] * fmaf(c.previous_gain, v_previous, c.gain * v);
+      v_previous = v;
+    } else {
+      drive[i] = c.gain * drive_base[i] * B[i];
+    }
+    end_state = fmaf(decay[i], end_state, drive[i]);
+    if constexpr (!is_exponential(kMethod)) lane_decay *= decay[i];
+  }
+  if constexpr (is_exponential(kMethod)) lane_decay = exp2_approx(delta_sum * (a * kLog2e));
+  return lane_decay;
+}
+
 // The work of one group of kLanes lanes on one chunk: tile row `row`, kItems steps per lane.
-// carry_in / carry_out ([rows, dstate]) hold the states at the chunk's start and end.
-// Leaves y = (C · h + D u) ⊙ silu(z) in the u tile.
-template <typename Row, int kLanes, int kItems>
+// carry_in / carry_out ([rows, dstate]) hold the states at the chunk's start and end; for foh,
+// drive_in / drive_out the drives v = u B of the steps before the chunk and of its last step.
+// A_tile holds A · log2(e) for zoh, A for the other methods. Leaves y = (C · h + D u) ⊙ silu(z)
+// in the u tile.
+template <Discretization kMethod, typename Row, int kLanes, int kItems>
 __device__ __forceinline__ void scan_chunk(float* u_tile, const float* dt_tile,
                                            const float* z_tile, const float* B_tile,
-                                           const float* C_tile, const float* A2_tile,
+                                           const float* C_tile, const float* A_tile,
                                            const float* carry_in, float* carry_out,
+                                           const float* drive_in, float* drive_out,
                                            const ScanArgs& a, int row, int d0, int t0,
                                            float bias, float skip) {
+  constexpr bool kZoh = kMethod == Discretization::kZoh;
   const int sub = threadIdx.x % kLanes;
+  // drive_base: Δ u (u for foh, whose drive pairs Δ_t with u_{t-1}).
   float delta[kItems], drive_base[kItems], acc[kItems], delta_sum = 0.f;
   {
     float dt[kItems], u[kItems];
@@ -320,34 +425,48 @@ __device__ __forceinline__ void scan_chunk(float* u_tile, const float* dt_tile,
       const bool valid = row_valid && t0 + sub * kItems + i < a.seqlen;
       // Padding steps get Δ = 0: decay 1, drive 0, so the carried state passes through.
       delta[i] = valid ? softplus_fast(__fadd_rn(dt[i], bias)) : 0.f;
-      drive_base[i] = __fmul_rn(delta[i], u[i]);
+      drive_base[i] = kMethod == Discretization::kFoh ? u[i] : __fmul_rn(delta[i], u[i]);
       delta_sum += delta[i];
       acc[i] = 0.f;
     }
     // Opaque to the compiler, which otherwise re-adds the kItems deltas for every state.
     asm volatile("" : "+f"(delta_sum));
   }
-  const float* A2_row = A2_tile + row * a.dstate;
+  const float* A_row = A_tile + row * a.dstate;
   const float* carry_in_row = carry_in + row * a.dstate;
   float* carry_out_row = carry_out + row * a.dstate;
 #pragma unroll 1
   for (int n = 0; n < a.dstate; ++n) {
-    const float A2 = A2_row[n];
+    const float A = A_row[n];
     const float chunk_start = carry_in_row[n];
     float decay[kItems], drive[kItems];
-    float end_state = 0.f;
+    float end_state = 0.f, lane_decay;
     {
       float B[kItems];
       load_items<Row>(B_tile + n * Row::kLen, sub, B);
+      if constexpr (kZoh) {
 #pragma unroll
-      for (int i = 0; i < kItems; ++i) {
-        decay[i] = exp2_approx(delta[i] * A2);
-        drive[i] = drive_base[i] * B[i];
-        end_state = fmaf(decay[i], end_state, drive[i]);
+        for (int i = 0; i < kItems; ++i) {
+          decay[i] = exp2_approx(delta[i] * A);
+          drive[i] = drive_base[i] * B[i];
+          end_state = fmaf(decay[i], end_state, drive[i]);
+        }
+        // The product of the lane's decays is exp(A Σ Δ): one exponential instead of kItems
+        // products.
+        lane_decay = exp2_approx(delta_sum * A);
+      } else {
+        float v_before = 0.f;
+        if constexpr (kMethod == Discretization::kFoh) {
+          // v of the step before each lane's first: the lane below's last, or the last of the
+          // previous chunk (zero before the sequence) in the group's first lane.
+          const float v_last = drive_base[kItems - 1] * B[kItems - 1];
+          v_before = state_before<kLanes>(v_last, drive_in[row * a.dstate + n]);
+          if (sub == kLanes - 1) drive_out[row * a.dstate + n] = v_last;
+        }
+        lane_decay = discretized_pairs<kMethod>(delta, drive_base, B, A, delta_sum, v_before,
+                                                decay, drive, end_state);
       }
     }
-    // The product of the lane's decays is exp(A Σ Δ): one exponential instead of kItems products.
-    float lane_decay = exp2_approx(delta_sum * A2);
     if (sub == 0) end_state = fmaf(lane_decay, chunk_start, end_state);
 #pragma unroll
     for (int offset = 1; offset < kLanes / 2; offset *= 2) {
@@ -466,14 +585,17 @@ __device__ __forceinline__ void store_y_vec(const float* y_tile, const ScanArgs&
   }
 }
 
-// Shared memory of a scan block, in floats: the u, dt, z tiles, the B and C tiles, A · log2(e),
-// and the two carry buffers (chunk start, chunk end; they swap every chunk).
-template <typename Row, int kChannels>
+// Shared memory of a scan block, in floats: the u, dt, z tiles, the B and C tiles, A (· log2(e)
+// for zoh), the two carry buffers (chunk start, chunk end; they swap every chunk), and for foh two
+// drive buffers likewise.
+template <Discretization kMethod, typename Row, int kChannels>
 int scan_smem_floats(int dstate) {
-  return 3 * kChannels * Row::kPitch + 2 * dstate * Row::kLen + 3 * kChannels * dstate;
+  const int carries = kMethod == Discretization::kFoh ? 4 : 2;
+  return 3 * kChannels * Row::kPitch + 2 * dstate * Row::kLen + (1 + carries) * kChannels * dstate;
 }
 
-template <int kWarps, int kLanes, int kItems, int kMinBlocks, typename Out>
+template <Discretization kMethod, int kWarps, int kLanes, int kItems, int kMinBlocks,
+          typename Out>
 __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
 qsscan_kernel(const ScanArgs a) {
   using Row = ChunkRow<kLanes, kItems>;
@@ -484,8 +606,9 @@ qsscan_kernel(const ScanArgs a) {
   float* z_tile = dt_tile + kChannels * Row::kPitch;
   float* B_tile = z_tile + kChannels * Row::kPitch;  // then the C tile: dstate rows each
   float* C_tile = B_tile + a.dstate * Row::kLen;
-  float* A2_tile = C_tile + a.dstate * Row::kLen;  // [kChannels, dstate]: A · log2(e)
-  float* carry_tiles = A2_tile + kChannels * a.dstate;  // 2 × [kChannels, dstate]
+  float* A_tile = C_tile + a.dstate * Row::kLen;  // [kChannels, dstate]: A (· log2(e) for zoh)
+  float* carry_tiles = A_tile + kChannels * a.dstate;  // 2 × [kChannels, dstate]
+  float* drive_tiles = carry_tiles + 2 * kChannels * a.dstate;  // foh: 2 × [kChannels, dstate]
 
   const int b = blockIdx.y;
   const int d0 = blockIdx.x * kChannels;
@@ -500,8 +623,13 @@ qsscan_kernel(const ScanArgs a) {
     const int d = d0 + e / a.dstate;
     const float A_log =
         d < a.dim ? dequantize(a.A_log[d * a.dstate + e % a.dstate], a.A_log_scale) : 0.f;
-    A2_tile[e] = d < a.dim ? __fmul_rn(-expf(A_log), kLog2e) : 0.f;
+    if constexpr (kMethod == Discretization::kZoh) {
+      A_tile[e] = d < a.dim ? __fmul_rn(-expf(A_log), kLog2e) : 0.f;
+    } else {
+      A_tile[e] = d < a.dim ? -expf(A_log) : 0.f;
+    }
     carry_tiles[e] = 0.f;  // the zero initial state
+    if constexpr (kMethod == Discretization::kFoh) drive_tiles[e] = 0.f;  // v_{-1} = 0
   }
   const int d = d0 + row;
   const float bias = d < a.dim ? dequantize(a.dt_bias[d], a.dt_bias_scale) : 0.f;
@@ -537,8 +665,11 @@ qsscan_kernel(const ScanArgs a) {
     __syncthreads();
     const float* carry_in = carry_tiles + (chunk % 2) * carry_floats;
     float* carry_out = carry_tiles + (1 - chunk % 2) * carry_floats;
-    scan_chunk<Row, kLanes, kItems>(u_tile, dt_tile, has_z ? z_tile : nullptr, B_tile, C_tile,
-                                    A2_tile, carry_in, carry_out, a, row, d0, t0, bias, skip);
+    const float* drive_in = drive_tiles + (chunk % 2) * carry_floats;
+    float* drive_out = drive_tiles + (1 - chunk % 2) * carry_floats;
+    scan_chunk<kMethod, Row, kLanes, kItems>(u_tile, dt_tile, has_z ? z_tile : nullptr, B_tile,
+                                             C_tile, A_tile, carry_in, carry_out, drive_in,
+                                             drive_out, a, row, d0, t0, bias, skip);
     __syncthreads();
     if (staging != kGeneric) {
       store_y_vec<Row, kThreads, kChannels, Out>(u_tile, a, b, d0, t0, staging);
@@ -559,7 +690,8 @@ qsscan_kernel(const ScanArgs a) {
   }
 }
 
-template <int kWarps, int kLanes, int kItems, int kMinBlocks, typename Out>
+template <Discretization kMethod, int kWarps, int kLanes, int kItems, int kMinBlocks,
+          typename Out>
 void launch_scan_config(ScanArgs args, const at::Tensor& u) {
   using Row = ChunkRow<kLanes, kItems>;
   constexpr int kChannels = kWarps * 32 / kLanes;
@@ -574,9 +706,9 @@ void launch_scan_config(ScanArgs args, const at::Tensor& u) {
   prepare<<<dim3(args.chunks, batch), kPrepareThreads, 0, current_stream()>>>(args);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 
-  auto kernel = qsscan_kernel<kWarps, kLanes, kItems, kMinBlocks, Out>;
+  auto kernel = qsscan_kernel<kMethod, kWarps, kLanes, kItems, kMinBlocks, Out>;
   check_kernel_image(kernel, "qsscan");
-  const int smem = scan_smem_floats<Row, kChannels>(args.dstate) * sizeof(float);
+  const int smem = scan_smem_floats<kMethod, Row, kChannels>(args.dstate) * sizeof(float);
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const dim3 grid(ceil_div(args.dim, kChannels), batch);
   kernel<<<grid, kWarps * 32, smem, current_stream()>>>(args);
@@ -590,11 +722,27 @@ void launch_scan_config(ScanArgs args, const at::Tensor& u) {
 // steps; its grid for 5120 channels (640 blocks) fits the 132 SMs in one wave.
 constexpr int kScanConfigs = 2;
 
-template <typename Out>
-void launch_scan(const ScanArgs& args, const at::Tensor& u, int64_t config) {
+template <Discretization kMethod, typename Out>
+void launch_scan_method(const ScanArgs& args, const at::Tensor& u, int64_t config) {
   switch (config) {
-    case 0: return launch_scan_config<8, 16, 16, 2, Out>(args, u);
-    default: return launch_scan_config<2, 8, 16, 8, Out>(args, u);
+    case 0: return launch_scan_config<kMethod, 8, 16, 16, 2, Out>(args, u);
+    default: return launch_scan_config<kMethod, 2, 8, 16, 8, Out>(args, u);
+  }
+}
+
+template <typename Out>
+void launch_scan(const ScanArgs& args, const at::Tensor& u, int64_t config,
+                 Discretization method) {
+  switch (method) {
+    case Discretization::kZoh:
+      return launch_scan_method<Discretization::kZoh, Out>(args, u, config);
+    case Discretization::kZohExact:
+      return launch_scan_method<Discretization::kZohExact, Out>(args, u, config);
+    case Discretization::kBilinear:
+      return launch_scan_method<Discretization::kBilinear, Out>(args, u, config);
+    case Discretization::kFoh:
+      return launch_scan_method<Discretization::kFoh, Out>(args, u, config);
+    default: return launch_scan_method<Discretization::kRk4, Out>(args, u, config);
   }
 }
 
@@ -666,14 +814,15 @@ int staging_mode(const at::Tensor& u, const at::Tensor& dt, const c10::optional<
 // u, dt, z: [batch, dim, seqlen]; B, C: [batch, dstate, seqlen]; any strides, each int8 codes
 // with its scale or float16/bfloat16/float32 values. y keeps u's layout family (channel-last
 // when u.stride(1) == 1, else contiguous); the last state is contiguous [batch, dim, dstate],
-// int8 when state_inv_scale is given, else fp32.
+// int8 when state_inv_scale is given, else fp32. discretization: a method of
+// quamba.ops.discretization (foh starts from v_{-1} = 0, as the reference's prefill does).
 std::tuple<at::Tensor, at::Tensor> qsscan(
     const at::Tensor& u, double u_scale, const at::Tensor& dt, double dt_scale,
     const at::Tensor& B, double B_scale, const at::Tensor& C, double C_scale,
     const c10::optional<at::Tensor>& z, double z_scale, const at::Tensor& A_log,
     double A_log_scale, const at::Tensor& D, double D_scale, const at::Tensor& dt_bias,
     double dt_bias_scale, c10::optional<double> state_inv_scale, at::ScalarType out_dtype,
-    int64_t config) {
+    int64_t config, c10::string_view discretization) {
   check_cuda(u, "u");
   TORCH_CHECK(u.dim() == 3, "u must be [batch, dim, seqlen], got ", text(u.sizes()));
   const int64_t batch = u.size(0), dim = u.size(1), seqlen = u.size(2);
@@ -699,6 +848,7 @@ std::tuple<at::Tensor, at::Tensor> qsscan(
   if (state_inv_scale.has_value()) check_positive_scale(*state_inv_scale, "state_inv_scale");
   TORCH_CHECK(config >= 0 && config < kScanConfigs, "config must be in 0..",
               text(kScanConfigs - 1), ", got ", text(config));
+  const Discretization method = discretization_of(discretization);
   const c10::cuda::CUDAGuard guard(u.device());
 
   const bool channel_fast = u.stride(1) == 1 && u.stride(2) != 1;
@@ -737,9 +887,9 @@ std::tuple<at::Tensor, at::Tensor> qsscan(
     return {y, state};
   }
   switch (out_dtype) {
-    case at::kHalf: launch_scan<__half>(args, u, config); break;
-    case at::kBFloat16: launch_scan<__nv_bfloat16>(args, u, config); break;
-    default: launch_scan<float>(args, u, config); break;
+    case at::kHalf: launch_scan<__half>(args, u, config, method); break;
+    case at::kBFloat16: launch_scan<__nv_bfloat16>(args, u, config, method); break;
+    default: launch_scan<float>(args, u, config, method); break;
   }
   return {y, state};
 }
@@ -760,12 +910,15 @@ struct StepArgs {
   float state_scale, state_inv_scale;
   void* y;  // contiguous [batch, dim]
   int batch, dim, dstate;
+  float* drive;  // foh: contiguous fp32 [batch, dim, dstate], v_{t-1} in, v_t out
 };
 
 constexpr int kStepThreads = 128;
 
 // Steps state n of (b, d) in place and returns its term C_n · h_n of y. The arithmetic follows
-// selective_state_update operation by operation (decay · h + (Δ u) · B, separately rounded).
+// selective_state_update operation by operation: decay · h + (Δ u) · B for zoh, else
+// decay · h + (gain · v_t + previous gain · v_{t-1}), v = u · B, each operation rounded.
+template <Discretization kMethod>
 __device__ __forceinline__ float step_state(const StepArgs& a, int b, int d, int n, int group,
                                             float u) {
   const float dt = a.dt.load(b * a.dt_st[0] + d * a.dt_st[1]);
@@ -774,10 +927,27 @@ __device__ __forceinline__ float step_state(const StepArgs& a, int b, int d, int
   const float h = a.state_int8 ? dequantize(static_cast<int8_t*>(a.state)[offset], a.state_scale)
                                : static_cast<float*>(a.state)[offset];
   const float A = -expf(dequantize(a.A_log[d * a.dstate + n], a.A_log_scale));
-  const float decay = expf(__fmul_rn(delta, A));
+  const float z = __fmul_rn(delta, A);
+  StepCoefficients c{};  // zoh uses the decay only
+  if constexpr (kMethod == Discretization::kZoh) {
+    c.decay = expf(z);
+  } else {
+    c = exact_coefficients<kMethod>(delta, z);
+  }
   const float B = a.B.load(b * a.B_st[0] + n * a.B_st[1]);
   const float C = a.C.load(b * a.C_st[0] + n * a.C_st[1]);
-  const float h_new = __fadd_rn(__fmul_rn(decay, h), __fmul_rn(__fmul_rn(delta, u), B));
+  float step_input;
+  if constexpr (kMethod == Discretization::kZoh) {
+    step_input = __fmul_rn(__fmul_rn(delta, u), B);
+  } else {
+    const float v = __fmul_rn(u, B);
+    step_input = __fmul_rn(c.gain, v);
+    if constexpr (kMethod == Discretization::kFoh) {
+      step_input = __fadd_rn(step_input, __fmul_rn(c.previous_gain, a.drive[offset]));
+      a.drive[offset] = v;
+    }
+  }
+  const float h_new = __fadd_rn(__fmul_rn(c.decay, h), step_input);
   if (a.state_int8) {
     static_cast<int8_t*>(a.state)[offset] = quantize_rn(h_new, a.state_inv_scale);
   } else {
@@ -788,7 +958,7 @@ __device__ __forceinline__ float step_state(const StepArgs& a, int b, int d, int
 
 // One group of kGroup lanes per (batch, channel): lane n of the group steps state n, and the
 // group sums C · h with shuffles.
-template <int kGroup, typename Out>
+template <Discretization kMethod, int kGroup, typename Out>
 __global__ void __launch_bounds__(kStepThreads) qsscan_update_kernel(const StepArgs a) {
   quamba::pdl_launch_dependents();  // the Hadamard kernel after it may launch (pdl.cuh)
   const int group = (blockIdx.x * kStepThreads + threadIdx.x) / kGroup;
@@ -799,7 +969,7 @@ __global__ void __launch_bounds__(kStepThreads) qsscan_update_kernel(const StepA
   float contribution = 0.f, u = 0.f;
   if (valid_group) {
     u = a.u.load(b * a.u_st[0] + d * a.u_st[1]);
-    if (n < a.dstate) contribution = step_state(a, b, d, n, group, u);
+    if (n < a.dstate) contribution = step_state<kMethod>(a, b, d, n, group, u);
   }
 #pragma unroll
   for (int offset = kGroup / 2; offset > 0; offset /= 2) {
@@ -812,9 +982,9 @@ __global__ void __launch_bounds__(kStepThreads) qsscan_update_kernel(const StepA
   }
 }
 
-template <int kGroup, typename Out>
+template <Discretization kMethod, int kGroup, typename Out>
 void launch_step_group(const StepArgs& args) {
-  auto kernel = qsscan_update_kernel<kGroup, Out>;
+  auto kernel = qsscan_update_kernel<kMethod, kGroup, Out>;
   check_kernel_image(kernel, "qsscan_update");
   const int64_t threads = int64_t{args.batch} * args.dim * kGroup;
   kernel<<<ceil_div(threads, kStepThreads), kStepThreads, 0,
@@ -822,11 +992,38 @@ void launch_step_group(const StepArgs& args) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+template <Discretization kMethod, typename Out>
+void launch_step_method(const StepArgs& args) {
+  if (args.dstate <= 8) return launch_step_group<kMethod, 8, Out>(args);
+  if (args.dstate <= 16) return launch_step_group<kMethod, 16, Out>(args);
+  return launch_step_group<kMethod, 32, Out>(args);
+}
+
 template <typename Out>
-void launch_step(const StepArgs& args) {
-  if (args.dstate <= 8) return launch_step_group<8, Out>(args);
-  if (args.dstate <= 16) return launch_step_group<16, Out>(args);
-  return launch_step_group<32, Out>(args);
+void launch_step(const StepArgs& args, Discretization method) {
+  switch (method) {
+    case Discretization::kZoh: return launch_step_method<Discretization::kZoh, Out>(args);
+    case Discretization::kZohExact:
+      return launch_step_method<Discretization::kZohExact, Out>(args);
+    case Discretization::kBilinear:
+      return launch_step_method<Discretization::kBilinear, Out>(args);
+    case Discretization::kFoh: return launch_step_method<Discretization::kFoh, Out>(args);
+    default: return launch_step_method<Discretization::kRk4, Out>(args);
+  }
+}
+
+// foh's drive: contiguous fp32 [batch, dim, dstate] beside u; the other methods take none.
+void check_drive(const c10::optional<at::Tensor>& drive, Discretization method,
+                 const at::Tensor& u, at::IntArrayRef shape) {
+  if (method != Discretization::kFoh) {
+    TORCH_CHECK(!drive.has_value(), "drive is carried by the foh discretization only");
+    return;
+  }
+  TORCH_CHECK(drive.has_value(), "a foh decode step needs drive, the previous step's u ⊗ B");
+  check_same_device(*drive, u, "drive");
+  check_dtype(*drive, at::kFloat, "drive");
+  check_shape(*drive, shape, "drive");
+  TORCH_CHECK(drive->is_contiguous(), "drive must be contiguous");
 }
 
 void fill_step_input(const at::Tensor& t, double scale, const char* name, const char* scale_name,
@@ -838,13 +1035,17 @@ void fill_step_input(const at::Tensor& t, double scale, const char* name, const 
 
 // state: contiguous [batch, dim, dstate], int8 (stepped through state_scale) or fp32, updated in
 // place; u, dt, z: [batch, dim]; B, C: [batch, dstate]; any strides. Returns contiguous y.
+// discretization: a method of quamba.ops.discretization; foh reads the previous step's drive
+// v = u ⊗ B from ``drive`` (contiguous fp32 [batch, dim, dstate]) and overwrites it with this
+// step's; the other methods take none.
 at::Tensor qsscan_update(at::Tensor& state, double state_scale, const at::Tensor& u,
                          double u_scale, const at::Tensor& dt, double dt_scale,
                          const at::Tensor& B, double B_scale, const at::Tensor& C,
                          double C_scale, const c10::optional<at::Tensor>& z, double z_scale,
                          const at::Tensor& A_log, double A_log_scale, const at::Tensor& D,
                          double D_scale, const at::Tensor& dt_bias, double dt_bias_scale,
-                         at::ScalarType out_dtype) {
+                         at::ScalarType out_dtype, const c10::optional<at::Tensor>& drive,
+                         c10::string_view discretization) {
   check_cuda(u, "u");
   TORCH_CHECK(u.dim() == 2, "u must be [batch, dim], got ", text(u.sizes()));
   const int64_t batch = u.size(0), dim = u.size(1);
@@ -872,6 +1073,8 @@ at::Tensor qsscan_update(at::Tensor& state, double state_scale, const at::Tensor
   }
   check_ssm_params(u, A_log, A_log_scale, D, D_scale, dt_bias, dt_bias_scale, dim, dstate);
   check_out_dtype(out_dtype);
+  const Discretization method = discretization_of(discretization);
+  check_drive(drive, method, u, {batch, dim, dstate});
   const c10::cuda::CUDAGuard guard(u.device());
 
   at::Tensor y = at::empty({batch, dim}, u.options().dtype(out_dtype));
@@ -891,14 +1094,15 @@ at::Tensor qsscan_update(at::Tensor& state, double state_scale, const at::Tensor
   args.state_int8 = state.scalar_type() == at::kChar;
   args.state_scale = to_fp32(state_scale);
   args.state_inv_scale = args.state_int8 ? reciprocal(state_scale) : 0.f;
+  args.drive = drive.has_value() ? drive->data_ptr<float>() : nullptr;
   args.y = y.data_ptr();
   args.batch = batch;
   args.dim = dim;
   args.dstate = dstate;
   switch (out_dtype) {
-    case at::kHalf: launch_step<__half>(args); break;
-    case at::kBFloat16: launch_step<__nv_bfloat16>(args); break;
-    default: launch_step<float>(args); break;
+    case at::kHalf: launch_step<__half>(args, method); break;
+    case at::kBFloat16: launch_step<__nv_bfloat16>(args, method); break;
+    default: launch_step<float>(args, method); break;
   }
   return y;
 }
@@ -911,12 +1115,13 @@ TORCH_LIBRARY_FRAGMENT(quamba, m) {
       "qsscan(Tensor u, float u_scale, Tensor dt, float dt_scale, Tensor B, float B_scale, "
       "Tensor C, float C_scale, Tensor? z, float z_scale, Tensor A_log, float A_log_scale, "
       "Tensor D, float D_scale, Tensor dt_bias, float dt_bias_scale, float? state_inv_scale, "
-      "ScalarType out_dtype, int config=0) -> (Tensor, Tensor)");
+      "ScalarType out_dtype, int config=0, str discretization='zoh') -> (Tensor, Tensor)");
   m.def(
       "qsscan_update(Tensor(a!) state, float state_scale, Tensor u, float u_scale, Tensor dt, "
       "float dt_scale, Tensor B, float B_scale, Tensor C, float C_scale, Tensor? z, "
       "float z_scale, Tensor A_log, float A_log_scale, Tensor D, float D_scale, "
-      "Tensor dt_bias, float dt_bias_scale, ScalarType out_dtype) -> Tensor");
+      "Tensor dt_bias, float dt_bias_scale, ScalarType out_dtype, Tensor(b!)? drive=None, "
+      "str discretization='zoh') -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(quamba, CUDA, m) {

@@ -36,6 +36,84 @@ __device__ __forceinline__ float softplus(float x) {
   return x > 20.f ? x : log1pf(expf(x));
 }
 
+// ---- discretizations (quamba/ops/discretization.py) ----------------------------------------
+
+// How the scan discretizes h' = a h + v over a step Δ (z = Δ a); a kernel template parameter, so
+// zoh's code is the kernel it always was.
+enum class Discretization : int { kZoh = 0, kZohExact = 1, kBilinear = 2, kFoh = 3, kRk4 = 4 };
+
+// One step's Ā and the gains B̄ applies to this step's drive v_t = u_t B_t and (foh) the previous
+// step's v_{t-1}; methods other than zoh only (zoh's kernels keep their own arithmetic).
+struct StepCoefficients {
+  float decay, gain, previous_gain;
+};
+
+// φ2(z) = Σ_k z^k / (k + 2)! for |z| below this (the reference's 7 terms), else its closed form.
+constexpr float kPhi2SeriesBelow = 0.5f;
+
+// Σ_k c_k z^k by Horner's rule, lowest coefficient first. kRounded: each product and sum rounded
+// on its own, as the torch reference evaluates it; else fused multiply-adds.
+template <bool kRounded>
+__device__ __forceinline__ float horner(float, float c) {
+  return c;
+}
+template <bool kRounded, typename... Rest>
+__device__ __forceinline__ float horner(float z, float c, Rest... rest) {
+  const float tail = horner<kRounded>(z, rest...);
+  return kRounded ? __fadd_rn(__fmul_rn(tail, z), c) : fmaf(tail, z, c);
+}
+
+// The reference's fp32 constants: 1 / k! rounded once from double.
+constexpr float inverse_factorial(int k) {
+  double f = 1.0;
+  for (int i = 2; i <= k; ++i) f *= i;
+  return static_cast<float>(1.0 / f);
+}
+
+template <bool kRounded>
+__device__ __forceinline__ float phi2_series(float z) {
+  return horner<kRounded>(z, inverse_factorial(2), inverse_factorial(3), inverse_factorial(4),
+                          inverse_factorial(5), inverse_factorial(6), inverse_factorial(7),
+                          inverse_factorial(8));
+}
+
+// RK4's R(z) = 1 + z + z²/2 + z³/6 + z⁴/24 (Ā) and S(z) = 1 + z/2 + z²/6 + z³/24 (B̄ = Δ S).
+template <bool kRounded>
+__device__ __forceinline__ float rk4_decay(float z) {
+  return horner<kRounded>(z, 1.f, 1.f, inverse_factorial(2), inverse_factorial(3),
+                          inverse_factorial(4));
+}
+template <bool kRounded>
+__device__ __forceinline__ float rk4_gain(float z) {
+  return horner<kRounded>(z, 1.f, inverse_factorial(2), inverse_factorial(3),
+                          inverse_factorial(4));
+}
+
+// The coefficients of ``kMethod`` (not zoh) for step Δ and z = Δ a, operation by operation as
+// quamba.ops.discretization computes them: φ1 = expm1(z) / z (1 at 0), φ2 by its series below
+// |z| = 0.5 and (expm1(z) - z) / z² above, IEEE divisions. The decode step's arithmetic.
+template <Discretization kMethod>
+__device__ __forceinline__ StepCoefficients exact_coefficients(float delta, float z) {
+  static_assert(kMethod != Discretization::kZoh, "zoh keeps its own arithmetic");
+  if constexpr (kMethod == Discretization::kBilinear) {
+    const float half = __fmul_rn(z, 0.5f);
+    const float denominator = __fsub_rn(1.f, half);
+    return {__fdiv_rn(__fadd_rn(1.f, half), denominator), __fdiv_rn(delta, denominator), 0.f};
+  } else if constexpr (kMethod == Discretization::kRk4) {
+    return {rk4_decay<true>(z), __fmul_rn(delta, rk4_gain<true>(z)), 0.f};
+  } else {
+    const float phi1 = z == 0.f ? 1.f : __fdiv_rn(expm1f(z), z);
+    if constexpr (kMethod == Discretization::kZohExact) {
+      return {expf(z), __fmul_rn(delta, phi1), 0.f};
+    } else {
+      const float phi2 = fabsf(z) < kPhi2SeriesBelow
+                             ? phi2_series<true>(z)
+                             : __fdiv_rn(__fsub_rn(expm1f(z), z), __fmul_rn(z, z));
+      return {expf(z), __fmul_rn(delta, phi2), __fmul_rn(delta, __fsub_rn(phi1, phi2))};
+    }
+  }
+}
+
 // Strides of a [batch, rows, seqlen] view (rows: channels or states).
 struct Strides3 {
   int64_t batch, dim, time;
@@ -144,6 +222,17 @@ inline InKind in_kind(const at::Tensor& t, const char* name) {
       TORCH_CHECK(false, name, " must be int8, float16, bfloat16 or float32, got ",
                   t.scalar_type());
   }
+}
+
+// The method a kernel's ``discretization`` argument names (quamba.ops.discretization.METHODS).
+inline Discretization discretization_of(c10::string_view name) {
+  if (name == "zoh") return Discretization::kZoh;
+  if (name == "zoh-exact") return Discretization::kZohExact;
+  if (name == "bilinear") return Discretization::kBilinear;
+  if (name == "foh") return Discretization::kFoh;
+  if (name == "rk4") return Discretization::kRk4;
+  TORCH_CHECK(false, "discretization must be one of zoh, zoh-exact, bilinear, foh, rk4, got '",
+              std::string(name.data(), name.size()), "'");
 }
 
 // Every entry point verifies that this build holds machine code the current GPU can run, so an

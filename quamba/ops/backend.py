@@ -5,7 +5,8 @@ Resolution order: the environment variable ``QUAMBA_BACKEND`` (torch | cuda | au
 argument, then ``auto``. ``auto`` takes the CUDA kernel for CUDA tensors when one can run there,
 else the torch reference. Asking for ``cuda`` where quamba's own kernel cannot run is an error,
 never a silent fallback; so is asking for it with an option that only the reference implements
-(a scan discretization other than zoh, quamba.ops.discretization), which ``auto`` runs there.
+(a discretization other than zoh for the FP scans, quamba.ops.discretization), which ``auto``
+runs there.
 
 A torch reference on a CUDA device is a slow path (the decode step of a quantized 2.8B model runs
 10-25x slower on it). Where ``auto`` (or ``cuda`` for the optional FP kernels) ends up there, a

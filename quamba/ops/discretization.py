@@ -23,7 +23,8 @@ and the drive v = B u (B_t[n] u_t[d]); step t lasts Δ = Δ_t[d]. With z = Δ a:
   (stable only for z ≥ -2.78: its Ā leaves [-1, 1] below).
 
 φ1(z) = expm1(z)/z and φ2 are evaluated without cancellation (φ2 by its Taylor series near 0).
-quamba's and mamba-ssm's CUDA kernels implement zoh only.
+quamba's QSScan kernels (``qsscan``, ``qsscan_update``) implement every method; mamba-ssm's FP
+kernels (``selective_scan``, ``selective_state_update``) and the full-A scans zoh only.
 """
 from __future__ import annotations
 
@@ -45,6 +46,8 @@ _PHI2_SERIES_BELOW = 0.5
 _PHI2_SERIES = tuple(1 / math.factorial(k + 2) for k in range(7))
 _RK4_DECAY = (1, 1, 1 / 2, 1 / 6, 1 / 24)  # R(z), lowest power first
 _RK4_GAIN = (1, 1 / 2, 1 / 6, 1 / 24)  # S(z)
+# The ops whose CUDA kernels take every method (csrc/qsscan); the others' run zoh only.
+_CUDA_EVERY_METHOD = ("qsscan", "qsscan_update")
 
 
 class Coefficients(NamedTuple):
@@ -66,14 +69,15 @@ def select_scan(op: str, device: torch.device, backend_name: str | None, method:
                 **foh_drives) -> Callable:
     """The implementation of scan ``op`` (see :func:`quamba.ops.backend.select`) for ``method``.
 
-    The CUDA kernels run zoh only: for another method ``auto`` takes the torch reference (with
-    the backend's slow-path warning on a GPU) and ``cuda`` is a BackendError. The reference then
-    gets ``discretization=method`` and ``foh_drives`` (the carried drive tensors, foh only)."""
+    QSScan's CUDA kernels run every method; the other ops' run zoh only, so for another method
+    ``auto`` takes their torch reference (with the backend's slow-path warning on a GPU) and
+    ``cuda`` is a BackendError. A method other than zoh reaches the implementation as
+    ``discretization=method`` with ``foh_drives`` (the carried drive tensors, foh only)."""
     check(method)
     carried = [name for name, drive in foh_drives.items() if drive is not None]
     if carried and method != "foh":
         raise QuambaError(f"{carried[0]} is carried by the foh discretization only, not {method!r}")
-    impl = backend.select(op, device, backend_name, cuda_lacks=_cuda_lacks(method))
+    impl = backend.select(op, device, backend_name, cuda_lacks=_cuda_lacks(op, method))
     return impl if method == DEFAULT else functools.partial(impl, discretization=method,
                                                             **foh_drives)
 
@@ -86,8 +90,8 @@ def require_drive(method: str, drive) -> None:
                           "(fp32 [batch, d_inner, d_state]), which it updates in place")
 
 
-def _cuda_lacks(method: str) -> str | None:
-    if method == DEFAULT:
+def _cuda_lacks(op: str, method: str) -> str | None:
+    if method == DEFAULT or op in _CUDA_EVERY_METHOD:
         return None
     return f"its CUDA kernel implements only the {DEFAULT!r} discretization, not {method!r}"
 

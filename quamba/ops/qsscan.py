@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from quamba.ops import backend
-from quamba.ops.discretization import DEFAULT, input_drive, select_scan
+from quamba.ops.discretization import DEFAULT, input_drive, require_drive, select_scan
 from quamba.ops.quant import dequantize, quantize
 from quamba.ops.selective_scan import selective_scan, selective_state_update
 
@@ -60,8 +60,9 @@ def qsscan(u, u_scale, dt, dt_scale, B, B_scale, C, C_scale, z, z_scale, params:
         rk4            Ā = 1 + z + z²/2 + z³/6 + z⁴/24,  B̄u_t = Δ_t(1 + z/2 + z²/6 + z³/24) v_t
 
     foh starts from v_{-1} = 0; :func:`qsscan_last_drive` is the drive a decode continues from.
-    The CUDA kernel runs zoh only: another method runs the torch reference (``auto``) or is
-    refused (``cuda``).
+    The CUDA kernels run every method: zoh's arithmetic unchanged; for the others the prefill
+    computes the coefficients in fp32 with fast exponentials and reciprocals (within a few ulps
+    of the reference's), the decode step operation by operation as the reference does.
 
     Returns ``(y, last_state)``: y [batch, d_inner, seqlen] in out_dtype (fp16/bf16/fp32);
     last_state [batch, d_inner, d_state], int8 ``quantize(h_L, state_scale)`` when state_scale is
@@ -85,6 +86,7 @@ def qsscan_update(state, state_scale, u, u_scale, dt, dt_scale, B, B_scale, C, C
     :func:`qsscan_last_drive` of the prefill), which it overwrites with this step's (never
     quantized).
     """
+    require_drive(discretization, drive)
     impl = select_scan("qsscan_update", u.device, backend_name, discretization, drive=drive)
     return impl(state, state_scale, u, u_scale, dt, dt_scale, B, B_scale, C, C_scale, z, z_scale,
                 params, out_dtype)

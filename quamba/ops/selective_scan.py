@@ -2,7 +2,9 @@
 
 Layouts follow mamba_ssm's ``selective_scan_fn``: channels before time. On CUDA tensors the
 ``auto`` backend runs mamba-ssm's kernels when they are installed (quamba.ops.fp_kernels); they
-implement the default zoh discretization only (the others: quamba.ops.discretization).
+implement the default zoh discretization only (the others: quamba.ops.discretization). quamba's
+QSScan kernel runs every method but cannot stand in for them: it takes int8 A_log, D and dt_bias
+with scales, always applies softplus and starts from a zero state.
 """
 from __future__ import annotations
 
@@ -41,8 +43,8 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
 
     φ1(z) = (exp(z) - 1)/z, φ2(z) = (exp(z) - 1 - z)/z² (quamba.ops.discretization derives each).
     foh reads ``initial_drive`` (fp32 [batch, d_inner, d_state]) as v_{-1}, zeros if None; the
-    drive to continue after this scan is ``input_drive(u[..., -1], B[..., -1])``. The CUDA kernels
-    run zoh only: another method runs this reference (``auto``) or is refused (``cuda``).
+    drive to continue after this scan is ``input_drive(u[..., -1], B[..., -1])``. mamba-ssm's CUDA
+    kernels run zoh only: another method runs this reference (``auto``) or is refused (``cuda``).
 
     y has u's dtype; last_state is fp32 [batch, d_inner, d_state]. fp64 inputs compute in fp64
     (gradient checks; autograd runs through this reference).

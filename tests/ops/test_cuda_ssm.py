@@ -36,7 +36,8 @@ from quamba.ops import backend
 from quamba.ops.qconv1d import qconv1d, qconv1d_update
 from quamba.ops.qhadamard import hadamard_quant
 from quamba.ops.qnorm import rmsnorm_quant
-from quamba.ops.qsscan import SSMParams, qsscan, qsscan_update
+from quamba.ops.discretization import DEFAULT, METHODS
+from quamba.ops.qsscan import SSMParams, qsscan, qsscan_last_drive, qsscan_update
 from quamba.ops.quant import dequantize, quantize, quantize_weight, scale_from_range
 
 pytestmark = pytest.mark.gpu
@@ -228,10 +229,17 @@ def ssm_params(dim):
 SCALES = dict(u_scale=0.03, dt_scale=0.02, B_scale=0.02, C_scale=0.02, z_scale=0.03)
 
 
-def scan_inputs(batch, dim, seqlen, layout, in_dtype=torch.int8, with_z=True):
+def scales_for(method):
+    """SCALES, with a 20× smaller dt scale for rk4: its Ā = R(Δa) leaves [-1, 1] below
+    Δa = -2.78 (the state would overflow), so its Δ stays under ~0.11 (Δa above ~-2.7 here)."""
+    return dict(SCALES, dt_scale=0.001) if method == "rk4" else SCALES
+
+
+def scan_inputs(batch, dim, seqlen, layout, in_dtype=torch.int8, with_z=True, method=DEFAULT):
     """u, dt, z [batch, dim, seqlen] and B, C [batch, d_state, seqlen] as the module lays them out
     ('module': transposed GEMM outputs, B and C slices of x_proj's output) or channel-first
-    ('contiguous'); int8 codes, or their dequantized values in in_dtype (fp32-ssm-input mode)."""
+    ('contiguous'); int8 codes, or their dequantized values in in_dtype (fp32-ssm-input mode)
+    with the scales of ``method``."""
     if layout == "module":
         u = codes(batch, seqlen, dim).transpose(1, 2)
         dt = codes(batch, seqlen, dim).transpose(1, 2)
@@ -243,30 +251,32 @@ def scan_inputs(batch, dim, seqlen, layout, in_dtype=torch.int8, with_z=True):
         B, C = codes(batch, D_STATE, seqlen), codes(batch, D_STATE, seqlen)
     tensors = dict(u=u, dt=dt, B=B, C=C, z=z if with_z else None)
     if in_dtype != torch.int8:
-        tensors = {name: None if t is None else dequantize(t, SCALES[f"{name}_scale"]).to(in_dtype)
+        scales = scales_for(method)
+        tensors = {name: None if t is None else dequantize(t, scales[f"{name}_scale"]).to(in_dtype)
                    for name, t in tensors.items()}
     return tensors
 
 
-def run_scan(inputs, params, state_scale, out_dtype, backend_name):
-    s = SCALES
+def run_scan(inputs, params, state_scale, out_dtype, backend_name, method=DEFAULT):
+    s = scales_for(method)
     return qsscan(inputs["u"], s["u_scale"], inputs["dt"], s["dt_scale"], inputs["B"],
                   s["B_scale"], inputs["C"], s["C_scale"], inputs["z"], s["z_scale"], params,
-                  state_scale=state_scale, out_dtype=out_dtype, backend_name=backend_name)
+                  state_scale=state_scale, out_dtype=out_dtype, backend_name=backend_name,
+                  discretization=method)
 
 
 def check_scan(batch, dim, seqlen, layout, out_dtype=torch.float16, int8_state=True,
-               in_dtype=torch.int8, with_z=True):
-    inputs = scan_inputs(batch, dim, seqlen, layout, in_dtype, with_z)
+               in_dtype=torch.int8, with_z=True, method=DEFAULT):
+    inputs = scan_inputs(batch, dim, seqlen, layout, in_dtype, with_z, method)
     params = ssm_params(dim)
-    y_ref, h_ref = run_scan(inputs, params, None, out_dtype, "torch")
+    y_ref, h_ref = run_scan(inputs, params, None, out_dtype, "torch", method)
     state_scale = None
     if int8_state:  # what the torch backend returns for this scale, without a second scan
         state_scale = float(scale_from_range(float(h_ref.abs().max())))
         h_ref = quantize(h_ref, state_scale)
     prime_allocator((batch * dim * seqlen, out_dtype),
                     (batch * dim * D_STATE, h_ref.dtype))
-    y, h = run_scan(inputs, params, state_scale, out_dtype, "cuda")
+    y, h = run_scan(inputs, params, state_scale, out_dtype, "cuda", method)
     if layout == "module":
         assert y.stride(1) == 1
     assert_close_to(y, y_ref)
@@ -341,11 +351,13 @@ def step_inputs(inputs, t):
     return {name: None if x is None else x[:, :, t] for name, x in inputs.items()}
 
 
-def run_step(state, state_scale, step, params, out_dtype, backend_name):
-    s = SCALES
+def run_step(state, state_scale, step, params, out_dtype, backend_name, method=DEFAULT,
+             drive=None):
+    s = scales_for(method)
     return qsscan_update(state, state_scale, step["u"], s["u_scale"], step["dt"], s["dt_scale"],
                          step["B"], s["B_scale"], step["C"], s["C_scale"], step["z"],
-                         s["z_scale"], params, out_dtype=out_dtype, backend_name=backend_name)
+                         s["z_scale"], params, out_dtype=out_dtype, backend_name=backend_name,
+                         discretization=method, drive=drive)
 
 
 @pytest.mark.parametrize("batch,dim", [(1, 5120), (8, 1536), (3, 40)])
@@ -380,6 +392,149 @@ def test_small_qsscan_update_int8_state_matches_reference(batch, dim, out_dtype)
         y_ref = run_step(state_ref, state_scale, step, params, out_dtype, "torch")
         assert_close_to(y, y_ref)
         assert_codes_close(state, state_ref)
+
+
+# ---- discretizations -------------------------------------------------------------------------
+# The methods other than zoh (zoh is every test above), with the same contract: QSScan computes
+# their coefficients in fp32 with ex2.approx / rcp.approx (within a few ulps of the reference's),
+# the decode step operation by operation as the reference does (expf, expm1f, IEEE divisions).
+
+OTHER_METHODS = [m for m in METHODS if m != DEFAULT]
+DISCRETIZED_SHAPES = [(1, 5120, 1024), (2, 1536, 1), (3, 2560, 17), (8, 48, 4096),
+                      (4, 1536, 257), (2, 3072, 255), (1, 40, 1000)]
+
+
+@pytest.mark.parametrize("layout", ["module", "contiguous"])
+@pytest.mark.parametrize("batch,dim,seqlen", DISCRETIZED_SHAPES)
+@pytest.mark.parametrize("method", OTHER_METHODS)
+def test_qsscan_discretization_matches_reference(method, batch, dim, seqlen, layout):
+    seed_for("scan-method", method, batch, dim, seqlen, layout)
+    check_scan(batch, dim, seqlen, layout, method=method)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("int8_state", [True, False])
+@pytest.mark.parametrize("with_z", [True, False])
+@pytest.mark.parametrize("layout", ["module", "contiguous"])
+@pytest.mark.parametrize("method", OTHER_METHODS)
+def test_small_qsscan_discretization_every_variant(method, out_dtype, int8_state, with_z, layout):
+    seed_for("scan-method-variants", method, out_dtype, int8_state, with_z, layout)
+    check_scan(2, 72, 300, layout, out_dtype, int8_state, with_z=with_z, method=method)
+
+
+@pytest.mark.parametrize("in_dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("method", OTHER_METHODS)
+def test_small_qsscan_discretization_float_inputs(method, in_dtype):
+    seed_for("scan-method-float", method, in_dtype)
+    check_scan(2, 136, 333, "module", torch.float32, False, in_dtype, method=method)
+
+
+@pytest.mark.parametrize("config", range(SCAN_CONFIGS))
+@pytest.mark.parametrize("method", OTHER_METHODS)
+def test_small_qsscan_discretization_every_config(method, config):
+    """Both launch configurations, on a shape staged in 16-byte vectors, for every method."""
+    from quamba.ops.cuda_backend.ssm import qsscan_op_args
+
+    seed_for("scan-method-config", method, config)
+    inputs, params = scan_inputs(3, 208, 704, "module"), ssm_params(208)
+    y_ref, h_ref = run_scan(inputs, params, None, torch.float16, "torch", method)
+    s = scales_for(method)
+    args = qsscan_op_args(inputs["u"], s["u_scale"], inputs["dt"], s["dt_scale"], inputs["B"],
+                          s["B_scale"], inputs["C"], s["C_scale"], inputs["z"], s["z_scale"],
+                          params, None, torch.float16)
+    y, h = torch.ops.quamba.qsscan(*args, config, method)
+    assert_close_to(y, y_ref)
+    assert_close_to(h, h_ref)
+
+
+def fresh_drive(method, batch, dim):
+    """foh's drive before a sequence's first step (zeros); None for the other methods."""
+    return torch.zeros(batch, dim, D_STATE, device=DEVICE) if method == "foh" else None
+
+
+@pytest.mark.parametrize("batch,dim", [(1, 5120), (8, 1536), (3, 40)])
+@pytest.mark.parametrize("method", OTHER_METHODS)
+def test_small_qsscan_update_discretization_chain_equals_prefill(method, batch, dim):
+    """fp32 state: 64 chained decode steps from the zero state give the prefill's y and last
+    state (foh: and the prefill's last drive); so do 24 steps continuing a 40-step prefill from
+    its last state and drive."""
+    seed_for("scan-method-chain", method, batch, dim)
+    seqlen, split = 64, 40
+    inputs, params = scan_inputs(batch, dim, seqlen, "module", method=method), ssm_params(dim)
+    y_prefill, h_prefill = run_scan(inputs, params, None, torch.float32, "cuda", method)
+    state, drive = torch.zeros(batch, dim, D_STATE, device=DEVICE), fresh_drive(method, batch, dim)
+    for t in range(seqlen):
+        y_t = run_step(state, None, step_inputs(inputs, t), params, torch.float32, "cuda", method,
+                       drive)
+        assert_close_to(y_t, y_prefill[:, :, t])
+    assert_close_to(state, h_prefill)
+    s = scales_for(method)
+    if drive is not None:
+        last_drive = qsscan_last_drive(inputs["u"], s["u_scale"], inputs["B"], s["B_scale"])
+        assert torch.equal(drive, last_drive), "the drive is u ⊗ B, one fp32 product"
+
+    head = {name: None if x is None else x[:, :, :split] for name, x in inputs.items()}
+    _, state = run_scan(head, params, None, torch.float32, "cuda", method)
+    drive = (qsscan_last_drive(head["u"], s["u_scale"], head["B"], s["B_scale"])
+             if method == "foh" else None)
+    for t in range(split, seqlen):
+        y_t = run_step(state, None, step_inputs(inputs, t), params, torch.float32, "cuda", method,
+                       drive)
+        assert_close_to(y_t, y_prefill[:, :, t])
+    assert_close_to(state, h_prefill)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("batch,dim", [(1, 5120), (8, 1536), (3, 40)])
+@pytest.mark.parametrize("method", OTHER_METHODS)
+def test_small_qsscan_update_discretization_matches_reference(method, batch, dim, out_dtype):
+    """int8 state: each of 32 chained steps matches the torch step taken from the same state and
+    (foh) the same drive, which both backends overwrite with the same u ⊗ B."""
+    seed_for("scan-method-step", method, batch, dim, out_dtype)
+    seqlen = 32
+    inputs, params = scan_inputs(batch, dim, seqlen, "module", method=method), ssm_params(dim)
+    _, h_last = run_scan(inputs, params, None, torch.float32, "torch", method)
+    state_scale = float(scale_from_range(float(h_last.abs().max())))
+    state_ref = torch.zeros(batch, dim, D_STATE, dtype=torch.int8, device=DEVICE)
+    drive_ref = fresh_drive(method, batch, dim)
+    for t in range(seqlen):
+        state = state_ref.clone()
+        drive = None if drive_ref is None else drive_ref.clone()
+        step = step_inputs(inputs, t)
+        prime_allocator((batch * dim, out_dtype))
+        y = run_step(state, state_scale, step, params, out_dtype, "cuda", method, drive)
+        y_ref = run_step(state_ref, state_scale, step, params, out_dtype, "torch", method,
+                         drive_ref)
+        assert_close_to(y, y_ref)
+        assert_codes_close(state, state_ref)
+        if drive is not None:
+            assert torch.equal(drive, drive_ref)
+
+
+def test_small_qsscan_discretization_errors():
+    from quamba.ops.cuda_backend.ssm import qsscan_op_args
+
+    inputs, ssm = scan_inputs(1, 64, 8, "module"), ssm_params(64)
+    s = SCALES
+    args = qsscan_op_args(inputs["u"], s["u_scale"], inputs["dt"], s["dt_scale"], inputs["B"],
+                          s["B_scale"], inputs["C"], s["C_scale"], inputs["z"], s["z_scale"], ssm,
+                          None, torch.float16)
+    with pytest.raises(RuntimeError, match="discretization must be one of zoh, zoh-exact"):
+        torch.ops.quamba.qsscan(*args, discretization="euler")
+    state, step = torch.zeros(1, 64, D_STATE, device=DEVICE), step_inputs(inputs, 0)
+    step_args = (state, 1.0, step["u"], s["u_scale"], step["dt"], s["dt_scale"], step["B"],
+                 s["B_scale"], step["C"], s["C_scale"], step["z"], s["z_scale"], ssm.A_log,
+                 ssm.A_log_scale, ssm.D, ssm.D_scale, ssm.dt_bias, ssm.dt_bias_scale,
+                 torch.float16)
+    drive = torch.zeros(1, 64, D_STATE, device=DEVICE)
+    with pytest.raises(RuntimeError, match="a foh decode step needs drive"):
+        torch.ops.quamba.qsscan_update(*step_args, discretization="foh")
+    with pytest.raises(RuntimeError, match="drive is carried by the foh discretization only"):
+        torch.ops.quamba.qsscan_update(*step_args, drive=drive, discretization="rk4")
+    with pytest.raises(RuntimeError, match="drive must have shape"):
+        torch.ops.quamba.qsscan_update(*step_args, drive=drive[:, :32], discretization="foh")
+    with pytest.raises(RuntimeError, match="drive must be Float"):
+        torch.ops.quamba.qsscan_update(*step_args, drive=drive.half(), discretization="foh")
 
 
 # ---- rmsnorm_quant ---------------------------------------------------------------------------

@@ -337,22 +337,58 @@ def test_unknown_method_is_refused_with_the_choices():
 
 @pytest.mark.parametrize("method", METHODS[1:])
 def test_cuda_backend_refuses_what_its_kernels_lack(method, monkeypatch):
+    """mamba-ssm's FP kernels run zoh only; QSScan's run every method, so on CPU tensors the
+    only reason they are refused is the device."""
     monkeypatch.delenv("QUAMBA_BACKEND", raising=False)
-    for call in every_op(method, backend_name="cuda"):
+    fp_calls, quantized_calls = every_op(method, backend_name="cuda")[:2], every_op(method)[2:]
+    for call in fp_calls:
         one_line_error(BackendError, call,
                        f"implements only the 'zoh' discretization, not '{method}'")
     monkeypatch.setenv("QUAMBA_BACKEND", "cuda")
-    for call in every_op(method):
+    for call in every_op(method)[:2]:
         one_line_error(BackendError, call, "implements only the 'zoh' discretization")
+    for call in quantized_calls:
+        with pytest.raises(BackendError) as caught:
+            call()
+        assert "discretization" not in str(caught.value)
 
 
-@pytest.mark.parametrize("op", ["qsscan", "selective_scan"])
-def test_auto_on_a_gpu_runs_the_reference_and_says_why(op, monkeypatch, caplog):
+def kernels_present(monkeypatch):
+    """The backend as on a GPU machine whose quamba._C loads and holds every kernel."""
     monkeypatch.delenv("QUAMBA_BACKEND", raising=False)
-    monkeypatch.setattr(backend, "cuda_extension_error", lambda: None)  # kernels present
+    monkeypatch.setattr(backend, "cuda_extension_error", lambda: None)
     monkeypatch.setattr(backend, "_kernel_missing", lambda name: None)
     monkeypatch.setattr(backend, "device_error", lambda index: None)
     monkeypatch.setattr(backend, "_WARNED", set())
+
+
+@pytest.mark.parametrize("backend_name", [None, "cuda"])
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("op", ["qsscan", "qsscan_update"])
+def test_qsscan_runs_every_method_on_its_kernel(op, method, backend_name, monkeypatch):
+    kernels_present(monkeypatch)
+    monkeypatch.setitem(backend._IMPLS[op], "cuda", lambda *args, **kwargs: None)
+    drives = {"drive": torch.zeros(1)} if op == "qsscan_update" and method == "foh" else {}
+    impl = discretization.select_scan(op, torch.device("cuda"), backend_name, method, **drives)
+    if method == "zoh":
+        assert impl is backend._IMPLS[op]["cuda"]
+    else:
+        assert impl.func is backend._IMPLS[op]["cuda"]
+        assert impl.keywords == {"discretization": method, **drives}
+
+
+def test_qsscan_update_foh_needs_its_drive_on_every_backend():
+    args, params = qsscan_inputs(seed=12, seqlen=3)
+    for backend_name in ("torch", "cuda"):
+        one_line_error(QuambaError, lambda: qsscan_update(
+            torch.zeros(2, 6, 4), None, *qsscan_at(args, 0), params, discretization="foh",
+            backend_name=backend_name), "foh decode step needs drive=")
+
+
+@pytest.mark.parametrize("op", ["selective_scan", "selective_state_update"])
+def test_auto_on_a_gpu_runs_the_reference_and_says_why(op, monkeypatch, caplog):
+    kernels_present(monkeypatch)
+    monkeypatch.setitem(backend._REQUIREMENTS, op, lambda: None)  # mamba-ssm installed
     with caplog.at_level("WARNING", logger="quamba"):
         for _ in range(2):
             impl = discretization.select_scan(op, torch.device("cuda"), None, "bilinear")
@@ -365,14 +401,14 @@ def test_auto_on_a_gpu_runs_the_reference_and_says_why(op, monkeypatch, caplog):
 
 def test_a_gpu_without_kernels_still_names_the_discretization(monkeypatch, caplog):
     monkeypatch.delenv("QUAMBA_BACKEND", raising=False)
-    monkeypatch.setattr(backend, "cuda_extension_error", lambda: "quamba._C is not built")
+    monkeypatch.setitem(backend._REQUIREMENTS, "selective_scan", lambda: "mamba-ssm is missing")
     monkeypatch.setattr(backend, "_WARNED", set())
     with caplog.at_level("WARNING", logger="quamba"):
         for method in ("zoh", "foh", "foh", "zoh"):
-            discretization.select_scan("qsscan", torch.device("cuda"), None, method)
+            discretization.select_scan("selective_scan", torch.device("cuda"), None, method)
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warnings) == 2
-    assert "quamba._C is not built" in warnings[0] and "not 'foh'" in warnings[1]
+    assert "mamba-ssm is missing" in warnings[0] and "not 'foh'" in warnings[1]
 
 
 def test_the_drive_belongs_to_foh():

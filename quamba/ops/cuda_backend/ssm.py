@@ -1,7 +1,8 @@
 """The SSM-side ops on the kernels of ``quamba._C`` (csrc/conv1d, csrc/qsscan, csrc/norm):
 ``qconv1d``, ``qconv1d_update``, their per-channel-scale variants ``qconv1d_channelwise`` and
-``qconv1d_channelwise_update`` (Mamba2's xBC), ``qsscan``, ``qsscan_update``, ``rmsnorm_quant``
-and ``hadamard_quant``, with the torch references' signatures.
+``qconv1d_channelwise_update`` (Mamba2's xBC), ``qsscan``, ``qsscan_update`` (every
+discretization; foh's decode step reads and updates its ``drive``), ``rmsnorm_quant`` and
+``hadamard_quant``, with the torch references' signatures.
 
 Every fp32 constant a kernel applies (epilogue multiplier, reciprocal of an output scale, 1/sqrt(n))
 is computed here by the functions of :mod:`quamba.ops.quant` that the references use, so both
@@ -23,6 +24,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 import quamba._C  # noqa: F401  loads torch.ops.quamba.*
 from quamba.ops import backend
+from quamba.ops.discretization import DEFAULT
 from quamba.ops.hadamard import hadamard_factors, hadamard_sign_matrix
 from quamba.ops.quant import reciprocal, requant_multiplier, to_fp32
 
@@ -146,21 +148,21 @@ def qsscan_op_args(u, u_scale, dt, dt_scale, B, B_scale, C, C_scale, z, z_scale,
 
 @backend.register("qsscan", "cuda")
 def _qsscan_cuda(u, u_scale, dt, dt_scale, B, B_scale, C, C_scale, z, z_scale, params,
-                 state_scale, out_dtype):
-    return torch.ops.quamba.qsscan(*qsscan_op_args(u, u_scale, dt, dt_scale, B, B_scale, C,
-                                                   C_scale, z, z_scale, params, state_scale,
-                                                   out_dtype))
+                 state_scale, out_dtype, discretization=DEFAULT):
+    args = qsscan_op_args(u, u_scale, dt, dt_scale, B, B_scale, C, C_scale, z, z_scale, params,
+                          state_scale, out_dtype)
+    return torch.ops.quamba.qsscan(*args, discretization=discretization)
 
 
 @backend.register("qsscan_update", "cuda")
 def _qsscan_update_cuda(state, state_scale, u, u_scale, dt, dt_scale, B, B_scale, C, C_scale, z,
-                        z_scale, params, out_dtype):
+                        z_scale, params, out_dtype, discretization=DEFAULT, drive=None):
     state_scale32 = _input_scale(state, state_scale)
     z_scale32 = 1.0 if z is None else _input_scale(z, z_scale)
     return torch.ops.quamba.qsscan_update(
         state, state_scale32, u, _input_scale(u, u_scale), dt, _input_scale(dt, dt_scale), B,
         _input_scale(B, B_scale), C, _input_scale(C, C_scale), z, z_scale32,
-        *_param_args(params), out_dtype)
+        *_param_args(params), out_dtype, drive=drive, discretization=discretization)
 
 
 @backend.register("rmsnorm_quant", "cuda")
