@@ -67,7 +67,7 @@ def mamba_ssm_scan():
 
 
 def sweep(rep_ms):
-    """fwd + bwd of the fused zoh scan at batch 1 per (chunk, block_d, num_warps)."""
+    """fwd + bwd of the fused zoh scan at batch 1 per (chunk, block_d)."""
     values = inputs(1, torch.float32)
     rows = []
     for chunk in (16, 32, 64):
