@@ -1,0 +1,147 @@
+"""The fused Triton scan (quamba.ops.triton_scan, the cuda backend of trainable_selective_scan)
+against autograd through the fp32 reference: y, the last state and every gradient.
+
+Without a GPU its kernels run under TRITON_INTERPRET=1 on CPU tensors (tiny shapes, chunks
+shorter than the sequence); on a GPU the same cases run compiled, and the ``gpu`` tests add
+real shapes."""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are defined
+
+from quamba.ops import backend, triton_scan  # noqa: E402
+from quamba.ops.discretization import METHODS  # noqa: E402
+from quamba.ops.selective_scan import selective_scan  # noqa: E402
+from quamba.ops.trainable_scan import FUSED_METHODS, trainable_selective_scan  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+NAMES = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias")
+
+
+def scan_inputs(batch, d_inner, d_state, seqlen, seed, optional=True):
+    """fp32 inputs needing gradients; Δ after softplus around 0.1–0.7 (A in [-2.1, -0.1])."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, scale=1.0, shift=0.0):
+        values = torch.randn(*shape, generator=gen) * scale + shift
+        return values.to(DEVICE).requires_grad_()
+
+    inputs = dict(u=rand(batch, d_inner, seqlen), delta=rand(batch, d_inner, seqlen, scale=0.3),
+                  A=(-torch.rand(d_inner, d_state, generator=gen) * 2 - 0.1).to(DEVICE).requires_grad_(),
+                  B=rand(batch, d_state, seqlen), C=rand(batch, d_state, seqlen),
+                  D=rand(d_inner), z=rand(batch, d_inner, seqlen),
+                  delta_bias=rand(d_inner, scale=0.3, shift=-1.0))
+    if not optional:
+        inputs.update(D=None, z=None, delta_bias=None)
+    return inputs
+
+
+def outputs_and_grads(scan, inputs, seed):
+    """(y, last_state, gradients of Σ y·gy + Σ last·gl for the given inputs) of ``scan``."""
+    y, last = scan(**inputs)
+    gen = torch.Generator().manual_seed(seed)
+    gy = torch.randn(y.shape, generator=gen).to(DEVICE)
+    gl = torch.randn(last.shape, generator=gen).to(DEVICE)
+    given = [t for t in inputs.values() if t is not None]
+    grads = torch.autograd.grad((y * gy).sum() + (last * gl).sum(), given)
+    return y, last, grads
+
+
+def assert_matches_reference(inputs, method, softplus, chunk, block_d, seed, rtol, atol):
+    def fused(**values):
+        return triton_scan.selective_scan(**values, delta_softplus=softplus, discretization=method,
+                                          chunk=chunk, block_d=block_d)
+
+    def reference(**values):
+        return selective_scan(**values, delta_softplus=softplus, discretization=method,
+                              backend_name="torch")
+
+    got, want = (outputs_and_grads(scan, inputs, seed) for scan in (fused, reference))
+    torch.testing.assert_close(got[0], want[0], rtol=rtol, atol=atol, msg="y")
+    torch.testing.assert_close(got[1], want[1], rtol=rtol, atol=atol, msg="last state")
+    names = [name for name in NAMES if inputs[name] is not None]
+    for name, fast, slow in zip(names, got[2], want[2]):
+        scale = slow.abs().max().item()
+        torch.testing.assert_close(fast, slow, rtol=rtol, atol=atol * max(1.0, scale),
+                                   msg=f"gradient of {name}")
+
+
+@pytest.mark.parametrize("method", FUSED_METHODS)
+@pytest.mark.parametrize("d_inner,d_state,seqlen,chunk,block_d",
+                         [(4, 4, 33, 8, 4), (6, 5, 19, 4, 4), (8, 16, 9, 16, 8)])
+def test_tiny_shapes_match_autograd_through_the_reference(method, d_inner, d_state, seqlen,
+                                                          chunk, block_d):
+    inputs = scan_inputs(2, d_inner, d_state, seqlen, seed=seqlen + d_state)
+    assert_matches_reference(inputs, method, True, chunk, block_d, seed=1, rtol=1e-4, atol=1e-5)
+
+
+def test_without_optional_tensors_or_softplus():
+    inputs = scan_inputs(2, 5, 4, 13, seed=3, optional=False)
+    assert_matches_reference(inputs, "zoh", False, 4, 4, seed=2, rtol=1e-4, atol=1e-5)
+
+
+def test_only_some_inputs_need_gradients():
+    inputs = scan_inputs(2, 4, 4, 11, seed=4)
+    for name in ("A", "D", "delta_bias", "z"):
+        inputs[name] = inputs[name].detach()
+    y, _ = triton_scan.selective_scan(**inputs, delta_softplus=True, chunk=4, block_d=4)
+    du, dB = torch.autograd.grad(y.sum(), (inputs["u"], inputs["B"]))
+    want = torch.autograd.grad(selective_scan(**inputs, delta_softplus=True, backend_name="torch")[0].sum(),
+                               (inputs["u"], inputs["B"]))
+    torch.testing.assert_close(du, want[0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(dB, want[1], rtol=1e-4, atol=1e-5)
+
+
+def test_bad_options_are_one_line_errors():
+    inputs = scan_inputs(1, 4, 4, 5, seed=5)
+    with pytest.raises(ValueError, match="foh"):
+        triton_scan.selective_scan(**inputs, discretization="foh")
+    with pytest.raises(ValueError, match="chunk must be a power of two"):
+        triton_scan.selective_scan(**inputs, chunk=12)
+
+
+def test_the_torch_backend_is_the_reference():
+    inputs = scan_inputs(2, 3, 4, 7, seed=6)
+    got = trainable_selective_scan(**inputs, delta_softplus=True, discretization="bilinear",
+                                   backend_name="torch")
+    want = selective_scan(**inputs, delta_softplus=True, discretization="bilinear",
+                          backend_name="torch")
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("method", sorted(set(METHODS) - set(FUSED_METHODS)))
+def test_cuda_refuses_what_the_kernels_lack(method, monkeypatch):
+    monkeypatch.delenv("QUAMBA_BACKEND", raising=False)
+    inputs = scan_inputs(1, 2, 2, 3, seed=7)
+    with pytest.raises(backend.BackendError, match=f"not {method!r}"):
+        trainable_selective_scan(**inputs, discretization=method, backend_name="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("method", FUSED_METHODS)
+@pytest.mark.parametrize("batch,d_inner,d_state,seqlen", [(2, 1536, 16, 2048), (3, 200, 16, 517),
+                                                          (1, 64, 8, 1001)])
+def test_real_shapes_match_autograd_through_the_reference(method, batch, d_inner, d_state, seqlen):
+    inputs = scan_inputs(batch, d_inner, d_state, seqlen, seed=seqlen)
+    y, last = trainable_selective_scan(**inputs, delta_softplus=True, discretization=method,
+                                       backend_name="cuda")
+    assert y.is_cuda
+    assert_matches_reference(inputs, method, True, triton_scan.CHUNK, triton_scan.BLOCK_D,
+                             seed=3, rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_half_precision_inputs_compute_in_fp32():
+    inputs = scan_inputs(2, 256, 16, 300, seed=8)
+    half = {name: t.detach().half().requires_grad_() for name, t in inputs.items()}
+    y, _ = trainable_selective_scan(**half, delta_softplus=True, backend_name="cuda")
+    grads = torch.autograd.grad(y.float().sum(), list(half.values()))
+    assert y.dtype == torch.float16 and all(g.dtype == torch.float16 for g in grads)
+    want = selective_scan(**{k: v.detach().float() for k, v in half.items()}, delta_softplus=True,
+                          backend_name="torch")[0]
+    torch.testing.assert_close(y.float(), want, rtol=1e-2, atol=1e-2)
