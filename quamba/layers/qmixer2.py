@@ -149,8 +149,10 @@ class QMamba2Mixer(QuantModule):
     def _out(self, y, z):
         """SSD output y [..., d_inner] and in_proj's z → gated RMSNorm → (Hadamard) → int8 →
         out_proj."""
-        z = z.float() if self.simulate else dequantize(z, self.scales["z_scale"])
-        return out_projection(self, self.norm(y.float(), z))
+        if self.simulate:
+            return out_projection(self, self.norm(y.float(), z.float(), backend_name="torch"))
+        return out_projection(self, self.norm(y.float(), z, self.scales["z_scale"],
+                                              backend_name=self.backend))
 
     def _scan_inputs(self, xbc, dt) -> list:
         """[x, x_scale, dt, dt_scale, B, B_scale, C, C_scale] for the int8 SSD from the conv output

@@ -15,11 +15,11 @@ import math
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from quamba.models.config import MambaConfig
 from quamba.models.state import MixerState
 from quamba.ops.causal_conv1d import causal_conv1d, causal_conv1d_update, conv_state_from_prefill
+from quamba.ops.gated_norm import gated_rms_norm
 from quamba.ops.ssd import ssd_scan, ssd_state_update
 
 
@@ -32,11 +32,10 @@ class GatedRMSNorm(nn.Module):
         self.group_size, self.eps = group_size, eps
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
 
-    def forward(self, y, z):
-        gated = y.float() * F.silu(z.float())
-        groups = gated.unflatten(-1, (-1, self.group_size))
-        normed = groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed.flatten(-2) * self.weight.float()).to(y.dtype)
+    def forward(self, y, z, z_scale=None, backend_name=None):
+        """z float, or int8 codes of ``z_scale`` (quamba.ops.gated_norm.gated_rms_norm)."""
+        return gated_rms_norm(y, z, self.weight, self.group_size, self.eps, z_scale=z_scale,
+                              backend_name=backend_name)
 
 
 class Mamba2Mixer(nn.Module):

@@ -58,5 +58,6 @@ def test_heldout_perplexity_of_the_first_windows_matches_the_report(loaded, repo
 
 def test_op_backends_names_every_op_the_model_runs(loaded):
     model, _ = loaded
-    ops = ("causal_conv1d", "causal_conv1d_update", "rms_norm", "ssd_scan", "ssd_state_update")
+    ops = ("causal_conv1d", "causal_conv1d_update", "gated_rms_norm", "rms_norm", "ssd_scan",
+           "ssd_state_update")
     assert model.op_backends() == {op: "torch" for op in ops}

@@ -11,6 +11,7 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are defined
+pytest.importorskip("triton")
 
 from quamba.ops import backend, triton_scan  # noqa: E402
 from quamba.ops.discretization import METHODS  # noqa: E402
