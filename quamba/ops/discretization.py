@@ -23,7 +23,8 @@ and the drive v = B u (B_t[n] u_t[d]); step t lasts Δ = Δ_t[d]. With z = Δ a:
   (stable only for z ≥ -2.78: its Ā leaves [-1, 1] below).
 
 φ1(z) = expm1(z)/z and φ2 are evaluated without cancellation (φ2 by its Taylor series near 0).
-quamba's and mamba-ssm's CUDA kernels implement zoh only.
+quamba's and mamba-ssm's diagonal CUDA kernels implement zoh only; the full-A scan's Triton
+kernel (quamba.ops.full_scan_kernel) implements all five.
 """
 from __future__ import annotations
 
@@ -63,17 +64,21 @@ def check(method: str) -> str:
 
 
 def select_scan(op: str, device: torch.device, backend_name: str | None, method: str,
+                kernel_methods: tuple[str, ...] = (DEFAULT,), kernel_lacks: str | None = None,
                 **foh_drives) -> Callable:
     """The implementation of scan ``op`` (see :func:`quamba.ops.backend.select`) for ``method``.
 
-    The CUDA kernels run zoh only: for another method ``auto`` takes the torch reference (with
-    the backend's slow-path warning on a GPU) and ``cuda`` is a BackendError. The reference then
-    gets ``discretization=method`` and ``foh_drives`` (the carried drive tensors, foh only)."""
+    The CUDA kernels run ``kernel_methods`` only (the diagonal scans' zoh): for another method,
+    or where ``kernel_lacks`` says why the kernel cannot serve this call, ``auto`` takes the
+    torch reference (with the backend's slow-path warning on a GPU) and ``cuda`` is a
+    BackendError. A method other than zoh gets ``discretization=method`` and ``foh_drives``
+    (the carried drive tensors, foh only)."""
     check(method)
     carried = [name for name, drive in foh_drives.items() if drive is not None]
     if carried and method != "foh":
         raise QuambaError(f"{carried[0]} is carried by the foh discretization only, not {method!r}")
-    impl = backend.select(op, device, backend_name, cuda_lacks=_cuda_lacks(method))
+    lacks = _cuda_lacks(method, kernel_methods) or kernel_lacks
+    impl = backend.select(op, device, backend_name, cuda_lacks=lacks)
     return impl if method == DEFAULT else functools.partial(impl, discretization=method,
                                                             **foh_drives)
 
@@ -86,10 +91,11 @@ def require_drive(method: str, drive) -> None:
                           "(fp32 [batch, d_inner, d_state]), which it updates in place")
 
 
-def _cuda_lacks(method: str) -> str | None:
-    if method == DEFAULT:
+def _cuda_lacks(method: str, kernel_methods: tuple[str, ...]) -> str | None:
+    if method in kernel_methods:
         return None
-    return f"its CUDA kernel implements only the {DEFAULT!r} discretization, not {method!r}"
+    return (f"its CUDA kernel implements only the {', '.join(map(repr, kernel_methods))} "
+            f"discretization, not {method!r}")
 
 
 def compute_dtype(u: torch.Tensor) -> torch.dtype:

@@ -32,7 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_D_STATE = 16
+from quamba.ops.full_scan import KERNEL_MAX_D_STATE
+
 # The series' length and the sub-step norm bound: X^13 / 14! < 2^-24 for ||X|| ≤ 1.8
 TERMS = 12
 THETA = 1.8
@@ -190,17 +191,6 @@ def _full_scan_kernel(u_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr
         tl.store(last_drive_ptr + vec_offsets, v, mask=vec_mask)
 
 
-def lacks(method: str, d_state: int, dtype: torch.dtype) -> str | None:
-    """Why the kernel cannot run a scan of ``method`` with this d_state and input dtype, or None."""
-    if method not in METHOD_IDS:
-        return f"the full-A scan kernel implements {', '.join(METHOD_IDS)}, not {method!r}"
-    if d_state > MAX_D_STATE:
-        return f"the full-A scan kernel handles d_state ≤ {MAX_D_STATE}, not {d_state}"
-    if dtype == torch.float64:
-        return "the full-A scan kernel computes in fp32, not fp64"
-    return None
-
-
 def _fp32(t, fallback):
     """``t`` as contiguous fp32, or ``fallback`` standing in for an absent input (never read)."""
     return fallback if t is None else t.float().contiguous()
@@ -224,8 +214,29 @@ def scan(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, met
         state if last_drive is None else last_drive, d_inner, d_state, seqlen,
         *u.stride(), *delta.stride(), *z_arg.stride(), *B.stride(), *C.stride(), *y.stride(),
         METHOD=METHOD_IDS[method], TERMS_=TERMS, THETA_=THETA, BLOCK_D_=BLOCK_D,
-        BLOCK_N=MAX_D_STATE, SOFTPLUS=bool(delta_softplus), HAS_D=D is not None,
+        BLOCK_N=KERNEL_MAX_D_STATE, SOFTPLUS=bool(delta_softplus), HAS_D=D is not None,
         HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
         HAS_INITIAL_STATE=initial_state is not None, HAS_INITIAL_DRIVE=initial_drive is not None,
         WRITE_DRIVE=last_drive is not None, num_warps=NUM_WARPS)
     return y, state
+
+
+def step(state, u, delta, A, B, C, D, z, delta_bias, delta_softplus, method, drive=None):
+    """One decode step (the scan of one time step): ``state`` (fp32 [batch, d_inner, d_state])
+    and, for foh, ``drive`` updated in place; returns y [batch, d_inner] in u's dtype."""
+    state_out = _in_place(state)
+    drive_out = None if drive is None else _in_place(drive)
+    y, _ = scan(u[..., None], delta[..., None], A, B[..., None], C[..., None], D,
+                None if z is None else z[..., None], delta_bias, delta_softplus, state, method,
+                initial_drive=drive, last_drive=drive_out, state_out=state_out)
+    for target, written in ((state, state_out), (drive, drive_out)):
+        if target is not None and written is not target:
+            target.copy_(written)
+    return y[..., 0]
+
+
+def _in_place(t):
+    """``t`` where the kernel can write it directly (fp32, contiguous), else a buffer for it."""
+    if t.dtype == torch.float32 and t.is_contiguous():
+        return t
+    return torch.empty(t.shape, dtype=torch.float32, device=t.device)
