@@ -37,7 +37,7 @@ from quamba.ops.full_scan import KERNEL_MAX_D_STATE
 # The series' length and the sub-step norm bound: X^13 / 14! < 2^-24 for ||X|| ≤ 1.8
 TERMS = 12
 THETA = 1.8
-RK4_TERMS = 3
+RK4_TERMS = tl.constexpr(3)  # a global a kernel reads must be a constexpr
 METHOD_IDS = {"zoh": 0, "zoh-exact": 1, "foh": 2, "rk4": 3, "bilinear": 4}
 BLOCK_D = 4
 NUM_WARPS = 4
