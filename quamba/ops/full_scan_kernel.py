@@ -16,9 +16,10 @@ response to a drive c + (e / τ)(r / τ) linear in the time r inside the sub-ste
     foh        c = v_{t-1} + (j / s)(v_t - v_{t-1}) on sub-step j, e = τ (v_t - v_{t-1}) / s
     rk4        s = 1, c = v_t, e = 0 and the series cut after X³ (it is S(M)(M h + Δ v_t))
 
-The series (Horner, ``TERMS`` products) is cut after X^TERMS; s is chosen per step and channel
-block from Δ ||A_d||∞ (the norm hoisted out of the time loop) so that ||X|| ≤ ``THETA``, where
-the cut-off term X^(TERMS+1) / (TERMS+2)! is below fp32's rounding. Splitting the step is exact
+The series (Horner, one product per term) is cut after X^m; s is chosen per step and channel
+block from Δ ||A_d||∞ (the norm hoisted out of the time loop) so that ||X|| ≤ ``THETA``, and m
+(5, 8 or ``TERMS``) from ||X|| so that the first term dropped, X^(m+1) w / (m+2)! with w ≈ X h,
+is below fp32's rounding of h. Splitting the step is exact
 for these methods (expm(τA)^s = expm(ΔA)). bilinear solves (I - M/2) x = M h + Δ v_t per step by
 Gauss-Jordan elimination with partial pivoting, h ← h + x.
 
@@ -34,7 +35,9 @@ import triton.language as tl
 
 from quamba.ops.full_scan import KERNEL_MAX_D_STATE
 
-# The series' length and the sub-step norm bound: X^13 / 14! < 2^-24 for ||X|| ≤ 1.8
+# The series' length and the sub-step norm bound: the first term dropped, X^13 w / 14! with
+# w = X h, is under 2^-24 ||h|| for ||X|| ≤ 1.8. Sub-steps
+# of a smaller norm take shorter series (_phi_series_for), as Mamba's small Δ mostly gives.
 TERMS = 12
 THETA = 1.8
 RK4_TERMS = tl.constexpr(3)  # a global a kernel reads must be a constexpr
@@ -76,6 +79,19 @@ def _phi_series(A, At, tau, w, e, TERMS_: tl.constexpr, HAS_E: tl.constexpr):
         r = w + tau[:, None] * product / (TERMS_ + 1 - step)
         if HAS_E:
             r = r + e / (TERMS_ + 1 - step)
+    return r
+
+
+@triton.jit
+def _phi_series_for(A, At, tau, w, e, reach, TERMS_: tl.constexpr, HAS_E: tl.constexpr):
+    """:func:`_phi_series` as long as the channel block's sub-step norm bound ``reach`` needs:
+    5 products below 0.3, 8 below 0.85 (||X||^(m+2) / (m+2)! stays under 2^-24), else TERMS_."""
+    if reach <= 0.3:
+        r = _phi_series(A, At, tau, w, e, 5, HAS_E)
+    elif reach <= 0.85:
+        r = _phi_series(A, At, tau, w, e, 8, HAS_E)
+    else:
+        r = _phi_series(A, At, tau, w, e, TERMS_, HAS_E)
     return r
 
 
@@ -162,20 +178,22 @@ def _full_scan_kernel(u_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr
             w = dt[:, None] * (_mv_rows(A, h) + v)
             h = h + _phi_series(A, At, dt, w, w, RK4_TERMS, False)
         else:
-            substeps = tl.maximum(tl.ceil(tl.max(dt * norm, axis=0) / THETA_), 1.0)
+            reach = tl.max(dt * norm, axis=0)  # ≥ ||Δ A_d|| over the block
+            substeps = tl.maximum(tl.ceil(reach / THETA_), 1.0)
+            reach = reach / substeps
             tau = dt / substeps
             for j in range(substeps.to(tl.int32)):
                 if METHOD == 0:  # zoh: expm(X) h, the input added after
                     w = tau[:, None] * _mv_rows(A, h)
-                    h = h + _phi_series(A, At, tau, w, w, TERMS_, False)
+                    h = h + _phi_series_for(A, At, tau, w, w, reach, TERMS_, False)
                 elif METHOD == 1:  # zoh-exact
                     w = tau[:, None] * (_mv_rows(A, h) + v)
-                    h = h + _phi_series(A, At, tau, w, w, TERMS_, False)
+                    h = h + _phi_series_for(A, At, tau, w, w, reach, TERMS_, False)
                 else:  # foh: the drive moves linearly from v_{t-1} to v_t over the step
                     slope = (v - v_prev) / substeps
                     start = v_prev + j * slope
                     w = tau[:, None] * (_mv_rows(A, h) + start)
-                    h = h + _phi_series(A, At, tau, w, tau[:, None] * slope, TERMS_, True)
+                    h = h + _phi_series_for(A, At, tau, w, tau[:, None] * slope, reach, TERMS_, True)
             if METHOD == 0:
                 h = h + dt[:, None] * v
         v_prev = v

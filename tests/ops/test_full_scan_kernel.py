@@ -86,6 +86,20 @@ def test_kernel_decode_steps_continue_the_kernel_prefill(method):
 
 
 @runs_kernel
+@pytest.mark.parametrize("method", ["zoh", "foh"])
+@pytest.mark.parametrize("shift", [6.0, 3.5, 2.5])
+def test_short_steps_take_shorter_series(method, shift):
+    """Δ around softplus(-shift): sub-step norms in each of the series' length ranges."""
+    from quamba.ops import full_scan_kernel
+    inputs = scan_inputs(10, 2, 5, 16, 6)
+    inputs["delta"] = inputs["delta"] + 1.5 - shift
+    y_ref, last_ref = reference(inputs, method)
+    y, last = full_scan_kernel.scan(*inputs.values(), True, None, method)
+    assert_close(y, y_ref, 1e-4)
+    assert_close(last, last_ref, 1e-4)
+
+
+@runs_kernel
 def test_half_inputs_and_no_optional_inputs():
     from quamba.ops import full_scan_kernel
     inputs = scan_inputs(4, 2, 5, 16, 6, dtype=torch.float16)
