@@ -1,7 +1,7 @@
 """The full-A selective scan (quamba.ops.full_scan) on the GPU, in Triton, for d_state ≤ 16.
 
-One program per (batch, block of channels) walks the sequence; per channel it keeps h (a d_state
-vector, padded to 16) and A_d (16 × 16, with its transpose) in registers. No matrix exponential
+One program (one warp) per (batch, pair of channels) walks the sequence; per channel it keeps h
+(a d_state vector, padded to 16) and A_d (16 × 16, with its transpose) in registers. No matrix exponential
 is ever formed: every method is a series of matrix-vector products acting on a vector.
 
 A step of length Δ is cut into s sub-steps of τ = Δ / s, X = τ A_d, and each sub-step is
@@ -42,8 +42,11 @@ TERMS = 12
 THETA = 1.8
 RK4_TERMS = tl.constexpr(3)  # a global a kernel reads must be a constexpr
 METHOD_IDS = {"zoh": 0, "zoh-exact": 1, "foh": 2, "rk4": 3, "bilinear": 4}
-BLOCK_D = 4
-NUM_WARPS = 4
+# One warp per program, two channels: the products' sums stay inside the warp (shuffles, no shared
+# memory), and batch * d_inner / 2 programs fill the GPU. On an H100 (zoh, d_state 16, L 1024)
+# this ran 3-4x faster than 4 channels on 4 warps; 1 to 4 channels on one warp were within 1.4x.
+BLOCK_D = 2
+NUM_WARPS = 1
 
 
 @triton.jit
