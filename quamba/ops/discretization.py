@@ -23,8 +23,9 @@ and the drive v = B u (B_t[n] u_t[d]); step t lasts Δ = Δ_t[d]. With z = Δ a:
   (stable only for z ≥ -2.78: its Ā leaves [-1, 1] below).
 
 φ1(z) = expm1(z)/z and φ2 are evaluated without cancellation (φ2 by its Taylor series near 0).
-quamba's QSScan kernels (``qsscan``, ``qsscan_update``) implement every method; mamba-ssm's FP
-kernels (``selective_scan``, ``selective_state_update``) and the full-A scans zoh only.
+quamba's QSScan kernels (``qsscan``, ``qsscan_update``) and the full-A scan's Triton kernel
+(quamba.ops.full_scan_kernel) implement every method; mamba-ssm's FP kernels (``selective_scan``,
+``selective_state_update``) zoh only.
 """
 from __future__ import annotations
 
@@ -47,9 +48,6 @@ _PHI2_SERIES = tuple(1 / math.factorial(k + 2) for k in range(7))
 _RK4_DECAY = (1, 1, 1 / 2, 1 / 6, 1 / 24)  # R(z), lowest power first
 _RK4_GAIN = (1, 1 / 2, 1 / 6, 1 / 24)  # S(z)
 # The ops whose CUDA kernels take every method (csrc/qsscan); the others' run zoh only.
-_CUDA_EVERY_METHOD = ("qsscan", "qsscan_update")
-
-
 class Coefficients(NamedTuple):
     """One step's Ā, and the gains B̄ applies to this step's drive and (foh) the previous one's."""
 
@@ -66,18 +64,21 @@ def check(method: str) -> str:
 
 
 def select_scan(op: str, device: torch.device, backend_name: str | None, method: str,
+                kernel_methods: tuple[str, ...] = (DEFAULT,), kernel_lacks: str | None = None,
                 **foh_drives) -> Callable:
     """The implementation of scan ``op`` (see :func:`quamba.ops.backend.select`) for ``method``.
 
-    QSScan's CUDA kernels run every method; the other ops' run zoh only, so for another method
-    ``auto`` takes their torch reference (with the backend's slow-path warning on a GPU) and
-    ``cuda`` is a BackendError. A method other than zoh reaches the implementation as
-    ``discretization=method`` with ``foh_drives`` (the carried drive tensors, foh only)."""
+    The CUDA kernels run ``kernel_methods`` only (default: zoh): for another method,
+    or where ``kernel_lacks`` says why the kernel cannot serve this call, ``auto`` takes the
+    torch reference (with the backend's slow-path warning on a GPU) and ``cuda`` is a
+    BackendError. A method other than zoh gets ``discretization=method`` and ``foh_drives``
+    (the carried drive tensors, foh only)."""
     check(method)
     carried = [name for name, drive in foh_drives.items() if drive is not None]
     if carried and method != "foh":
         raise QuambaError(f"{carried[0]} is carried by the foh discretization only, not {method!r}")
-    impl = backend.select(op, device, backend_name, cuda_lacks=_cuda_lacks(op, method))
+    lacks = _cuda_lacks(method, kernel_methods) or kernel_lacks
+    impl = backend.select(op, device, backend_name, cuda_lacks=lacks)
     return impl if method == DEFAULT else functools.partial(impl, discretization=method,
                                                             **foh_drives)
 
@@ -90,10 +91,11 @@ def require_drive(method: str, drive) -> None:
                           "(fp32 [batch, d_inner, d_state]), which it updates in place")
 
 
-def _cuda_lacks(op: str, method: str) -> str | None:
-    if method == DEFAULT or op in _CUDA_EVERY_METHOD:
+def _cuda_lacks(method: str, kernel_methods: tuple[str, ...]) -> str | None:
+    if method in kernel_methods:
         return None
-    return f"its CUDA kernel implements only the {DEFAULT!r} discretization, not {method!r}"
+    return (f"its CUDA kernel implements only the {', '.join(map(repr, kernel_methods))} "
+            f"discretization, not {method!r}")
 
 
 def compute_dtype(u: torch.Tensor) -> torch.dtype:

@@ -23,23 +23,31 @@ invert A: they read φ1(M) w and φ2(M) w off the exponential of an augmented ma
 foh carries v_{t-1} as selective_scan does (``initial_drive``, ``drive``).
 
 A may also be given in the structured form ``(diagonal, U, V)``, A_d = diag(diagonal_d) + U_d V_dᵀ
-(:func:`structured_A`). Both ops are FP ops without a CUDA kernel: on a GPU they run this
-reference and say so (quamba.ops.backend). The state is fp32 [batch, d_inner, d_state].
+(:func:`structured_A`), densified before either backend runs. The state is fp32 [batch, d_inner,
+d_state].
+
+Both ops are FP ops with a Triton kernel for d_state ≤ 16, every method
+(quamba.ops.full_scan_kernel: series of matrix-vector products, fp32, no backward). The ``cuda``
+backend is refused (BackendError) for what the kernel lacks, a larger d_state, fp64 inputs or
+inputs that need gradients; ``auto`` runs this reference there, with the backend's warning on a
+GPU, as it does where Triton is missing.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import torch.nn.functional as F
 
 from quamba.ops import backend
-from quamba.ops.discretization import (DEFAULT, compute_dtype, input_drive, require_drive,
-                                       select_scan)
+from quamba.ops.discretization import (DEFAULT, METHODS, compute_dtype, input_drive,
+                                       require_drive, select_scan)
 
 # Time steps whose Ā ([batch, d_inner, _CHUNK, d_state, d_state]) are materialised at once.
 _CHUNK = 64
 _RK4_GAIN = tuple(1 / math.factorial(k + 1) for k in range(4))  # S(M), lowest power first
+KERNEL_MAX_D_STATE = 16  # the Triton kernel keeps a channel's 16 × 16 A in registers
 
 
 def structured_A(diagonal: torch.Tensor, U: torch.Tensor, V: torch.Tensor) -> torch.Tensor:
@@ -67,6 +75,9 @@ def full_selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delt
     _check_shapes(u, delta, A, B, C, D, z, delta_bias, ("seqlen",),
                   initial_state=initial_state, initial_drive=initial_drive)
     impl = select_scan("full_selective_scan", u.device, backend_name, discretization,
+                       kernel_methods=METHODS,
+                       kernel_lacks=_kernel_lacks(A, u, delta, B, C, D, z, delta_bias,
+                                                  initial_state, initial_drive),
                        initial_drive=initial_drive)
     return impl(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state)
 
@@ -83,8 +94,24 @@ def full_selective_state_update(state, u, delta, A, B, C, D=None, z=None, delta_
     A = _dense(A)
     _check_shapes(u, delta, A, B, C, D, z, delta_bias, (), state=state, drive=drive)
     impl = select_scan("full_selective_state_update", u.device, backend_name, discretization,
+                       kernel_methods=METHODS,
+                       kernel_lacks=_kernel_lacks(A, state, u, delta, B, C, D, z, delta_bias,
+                                                  drive),
                        drive=drive)
     return impl(state, u, delta, A, B, C, D, z, delta_bias, delta_softplus)
+
+
+def _kernel_lacks(A, *tensors) -> str | None:
+    """Why the Triton kernel cannot run a call with this A and these tensors (None allowed), or
+    None where it can."""
+    if A.shape[-1] > KERNEL_MAX_D_STATE:
+        return f"its Triton kernel handles d_state ≤ {KERNEL_MAX_D_STATE}, not {A.shape[-1]}"
+    present = [A] + [t for t in tensors if t is not None]
+    if any(t.dtype == torch.float64 for t in present):
+        return "its Triton kernel computes in fp32, not fp64"
+    if torch.is_grad_enabled() and any(t.requires_grad for t in present):
+        return "its Triton kernel has no backward (inputs require grad)"
+    return None
 
 
 def _dense(A):
@@ -162,6 +189,32 @@ def _full_selective_state_update_torch(state, u, delta, A, B, C, D, z, delta_bia
         drive.copy_(current_drive)
     y = torch.einsum("bdn,bn->bd", new_state, C.to(dtype))
     return _output(y, u, D, z).to(out_dtype)
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_missing() -> str | None:
+    """None when Triton imports (it ships with PyTorch's CUDA builds), else why not."""
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:
+        return f"Triton is not installed ({exc}): no full-A scan kernel"
+    return None
+
+
+@backend.register("full_selective_scan", "cuda", kernels=(), requires=_triton_missing)
+def _full_selective_scan_cuda(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state,
+                              discretization=DEFAULT, initial_drive=None):
+    from quamba.ops import full_scan_kernel
+    return full_scan_kernel.scan(u, delta, A, B, C, D, z, delta_bias, delta_softplus,
+                                 initial_state, discretization, initial_drive=initial_drive)
+
+
+@backend.register("full_selective_state_update", "cuda", kernels=(), requires=_triton_missing)
+def _full_selective_state_update_cuda(state, u, delta, A, B, C, D, z, delta_bias, delta_softplus,
+                                      discretization=DEFAULT, drive=None):
+    from quamba.ops import full_scan_kernel
+    return full_scan_kernel.step(state, u, delta, A, B, C, D, z, delta_bias, delta_softplus,
+                                 discretization, drive)
 
 
 def _step_lengths(u, delta, delta_bias, delta_softplus):

@@ -68,7 +68,7 @@ def qsscan(u, u_scale, dt, dt_scale, B, B_scale, C, C_scale, z, z_scale, params:
     last_state [batch, d_inner, d_state], int8 ``quantize(h_L, state_scale)`` when state_scale is
     given, else fp32.
     """
-    impl = select_scan("qsscan", u.device, backend_name, discretization)
+    impl = select_scan("qsscan", u.device, backend_name, discretization, kernel_methods=METHODS)
     return impl(u, u_scale, dt, dt_scale, B, B_scale, C, C_scale, z, z_scale, params,
                 state_scale, out_dtype)
 
@@ -87,7 +87,8 @@ def qsscan_update(state, state_scale, u, u_scale, dt, dt_scale, B, B_scale, C, C
     quantized).
     """
     require_drive(discretization, drive)
-    impl = select_scan("qsscan_update", u.device, backend_name, discretization, drive=drive)
+    impl = select_scan("qsscan_update", u.device, backend_name, discretization,
+                       kernel_methods=METHODS, drive=drive)
     return impl(state, state_scale, u, u_scale, dt, dt_scale, B, B_scale, C, C_scale, z, z_scale,
                 params, out_dtype)
 
