@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from quamba.ops import backend
-from quamba.ops.discretization import DEFAULT, input_drive, require_drive, select_scan
+from quamba.ops.discretization import DEFAULT, METHODS, input_drive, require_drive, select_scan
 from quamba.ops.quant import dequantize, quantize
 from quamba.ops.selective_scan import selective_scan, selective_state_update
 

@@ -369,7 +369,8 @@ def test_qsscan_runs_every_method_on_its_kernel(op, method, backend_name, monkey
     kernels_present(monkeypatch)
     monkeypatch.setitem(backend._IMPLS[op], "cuda", lambda *args, **kwargs: None)
     drives = {"drive": torch.zeros(1)} if op == "qsscan_update" and method == "foh" else {}
-    impl = discretization.select_scan(op, torch.device("cuda"), backend_name, method, **drives)
+    impl = discretization.select_scan(op, torch.device("cuda"), backend_name, method,
+                                      kernel_methods=METHODS, **drives)
     if method == "zoh":
         assert impl is backend._IMPLS[op]["cuda"]
     else:
