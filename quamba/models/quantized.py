@@ -79,7 +79,7 @@ class QuantizedModel:
                 raise QuambaError("ssm mode fp16 needs the unquantized model, and this checkpoint "
                                   "records no base model")
             from quamba.models.loading import load_model
-            device = next(self.parameters()).device
+            device = next(t for t in (*self.parameters(), *self.buffers())).device
             self.__dict__["fp_model"], _ = load_model(self.base_model, dtype=self.dtype,
                                                       device=device, tokenizer=False)
         return self.fp_model

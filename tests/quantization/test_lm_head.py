@@ -8,6 +8,7 @@ import torch.nn as nn
 
 import quamba
 from quamba.errors import QuambaError
+from quamba.eval.scoring import model_device
 from quamba.layers.qhead import QEmbedding, empty_lm_head
 from quamba.layers.qlinear import W4A16Linear, W8A8Linear
 from quamba.layers.qnorm import QRMSNorm
@@ -93,6 +94,7 @@ def test_quantized_ends_stay_close_to_the_float_ends(models, held_out, lm_head, 
     assert isinstance(model.backbone.norm_f, QRMSNorm) == (lm_head == "int8")
     assert isinstance(model.backbone.embedding, QEmbedding) == embedding
     logits = _logits(model, held_out)
+    assert model_device(model).type == "cpu"  # found from buffers where there are no parameters
     agreement = (logits.argmax(-1) == reference.argmax(-1)).float().mean().item()
     assert agreement >= 0.9
     if lm_head == "int8":  # the float simulation of the int8 head tracks it
