@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from main import add_model_arguments, model_request
+from main import add_model_arguments, check_model_arguments, model_request
 from quamba import QuambaError
 from quamba.cli_support import prepare_model
 from quamba.ops import backend
@@ -48,6 +48,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, object]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser, flags = build_parser()
     args = parser.parse_args(flags.normalize(sys.argv[1:] if argv is None else list(argv)))
+    check_model_arguments(parser, args)
     for name in ("genlen", "batch", "promptlen"):
         value = getattr(args, name)
         if value is not None and value <= 0:

@@ -19,6 +19,8 @@ import sys
 from quamba import SSM_MODES, QuambaError
 from quamba.cli_support import ModelRequest
 from quamba.eval.run import DEFAULT_TASKS, TESTING_LIMIT, EvalPlan, execute_run, summary_lines
+from quamba.layers.qhead import LM_HEAD_FORMATS
+from quamba.quantization.config import STATE_CACHE_FORMATS
 
 DEFAULT_FEWSHOT = 5
 
@@ -136,6 +138,15 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> _Flags:
     flags.add(group, "--no_hadamard", action="store_true",
               help="do not rotate with Hadamard transforms (W8A8 and W4A8 rotate by default; "
                    "W4A16 does not rotate)")
+    flags.add(group, "--lm_head", choices=LM_HEAD_FORMATS, default="fp16",
+              help="lm_head format: fp16 (float, as today), int8 (W8A8, per-output-channel weight "
+                   "scales, calibrated input scale; 8-bit activations only) or int4 (W4A16 in groups "
+                   "of --group_size) (default fp16)")
+    flags.add(group, "--quantize_embedding", action="store_true",
+              help="store the embedding as int8 rows with one scale per row, dequantized on lookup")
+    flags.add(group, "--state_cache", choices=STATE_CACHE_FORMATS,
+              help="decode SSM state of the int8 mixers: int8 (Quamba, per-tensor calibrated scale) "
+                   "or fp32 (default: the recorded one of a saved model, else int8)")
     flags.add(group, "--percentile_alpha", type=float, default=0.9995, metavar="A",
               help="percentile of the SSM input and state scales (default 0.9995)")
     flags.add(group, "--calib_data", metavar="SOURCE",
@@ -158,9 +169,20 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> _Flags:
     return flags
 
 
+def check_model_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """One-line parser errors for quantization flags that cannot apply (shared with generate.py)."""
+    if not args.quantize and (args.lm_head != "fp16" or args.quantize_embedding):
+        parser.error("--lm_head and --quantize_embedding choose what --quantize quantizes; give "
+                     "--quantize (a saved quantized model keeps its own)")
+    if args.lm_head == "int8" and args.a_bits == 16:
+        parser.error("--lm_head int8 needs 8-bit activations (its input scale is calibrated); "
+                     "use --lm_head int4 with --a_bits 16")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser, flags = build_parser()
     args = parser.parse_args(flags.normalize(sys.argv[1:] if argv is None else list(argv)))
+    check_model_arguments(parser, args)
     if args.fewshot is not None and not args.eval_few_shot:
         parser.error("--fewshot needs --eval_few_shot")
     evaluates = args.eval_zero_shot or args.eval_few_shot or args.eval_ppl or args.eval_image
@@ -176,8 +198,8 @@ def model_request(args: argparse.Namespace) -> ModelRequest:
         group_size=args.group_size, apply_gptq=args.apply_gptq, gptq_source=args.gptq_data,
         gptq_num_samples=args.gptq_data_num, gptq_seqlen=args.gptq_seqlen, act_order=args.act_order,
         hadamard=False if args.no_hadamard else None, mixed_precision=args.mixed_precision,
-        ssm_mode=args.ssm_mode,
-        percentile_alpha=args.percentile_alpha,
+        ssm_mode=args.ssm_mode, lm_head=args.lm_head, quantize_embedding=args.quantize_embedding,
+        state_cache=args.state_cache, percentile_alpha=args.percentile_alpha,
         calib_source=args.calib_data, calib_num_samples=args.calib_data_num,
         calib_seqlen=args.calib_seqlen, seed=args.seed, pretrained_dir=args.pretrained_dir,
         device=args.device, dtype=args.dtype, tokenizer=args.tokenizer, backend=args.backend)

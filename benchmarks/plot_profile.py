@@ -23,7 +23,8 @@ def load_runs(paths: list[str]) -> list[dict]:
     runs = []
     for path in paths:
         with open(path) as f:
-            runs.append(json.load(f))
+            result = json.load(f)
+        runs.extend(result["runs"] if "runs" in result else [result])  # several batch sizes
     return runs
 
 

@@ -3,8 +3,8 @@
 W4A16, at the shapes of a published Mamba size with random weights (no download) or of a real model.
 
     python benchmarks/profile_mamba.py --config 2.8b [--precisions fp16,w8a8,w4a8,w4a16]
-        [--batch 1] [--prompt_len 1024] [--gen_len 128] [--repeats 10] [--breakdown]
-        [--out result.json]
+        [--batch 1,8,32,64] [--prompt_len 1024] [--gen_len 128] [--repeats 10] [--breakdown]
+        [--state_cache int8|fp32] [--out result.json]
     python benchmarks/profile_mamba.py --model state-spaces/mamba-130m ...
 
 * TTFT: a prefill of prompt_len tokens that fills the decode cache and returns the last token's
@@ -14,8 +14,11 @@ W4A16, at the shapes of a published Mamba size with random weights (no download)
 * TTLT: the prefill and gen_len decode steps, the next token chosen greedily on the device.
 * generate (quamba rows): the same through quamba's generate(cache_graph=True), eos ignored, which
   checks for eos every 8 tokens (its default; `generate_ms`) or after each (`generate_each_ms`).
-Each is the median of --repeats runs timed with CUDA events after warm-up. Memory: the weights
-(parameters and buffers, tied tensors once), the decode caches, and the peak allocated during one
+Each is the median of --repeats runs timed with CUDA events after warm-up; tokens/s of decode
+is batch / TPOT, of prefill batch · prompt_len / TTFT. --batch takes several sizes (1,8,32,64):
+the whole run repeats per size, and the JSON then holds one run per size under "runs". Memory: the weights
+(parameters and buffers, tied tensors once), the decode caches (SSM state and conv state apart,
+also per sequence; --state_cache picks the quantized rows' SSM state format), and the peak allocated during one
 TTLT run with only that model on the GPU (the FP model waits on the CPU meanwhile). Ratios are to
 the mamba-ssm row of the same run; without mamba-ssm, FP16 and W4A16 (whose conv and scan would
 run as torch references) are skipped unless --reference_fp_ops is given, and the ratios are to
@@ -53,6 +56,7 @@ from quamba.models.config import PRESETS, preset_config
 from quamba.models.generation import GraphedStep, graphed_decoder
 from quamba.models.mamba import MambaLMHeadModel, randomize_
 from quamba.ops import backend, fp_kernels
+from quamba.quantization.config import STATE_CACHE_FORMATS
 
 PRECISIONS = {"fp16": None, "w8a8": (8, 8), "w4a8": (4, 8), "w4a16": (4, 16)}
 FP_MIXER = ("fp16", "w4a16")  # run mamba-ssm's conv and scan kernels, or their torch references
@@ -69,7 +73,10 @@ def parse_args(argv=None):
     source.add_argument("--model", help="a real FP model: Hub id or directory")
     parser.add_argument("--precisions", default=",".join(PRECISIONS),
                         help=f"comma-separated, of {', '.join(PRECISIONS)} (default all)")
-    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--batch", default="1", metavar="B[,B...]",
+                        help="batch size, or comma-separated sizes each measured in turn (default 1)")
+    parser.add_argument("--state_cache", choices=STATE_CACHE_FORMATS, default="int8",
+                        help="SSM state format of the quantized rows' decode cache (default int8)")
     parser.add_argument("--prompt_len", type=int, default=1024)
     parser.add_argument("--gen_len", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=10, help="timed runs per number (median)")
@@ -92,12 +99,26 @@ def parse_args(argv=None):
     unknown = sorted(set(args.precisions) - set(PRECISIONS))
     if unknown:
         parser.error(f"unknown precision {', '.join(unknown)}; choose from {', '.join(PRECISIONS)}")
-    for name in ("batch", "prompt_len", "gen_len", "repeats"):
+    args.batches = batch_sizes(args.batch, parser)
+    for name in ("prompt_len", "gen_len", "repeats"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name} must be positive")
     if not torch.cuda.is_available():
         parser.error("profiling needs a CUDA GPU")
     return args
+
+
+def batch_sizes(text: str, parser: argparse.ArgumentParser) -> list[int]:
+    """The positive batch sizes of ``--batch`` ("1" or "1,8,32,64"), in the order given."""
+    try:
+        sizes = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        parser.error(f"--batch takes comma-separated integers, got {text!r}")
+    if not sizes or any(size <= 0 for size in sizes):
+        parser.error(f"--batch sizes must be positive, got {text!r}")
+    if len(set(sizes)) != len(sizes):
+        parser.error(f"--batch repeats a size: {text!r}")
+    return sizes
 
 
 # --- what is timed: a model with a prefill and a graphed decode step -------------------------------
@@ -121,8 +142,11 @@ class QuambaRunner:
         return self.model.generate(prompt, max_new_tokens=gen_len, eos_token_id=-1, cache_graph=True,
                                    **kwargs)
 
-    def cache_bytes(self) -> int:
-        return sum(t.nbytes for state in self.cache.states for t in (state.conv, state.ssm))
+    def cache_parts(self) -> dict:
+        """Bytes of the decode cache: SSM state and conv state (foh's drive counted with the SSM)."""
+        states = self.cache.states
+        return {"ssm": sum(s.ssm.nbytes + (0 if s.drive is None else s.drive.nbytes) for s in states),
+                "conv": sum(s.conv.nbytes for s in states)}
 
     def close(self):
         self.model.__dict__.pop("_decode_graphs", None)
@@ -155,8 +179,10 @@ class MambaSSMRunner:
         self.params.seqlen_offset = 0
         return self.model(input_ids, inference_params=self.params, num_last_tokens=1).logits[:, -1]
 
-    def cache_bytes(self) -> int:
-        return sum(t.nbytes for states in self.cache.values() for t in states)
+    def cache_parts(self) -> dict:
+        """Bytes of the decode cache: mamba-ssm keeps (conv_state, ssm_state) per layer."""
+        return {"ssm": sum(states[1].nbytes for states in self.cache.values()),
+                "conv": sum(states[0].nbytes for states in self.cache.values())}
 
 
 def weight_bytes(model) -> int:
@@ -254,7 +280,7 @@ def measure(name: str, runner, weights: int, prompt, args, bandwidth_gbs: float)
         "tpot_ms": median_ms(lambda: runner.step(first), max(args.repeats, 50), warmup=5),
         "ttlt_ms": median_ms(lambda: greedy(runner, prompt, args.gen_len), args.repeats, warmup=1),
         "weights_bytes": weights,
-        "cache_bytes": runner.cache_bytes(),
+        **cache_memory(runner.cache_parts(), args.batch),
         "tpot_floor_ms": weights / (bandwidth_gbs * 1e9) * 1e3,
         "graph_launch": graph_launch_timing(lambda: runner.step(first), max(args.repeats, 50)),
     }
@@ -268,6 +294,13 @@ def measure(name: str, runner, weights: int, prompt, args, bandwidth_gbs: float)
     torch.cuda.synchronize()
     row["peak_bytes"] = torch.cuda.max_memory_allocated()
     return row
+
+
+def cache_memory(parts: dict, batch: int) -> dict:
+    """A row's decode cache bytes: in all, the SSM state and the conv state, and per sequence."""
+    return {"cache_bytes": parts["ssm"] + parts["conv"], "ssm_state_bytes": parts["ssm"],
+            "conv_state_bytes": parts["conv"], "ssm_state_bytes_per_seq": parts["ssm"] // batch,
+            "cache_bytes_per_seq": (parts["ssm"] + parts["conv"]) // batch}
 
 
 def breakdowns_in_child(argv: list[str]) -> dict:
@@ -305,6 +338,7 @@ def quantized_model(fp_model, precision: str, args):
     config = QuantConfig(w_bits=w_bits, a_bits=a_bits, group_size=args.group_size, seed=args.seed)
     qmodel = quantize(fp_model, config=config, calib_data=calib, progress=False)
     qmodel.__dict__["fp_model"] = None  # only the quantized blocks are timed
+    qmodel.set_state_cache(args.state_cache)
     return qmodel
 
 
@@ -344,10 +378,11 @@ def run(args) -> dict:
         release()
         fp_model.to("cuda")
     if not args.breakdown_only:
-        _add_ratios(rows)
+        _add_ratios(rows, args)
     config = fp_model.config.to_dict()
     return {"meta": run_metadata(), "copy_bandwidth_gbs": bandwidth, "model": args.model or args.config,
-            "config": config, "batch": args.batch, "prompt_len": args.prompt_len,
+            "config": config, "batch": args.batch, "state_cache": args.state_cache,
+            "prompt_len": args.prompt_len,
             "gen_len": args.gen_len, "repeats": args.repeats, "fp_kernels": fp_kernels.missing() is None,
             "rows": rows, "notes": notes}
 
@@ -383,12 +418,16 @@ def _baseline_row(fp_model, prompt, args, bandwidth, notes) -> dict:
     return row
 
 
-def _add_ratios(rows: list[dict]) -> None:
+def _add_ratios(rows: list[dict], args) -> None:
     anchor = next((r for r in rows if r["name"] == BASELINE), None) or \
         next((r for r in rows if r["name"] == "quamba fp16"), None)
     for row in rows:
+        row["batch"] = args.batch
+        row["decode_tokens_per_s"] = args.batch / row["tpot_ms"] * 1e3
+        row["prefill_tokens_per_s"] = args.batch * args.prompt_len / row["ttft_ms"] * 1e3
         row["weights_gb"] = row["weights_bytes"] / 1e9
         row["cache_mb"] = row["cache_bytes"] / 1e6
+        row["ssm_state_mb_per_seq"] = row["ssm_state_bytes_per_seq"] / 1e6
         row["peak_gb"] = row["peak_bytes"] / 1e9
         if anchor is not None:
             row["ttft_speedup"] = anchor["ttft_ms"] / row["ttft_ms"]
@@ -397,18 +436,48 @@ def _add_ratios(rows: list[dict]) -> None:
             row["weights_ratio"] = row["weights_bytes"] / anchor["weights_bytes"]
 
 
-COLUMNS = ["name", "ttft_ms", "tpot_ms", "tpot_floor_ms", "ttlt_ms", "generate_ms", "generate_each_ms",
-           "weights_gb", "cache_mb", "peak_gb", "ttft_speedup", "tpot_speedup", "ttlt_speedup",
+COLUMNS = ["name", "batch", "ttft_ms", "tpot_ms", "decode_tokens_per_s", "prefill_tokens_per_s",
+           "tpot_floor_ms", "ttlt_ms", "generate_ms", "generate_each_ms",
+           "weights_gb", "cache_mb", "ssm_state_mb_per_seq", "peak_gb", "ttft_speedup", "tpot_speedup", "ttlt_speedup",
            "weights_ratio"]
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    if len(args.batches) > 1:  # one run per size, each in its own process state as a single run
+        results, status = [], 0
+        for batch in args.batches:
+            args.batch = batch
+            result, code = run_one(args, _with_batch(argv, batch))
+            results.append(result)
+            status = max(status, code)
+        write_json(args.out, {"runs": results})
+        return status
+    args.batch = args.batches[0]
+    result, code = run_one(args, argv)
+    write_json(args.out, result)
+    return code
+
+
+def _with_batch(argv: list[str], batch: int) -> list[str]:
+    """``argv`` with its --batch replaced by one size (for the --breakdown child)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--batch":
+            skip = True
+        elif not arg.startswith("--batch="):
+            out.append(arg)
+    return out + ["--batch", str(batch)]
+
+
+def run_one(args, argv: list[str]) -> tuple[dict, int]:
+    """One batch size: (its result, the exit status its backends give); prints its tables."""
     result = run(args)
     if args.breakdown_only:
-        write_json(args.out, result)
-        return 0
+        return result, 0
     if args.breakdown:
         profiles = breakdowns_in_child(argv)
         for row in result["rows"]:
@@ -437,8 +506,11 @@ def main(argv=None) -> int:
         if "backends" in row:
             print(f"{row['name']}: backends: " +
                   ", ".join(f"{op} {name}" for op, name in row["backends"].items()))
-    write_json(args.out, result)
-    return check_backends(result["rows"], args.allow_reference_ops, args.reference_fp_ops)
+        if "ssm_state_bytes" in row:
+            print(f"{row['name']}: batch {row['batch']} state cache: SSM state "
+                  f"{row['ssm_state_bytes'] / 1e6:.2f} MB ({row['ssm_state_bytes_per_seq'] / 1e6:.3f} MB "
+                  f"per sequence), conv state {row['conv_state_bytes'] / 1e6:.2f} MB")
+    return result, check_backends(result["rows"], args.allow_reference_ops, args.reference_fp_ops)
 
 
 if __name__ == "__main__":

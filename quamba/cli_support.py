@@ -43,6 +43,9 @@ class ModelRequest:
     hadamard: bool | None = None
     mixed_precision: float | None = None
     ssm_mode: str | None = None
+    lm_head: str = "fp16"
+    quantize_embedding: bool = False
+    state_cache: str | None = None  # None: the recorded one of a saved model, else int8
     percentile_alpha: float | None = 0.9995
     calib_source: str | None = None
     calib_num_samples: int = 512
@@ -65,7 +68,9 @@ class ModelRequest:
                            hadamard=self.hadamard, mixed_precision=self.mixed_precision,
                            ssm_mode=self.ssm_mode, percentile_alpha=self.percentile_alpha,
                            calib_num_samples=self.calib_num_samples, calib_seqlen=self.calib_seqlen,
-                           seed=self.seed, backend=self.backend, **optional)
+                           seed=self.seed, backend=self.backend, lm_head=self.lm_head,
+                           quantize_embedding=self.quantize_embedding,
+                           state_cache=self.state_cache or "int8", **optional)
 
 
 @dataclass
@@ -111,12 +116,15 @@ class PreparedModel:
                 "calibration": getattr(self.model, "calibration", None) or None}
 
 
-def saved_model_name(model: str, w_bits: int, a_bits: int, mixed_precision: float | None = None) -> str:
-    """``quamba-<model basename>-w<W>a<A>`` (``-mixed<fraction>`` for per-layer mixed precision):
-    the name a quantized model is saved under."""
+def saved_model_name(model: str, w_bits: int, a_bits: int, mixed_precision: float | None = None,
+                     lm_head: str = "fp16", quantize_embedding: bool = False) -> str:
+    """``quamba-<model basename>-w<W>a<A>`` (``-mixed<fraction>`` for per-layer mixed precision,
+    ``-head<format>`` for a quantized lm_head, ``-emb8`` for the int8 embedding): the name a
+    quantized model is saved under."""
     basename = Path(str(model).rstrip("/")).name
     mixed = "" if mixed_precision is None else f"-mixed{mixed_precision:g}"
-    return f"quamba-{basename}-w{w_bits}a{a_bits}{mixed}"
+    ends = ("" if lm_head == "fp16" else f"-head{lm_head}") + ("-emb8" if quantize_embedding else "")
+    return f"quamba-{basename}-w{w_bits}a{a_bits}{mixed}{ends}"
 
 
 def default_device() -> str:
@@ -156,6 +164,8 @@ def _load(name: str, request: ModelRequest, device: str, backend: str) -> Prepar
         raise
     if hasattr(model, "quant_config"):
         model.set_ssm_mode(request.ssm_mode or model.ssm_mode, backend)
+        if request.state_cache is not None:
+            model.set_state_cache(request.state_cache)
     layout = getattr(model, "source", {}).get("layout", "quamba")
     return PreparedModel(model, tokenizer, name, layout, device, backend, "loaded")
 
@@ -165,6 +175,9 @@ def _check_mode_fits(prepared: PreparedModel, request: ModelRequest) -> None:
     if qcfg is None and request.ssm_mode not in (None, FP_MODE):
         raise QuambaError(f"SSM mode {request.ssm_mode!r} needs a quantized model; {prepared.name} "
                           "is an FP model (quantize it, or name a saved quantized model)")
+    if qcfg is None and request.state_cache is not None:
+        raise QuambaError(f"--state_cache applies to the int8 mixers of a quantized model; "
+                          f"{prepared.name} is an FP model (its decode state is fp32)")
     if qcfg is not None and request.quantize and not qcfg.same_recipe(request.quant_config()):
         raise QuambaError(f"{prepared.name} is already quantized with a different recipe "
                           f"({_recipe_difference(qcfg, request.quant_config())}); "
@@ -175,9 +188,9 @@ def _quantize_or_reuse(source: str, request: ModelRequest, device: str, backend:
     """Quantize the FP model ``source``, or reuse the copy saved earlier with the same recipe."""
     from quamba import load_model, quantize
     wanted = request.quant_config()
-    target = (Path(request.pretrained_dir) / saved_model_name(source, request.w_bits, request.a_bits,
-                                                              request.mixed_precision)
-              if request.pretrained_dir else None)
+    target = (Path(request.pretrained_dir) / saved_model_name(
+        source, request.w_bits, request.a_bits, request.mixed_precision, request.lm_head,
+        request.quantize_embedding) if request.pretrained_dir else None)
     if target is not None:
         recorded = _recorded_quant_config(target)
         if recorded is not None and recorded.same_recipe(wanted):

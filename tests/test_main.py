@@ -235,7 +235,7 @@ def test_w4a16_from_the_command_line_and_reuse(model_dir, tmp_path, capsys, capl
     recorded = recorded["quantization_config"]
     assert (recorded["w_bits"], recorded["a_bits"], recorded["group_size"]) == (4, 16, 32)
     assert recorded["apply_gptq"] and recorded["gptq_act_order"] and not recorded["hadamard"]
-    assert recorded["ssm_mode"] == "fp16" and recorded["format_version"] == 4
+    assert recorded["ssm_mode"] == "fp16" and recorded["format_version"] == 5
     assert "W4A16 (no hadamard), SSM mode fp16" in caplog.text
     # calibration flags do not belong to a W4A16 recipe; the default mode may be named
     assert main.main([str(a) for a in [*w4a16, "--calib_data_num", "8", "--ssm_mode", "fp16",

@@ -41,6 +41,10 @@ TENSOR_KINDS = tuple(DEFAULT_OBSERVERS)
 MAMBA2_KINDS = tuple(MAMBA2_OBSERVERS)
 # The backward branch of a bidirectional (Vision Mamba) mixer: observed as the forward kinds.
 BACKWARD_KINDS = ("x_proj_b.input", "x_proj_b.output", "dt_proj_b.output")
+# The final norm's output, lm_head's input: observed (absmax) under the pseudo-layer HEAD_LAYER
+# when ``calibrate(observe_head=True)``, for an int8 lm_head (quamba.layers.qhead).
+HEAD_LAYER = "lm_head"
+HEAD_KIND = "lm_head.input"
 # Per-channel absmax of a Mamba2 layer's conv output: x per channel [d_inner], B and C per state
 # group [ngroups]; their results are fp32 tensors.
 CHANNEL_KINDS = ("x", "B", "C")
@@ -54,8 +58,10 @@ def base_kind(kind: str) -> str:
 @torch.no_grad()
 def calibrate(model, calib: CalibrationSet | torch.Tensor,
               observers: dict[str, ObserverSpec] | None = None, batch_size: int = 8,
-              progress: bool = True) -> dict[int, dict[str, float]]:
-    """Clipping ranges ``{layer index: {tensor kind: range}}`` of ``model`` over ``calib``.
+              progress: bool = True, observe_head: bool = False) -> dict[int, dict[str, float]]:
+    """Clipping ranges ``{layer index: {tensor kind: range}}`` of ``model`` over ``calib``; with
+    ``observe_head`` also ``{HEAD_LAYER: {HEAD_KIND: range}}``, the final norm's output over every
+    token.
 
     ``observers`` overrides the observer of some kinds (e.g. all absmax for a naive recipe);
     the others keep ``DEFAULT_OBSERVERS``. Each batch is one prefill into a fresh cache, so the
@@ -68,7 +74,7 @@ def calibrate(model, calib: CalibrationSet | torch.Tensor,
     recorder = _Recorder(_observer_specs(observers), num_samples=tokens.shape[0])
     device = next(model.parameters()).device
     batches = range(0, tokens.shape[0], batch_size)
-    with _observing(model, recorder):
+    with _observing(model, recorder), _observing_head(model, recorder, observe_head):
         for start in tqdm(batches, desc="calibrating", unit="batch", disable=not progress):
             ids = tokens[start:start + batch_size].to(device)
             cache = model.allocate_cache(ids.shape[0], device)
@@ -115,11 +121,11 @@ def _calibration_tokens(calib) -> torch.Tensor:
 
 
 def _observer_specs(overrides) -> dict[str, ObserverSpec]:
-    known = TENSOR_KINDS + MAMBA2_KINDS
+    known = TENSOR_KINDS + MAMBA2_KINDS + (HEAD_KIND,)
     unknown = set(overrides or {}) - set(known)
     if unknown:
         raise CalibrationError(f"unknown tensor kind(s) {sorted(unknown)}; known: {list(known)}")
-    return {**DEFAULT_OBSERVERS, **MAMBA2_OBSERVERS, **(overrides or {})}
+    return {**DEFAULT_OBSERVERS, **MAMBA2_OBSERVERS, HEAD_KIND: _ABSMAX, **(overrides or {})}
 
 
 class _Recorder:
@@ -143,10 +149,11 @@ class _Recorder:
         self.observers[key].update(tensor)
 
     def results(self) -> dict[int, dict[str, float]]:
-        layers = sorted({layer for layer, _ in self.observers})
+        layers = sorted({layer for layer, _ in self.observers},
+                        key=lambda layer: (layer == HEAD_LAYER, 0 if layer == HEAD_LAYER else layer))
+        kinds = TENSOR_KINDS + MAMBA2_KINDS + BACKWARD_KINDS + CHANNEL_KINDS + (HEAD_KIND,)
         return {layer: {kind: self.observers[layer, kind].result()
-                        for kind in TENSOR_KINDS + MAMBA2_KINDS + BACKWARD_KINDS + CHANNEL_KINDS
-                        if (layer, kind) in self.observers}
+                        for kind in kinds if (layer, kind) in self.observers}
                 for layer in layers}
 
 
@@ -176,6 +183,23 @@ def _observing(model, recorder: _Recorder):
     finally:
         for handle in handles:
             handle.remove()
+
+
+@contextmanager
+def _observing_head(model, recorder: _Recorder, enabled: bool):
+    """With ``enabled``, a forward hook on the last block that observes the final norm of its
+    output for every token (the model applies the norm to the last tokens only)."""
+    if not enabled:
+        yield
+        return
+    def hook(module, inputs, output):
+        normed, _ = model.backbone.norm_f(*output)
+        recorder.observe(HEAD_LAYER, HEAD_KIND, normed)
+    handle = model.backbone.layers[-1].register_forward_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def _in_proj_hook(recorder: _Recorder, layer: int):

@@ -13,7 +13,9 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 
 def model_device(model) -> torch.device:
-    return next(model.parameters()).device
+    """The device of the model's first tensor: a parameter, else a buffer (a model quantized
+    end to end, int8 embedding and head, holds buffers only)."""
+    return next(t for t in (*model.parameters(), *model.buffers())).device
 
 
 @torch.inference_mode()

@@ -35,36 +35,53 @@ def output_scale(layer: QuantModule):
 
 class W8A8Linear(QuantModule):
     """y = x · Wᵀ with int8 x (scale ``in_scale``) and int8 W; int8 out (scale ``out_scale``) or a
-    float out (``out_scale`` None). In float-sim mode x and y are fake-quantized fp32 tensors."""
+    float out (``out_scale`` None). In float-sim mode x and y are fake-quantized fp32 tensors.
+    ``per_channel`` gives W one fp32 scale per output channel (a buffer [out]; the int8 lm_head)
+    instead of one per tensor."""
 
     def __init__(self, in_features: int, out_features: int, in_scale: float,
-                 out_scale: float | None, out_dtype=torch.float16, device=None):
+                 out_scale: float | None, out_dtype=torch.float16, device=None,
+                 per_channel: bool = False):
         super().__init__()
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8,
                                                    device=device))
-        self.register_scale("weight_scale", 1.0)
+        self.per_channel = per_channel
+        if per_channel:
+            self.register_buffer("weight_scale", torch.ones(out_features, device=device))
+        else:
+            self.register_scale("weight_scale", 1.0)
         self.register_scale("in_scale", in_scale)
         register_out_scale(self, out_scale)
         self.out_dtype = out_dtype
 
     def load_float_weight(self, weight: torch.Tensor) -> None:
-        """Quantize ``weight`` [out, in] per tensor into this layer."""
-        codes, scale = quantize_weight(weight)
+        """Quantize ``weight`` [out, in] per tensor (per output channel if ``per_channel``)."""
+        codes, scale = quantize_weight(weight, per_channel=self.per_channel)
         self.weight.copy_(codes)
-        self.weight_scale.fill_(scale)
+        if self.per_channel:
+            self.weight_scale.copy_(scale)
+        else:
+            self.weight_scale.fill_(scale)
         self.refresh_scales()
+
+    def _weight_scale(self):
+        """The float per-tensor scale, or the fp32 [out] tensor of a per-channel layer."""
+        return self.weight_scale if self.per_channel else self.scales["weight_scale"]
 
     def forward(self, x):
         s = self.scales
         out_scale = output_scale(self)
         if self.simulate:
-            y = x.float() @ dequantize(self.weight, s["weight_scale"]).t()
+            scale = self._weight_scale()
+            scale = scale[:, None] if self.per_channel else scale
+            y = x.float() @ dequantize(self.weight, scale).t()
             return fake_quantize(y, out_scale) if self.int8_out else y.to(self.out_dtype)
-        return w8a8_linear(x, s["in_scale"], self.weight, s["weight_scale"], out_scale,
+        return w8a8_linear(x, s["in_scale"], self.weight, self._weight_scale(), out_scale,
                            out_dtype=self.out_dtype, backend_name=self.backend)
 
     def extra_repr(self) -> str:
         return (f"in={self.weight.shape[1]}, out={self.weight.shape[0]}, "
+                f"per_channel={self.per_channel}, "
                 f"output={'int8' if self.int8_out else self.out_dtype}")
 
 

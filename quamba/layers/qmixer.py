@@ -51,6 +51,7 @@ class QMambaMixer(QuantModule):
         self.out_proj = self._linear(d_inner, d_model, scales["y_scale"], None, device, out_dtype)
         self._add_branch("", scales, device)
         self.taps: dict | None = None
+        self.state_cache = "int8"  # or "fp32": QuantConfig.state_cache
 
     def _linear(self, in_features, out_features, in_scale, out_scale, device, dtype=torch.float16):
         """A linear layer of the recipe's weight bits (int8 out when ``out_scale`` is given)."""
@@ -127,12 +128,20 @@ class QMambaMixer(QuantModule):
         return (getattr(self, "conv_weight" + suffix), s["conv_weight" + suffix + "_scale"],
                 getattr(self, "conv_bias" + suffix), s["conv_bias" + suffix + "_scale"])
 
+    @property
+    def int8_state(self) -> bool:
+        """Whether the decode SSM state is int8 codes (QuantConfig.state_cache); in float-sim
+        mode it is then fake-quantized fp32."""
+        return self.state_cache == "int8"
+
     def allocate_state(self, batch_size: int, device=None) -> MixerState:
         device = device or self.conv_weight.device
         dtype = torch.float32 if self.simulate else torch.int8
+        state_dtype = torch.int8 if self.int8_state and not self.simulate else torch.float32
         return MixerState(
             conv=torch.zeros(batch_size, self.d_inner, self.d_conv - 1, dtype=dtype, device=device),
-            ssm=torch.zeros(batch_size, self.d_inner, self.d_state, dtype=dtype, device=device),
+            ssm=torch.zeros(batch_size, self.d_inner, self.d_state, dtype=state_dtype,
+                            device=device),
             drive=(torch.zeros(batch_size, self.d_inner, self.d_state, device=device)
                    if self.discretization == "foh" else None))
 
@@ -191,7 +200,7 @@ class QMambaMixer(QuantModule):
         if self.mode == "fp32-ssm-input":
             scan_inputs = _dequantize_pairs(scan_inputs)
         y, last_state = qsscan(*scan_inputs, self.branch_ssm_params(suffix),
-                               state_scale=s["state_scale"] if with_state else None,
+                               state_scale=s["state_scale"] if with_state and self.int8_state else None,
                                out_dtype=self.out_dtype, backend_name=self.backend,
                                discretization=self.discretization)
         if not with_state:
@@ -243,7 +252,9 @@ class QMambaMixer(QuantModule):
         if not with_state:
             return y, None, None
         last_drive = input_drive(u[..., -1], B[:, -1]) if self.discretization == "foh" else None
-        return y, fake_quantize(last_state, self.scales["state_scale"]), last_drive
+        if self.int8_state:
+            last_state = fake_quantize(last_state, self.scales["state_scale"])
+        return y, last_state, last_drive
 
     def _step_simulated(self, h, state: MixerState):
         s = self.scales
@@ -256,7 +267,8 @@ class QMambaMixer(QuantModule):
         y = selective_state_update(state.ssm, u, dt, A, B, C, D, z=z, delta_bias=dt_bias,
                                    delta_softplus=True, discretization=self.discretization,
                                    drive=state.drive)
-        state.ssm.copy_(fake_quantize(state.ssm, s["state_scale"]))
+        if self.int8_state:
+            state.ssm.copy_(fake_quantize(state.ssm, s["state_scale"]))
         return self._out(y).unsqueeze(1)
 
 

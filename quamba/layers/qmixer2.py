@@ -69,6 +69,7 @@ class QMamba2Mixer(QuantModule):
             self.register_buffer(name, torch.zeros(self.nheads, **int8))
             self.register_scale(name + "_scale", 1.0)
         self.taps: dict | None = None
+        self.state_cache = "int8"  # or "fp32": QuantConfig.state_cache
 
     def _in_proj_out_scale(self) -> torch.Tensor:
         """fp32 [d_inner + conv_dim + nheads]: the scale of each of in_proj's output channels."""
@@ -138,12 +139,19 @@ class QMamba2Mixer(QuantModule):
         s = self.scales
         return self.conv_weight, s["conv_weight_scale"], self.conv_bias, s["conv_bias_scale"]
 
+    @property
+    def int8_state(self) -> bool:
+        """Whether the decode SSM state is int8 codes (QuantConfig.state_cache); in float-sim
+        mode it is then fake-quantized fp32."""
+        return self.state_cache == "int8"
+
     def allocate_state(self, batch_size: int, device=None) -> MixerState:
         device = device or self.conv_weight.device
         dtype = torch.float32 if self.simulate else torch.int8
+        state_dtype = torch.int8 if self.int8_state and not self.simulate else torch.float32
         return MixerState(
             conv=torch.zeros(batch_size, self.conv_dim, self.d_conv - 1, dtype=dtype, device=device),
-            ssm=torch.zeros(batch_size, self.nheads, self.headdim, self.d_state, dtype=dtype,
+            ssm=torch.zeros(batch_size, self.nheads, self.headdim, self.d_state, dtype=state_dtype,
                             device=device))
 
     def _out(self, y, z):
@@ -193,7 +201,8 @@ class QMamba2Mixer(QuantModule):
         self._tap("xbc", xbc, self.xbc_scale)
         y, last_state = qssd_scan(*self._scan_inputs(xbc, dt),
                                   self.ssm_params, self.chunk_size,
-                                  state_scale=self.scales["state_scale"] if with_state else None,
+                                  state_scale=(self.scales["state_scale"]
+                                               if with_state and self.int8_state else None),
                                   out_dtype=self.out_dtype, backend_name=self.backend)
         return y, (last_state if with_state else None)
 
@@ -224,8 +233,8 @@ class QMamba2Mixer(QuantModule):
         x, _, B, _, C, _ = self._ssd_inputs(xbc, self.xbc_scale)
         A, D, dt_bias = self.ssm_params.dequantized()
         y, last_state = ssd_scan(x, dt, A, B, C, D, dt_bias, self.chunk_size)
-        if not with_state:
-            return y, None
+        if not with_state or not self.int8_state:
+            return y, last_state if with_state else None
         return y, fake_quantize(last_state, self.scales["state_scale"])
 
     def _step_simulated(self, h, state: MixerState):
@@ -235,5 +244,6 @@ class QMamba2Mixer(QuantModule):
         x, _, B, _, C, _ = self._ssd_inputs(xbc, self.xbc_scale)
         A, D, dt_bias = self.ssm_params.dequantized()
         y = ssd_state_update(state.ssm, x, dt, A, B, C, D, dt_bias)
-        state.ssm.copy_(fake_quantize(state.ssm, self.scales["state_scale"]))
+        if self.int8_state:
+            state.ssm.copy_(fake_quantize(state.ssm, self.scales["state_scale"]))
         return self._out(y.flatten(-2), z).unsqueeze(1)

@@ -6,7 +6,9 @@ W8A8 and W4A8 blocks are a QRMSNorm (→ int8) and a QMambaMixer (QMamba2Mixer f
 W4A16 (weight-only) blocks are the FP RMSNorm and the FP mixer with 4-bit in_proj, x_proj and
 out_proj (quamba.layers.weight_only). A mixed-precision model (QuantConfig.layer_bits) holds
 both kinds. It reuses MambaLMHeadModel's forward, decode step, cache and
-generate: only the blocks differ. The embedding, final norm and lm_head stay in the float dtype.
+generate: only the blocks differ. The embedding, final norm and lm_head stay in the float dtype
+unless QuantConfig.lm_head and quantize_embedding say otherwise (quamba.layers.qhead): an int8
+head reads int8 codes from a QRMSNorm final norm, an int4 head the FP norm's output.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import torch.nn as nn
 
 from quamba.errors import QuambaError
 from quamba.layers.base import QuantModule
+from quamba.layers.qhead import QEmbedding, empty_lm_head
 from quamba.layers.modes import FP_MODE, check_mode, check_weight_only_mode
 from quamba.layers.qlinear import W4A16Linear
 from quamba.layers.qmixer import ACTIVATION_SCALES, QMambaMixer
@@ -57,13 +60,26 @@ class QuantizedModel:
         self.ssm_mode = mode
         return self
 
+    def set_state_cache(self, state_cache: str):
+        """Keep the decode SSM state of the int8 mixers as ``state_cache`` says ("int8" or
+        "fp32", see QuantConfig.state_cache); applies to caches allocated from now on."""
+        from quamba.quantization.config import STATE_CACHE_FORMATS
+        if state_cache not in STATE_CACHE_FORMATS:
+            raise QuambaError(f"state_cache must be one of {', '.join(STATE_CACHE_FORMATS)}, got "
+                              f"{state_cache!r}")
+        for module in self.modules():
+            if hasattr(module, "state_cache"):
+                module.state_cache = state_cache
+        self.state_cache = state_cache
+        return self
+
     def _fp(self):
         if self.fp_model is None:
             if not self.base_model:
                 raise QuambaError("ssm mode fp16 needs the unquantized model, and this checkpoint "
                                   "records no base model")
             from quamba.models.loading import load_model
-            device = next(self.parameters()).device
+            device = next(t for t in (*self.parameters(), *self.buffers())).device
             self.__dict__["fp_model"], _ = load_model(self.base_model, dtype=self.dtype,
                                                       device=device, tokenizer=False)
         return self.fp_model
@@ -91,24 +107,34 @@ class QuantizedMambaLM(QuantizedModel, MambaLMHeadModel):
         self.base_model: str | None = None
         self.tokenizer = None
         self.backbone = nn.Module()
-        self.backbone.embedding = nn.Embedding(config.padded_vocab_size, config.d_model,
-                                               device=device, dtype=dtype)
+        vocab = config.padded_vocab_size
+        self.backbone.embedding = (
+            QEmbedding(vocab, config.d_model, dtype, device) if quant_config.quantize_embedding
+            else nn.Embedding(vocab, config.d_model, device=device, dtype=dtype))
         self.backbone.layers = nn.ModuleList(_empty_block(config, quant_config, i, dtype, device)
                                              for i in range(config.n_layer))
-        self.backbone.norm_f = RMSNorm(config.d_model, config.norm_epsilon,
-                                       config.residual_in_fp32, device, dtype)
-        self.lm_head = nn.Linear(config.d_model, config.padded_vocab_size, bias=False,
-                                 device=device, dtype=dtype)
-        if config.tie_embeddings:
+        self.backbone.norm_f = _empty_final_norm(config, quant_config, dtype, device)
+        self.lm_head = empty_lm_head(quant_config.lm_head, config.d_model, vocab,
+                                     quant_config.group_size, dtype, device)
+        if self.ties_lm_head:
             self.lm_head.weight = self.backbone.embedding.weight
         # The unquantized model for the fp16 mode; kept out of the module tree and state dict.
         self.__dict__["fp_model"] = None
         # quantize / from_pretrained then set the recorded mode
         self.ssm_mode = FP_MODE if quant_config.weight_only else "int8"
+        self.state_cache = "int8"
+
+    @property
+    def ties_lm_head(self) -> bool:
+        """Whether lm_head shares the embedding's weight: only both in the float dtype, as the
+        FP model ties them (a rotated model never does)."""
+        return (self.config.tie_embeddings and self.quant_config.lm_head == "fp16"
+                and not self.quant_config.quantize_embedding)
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.backbone.embedding.weight.dtype
+        embedding = self.backbone.embedding
+        return embedding.out_dtype if isinstance(embedding, QEmbedding) else embedding.weight.dtype
 
     def forward(self, input_ids, cache=None, num_last_tokens: int = 0):
         if self._runs_fp_model:
@@ -119,6 +145,15 @@ class QuantizedMambaLM(QuantizedModel, MambaLMHeadModel):
         if self._runs_fp_model:
             return self._fp().allocate_cache(batch_size, device)
         return super().allocate_cache(batch_size, device)
+
+
+def _empty_final_norm(config: MambaConfig, quant_config, dtype, device) -> nn.Module:
+    """The final norm: a QRMSNorm (→ int8 for the int8 head; its weight folded into lm_head when
+    the model is rotated), else the FP RMSNorm."""
+    if quant_config.lm_head == "int8":
+        return QRMSNorm(config.d_model, config.norm_epsilon, config.residual_in_fp32, 1.0,
+                        has_weight=not quant_config.hadamard, device=device)
+    return RMSNorm(config.d_model, config.norm_epsilon, config.residual_in_fp32, device, dtype)
 
 
 def _empty_block(config: MambaConfig, quant_config, layer: int, dtype, device) -> Block:

@@ -4,6 +4,15 @@
 W4A16 checkpoints (format 3) hold packed 4-bit codes with fp16 group scales for in_proj, x_proj
 and out_proj, and every other tensor of the FP model in its float dtype.
 
+Format 5 adds the quantized ends of the model (quantization_config's ``lm_head`` and
+``quantize_embedding``, quamba.layers.qhead): an int8 lm_head stores ``lm_head.weight`` int8
+[vocab, d_model], ``lm_head.weight_scale`` fp32 [vocab] and ``lm_head.in_scale``, its final norm
+``backbone.norm_f.out_scale`` (and ``weight`` without rotation); an int4 lm_head packed codes
+``lm_head.weight`` uint8 [vocab, d_model / 2] and ``lm_head.scales`` fp16; an int8 embedding
+``backbone.embedding.weight`` int8 and ``backbone.embedding.weight_scale`` fp32 [vocab]. A
+quantized head or embedding is never tied: ``lm_head`` is stored even where the model config ties
+them. Older formats have neither field and load as the float head and embedding they hold.
+
 config.json holds the model config (``"model"``), the format version and the quantization
 recipe with its calibration record (``"quantization_config"``). Tensors are stored in a
 layout-independent form (weights [out, in] row-major, conv weight [d_inner, width]); kernels may
@@ -17,6 +26,9 @@ import torch
 
 from quamba.errors import CheckpointError
 from quamba.layers.base import QuantModule
+from quamba.layers.qhead import QEmbedding
+from quamba.layers.qlinear import W4A16Linear, W8A8Linear
+from quamba.layers.qnorm import QRMSNorm
 from quamba.models.config import MambaConfig
 from quamba.models.loading import (is_quamba_checkpoint, load_tokenizer, parse_dtype,
                                    resolve_model_dir)
@@ -29,8 +41,9 @@ from quamba.version import __version__
 
 FORMAT_NAME = "quamba"
 # 2: 4-bit weights (W4A8); 3: weight-only W4A16; 4: Mamba2 (Quamba2) layers and per-layer mixed
-# precision (quantization_config's layer_bits). Versions 1 (W8A8) to 3 load unchanged.
-FORMAT_VERSION = 4
+# precision (quantization_config's layer_bits); 5: quantized lm_head and embedding
+# (quantization_config's lm_head, quantize_embedding). Versions 1 (W8A8) to 4 load unchanged.
+FORMAT_VERSION = 5
 WEIGHTS_FILE = "model.safetensors"
 
 
@@ -38,7 +51,7 @@ def save_quantized(model: QuantizedMambaLM, out_dir, tokenizer=None):
     """Write ``model`` to ``out_dir`` atomically (temporary directory, then rename)."""
     from safetensors.torch import save_file
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    if getattr(model.config, "tie_embeddings", False):
+    if _ties_lm_head(model):
         state.pop("lm_head.weight", None)
     quant = {
         "format": FORMAT_NAME,
@@ -96,6 +109,7 @@ def from_pretrained(name_or_path, device="cpu", dtype=None, backend: str | None 
     model.set_ssm_mode(ssm_mode or quant_config.ssm_mode, backend)
     if vision:  # a classifier has no tokenizer
         return model, None
+    model.set_state_cache(quant_config.state_cache)
     model.tokenizer = None if tokenizer is False else load_tokenizer(model_dir, tokenizer)
     return model, model.tokenizer
 
@@ -120,7 +134,7 @@ def load_checked(model: QuantizedMambaLM, weights_path) -> None:
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise CheckpointError(f"cannot read {weights_path} (truncated or corrupt?): {reason}") from None
     expected = model.state_dict()
-    if getattr(model.config, "tie_embeddings", False):
+    if _ties_lm_head(model):
         expected.pop("lm_head.weight", None)
     for name, tensor in expected.items():
         if name not in state:
@@ -138,6 +152,11 @@ def load_checked(model: QuantizedMambaLM, weights_path) -> None:
     model.load_state_dict(state, strict=False)
 
 
+def _ties_lm_head(model) -> bool:
+    """Whether lm_head's weight is the embedding's (then stored once, as the embedding)."""
+    return getattr(model, "ties_lm_head", getattr(model.config, "tie_embeddings", False))
+
+
 def _cast_float_parts(model, dtype: torch.dtype) -> None:
     """Cast what runs in the float dtype; codes, scales, A_log and D keep theirs."""
     if isinstance(model, QuantizedVisionMamba):
@@ -150,7 +169,10 @@ def _cast_float_parts(model, dtype: torch.dtype) -> None:
             block.mixer.out_dtype = block.mixer.out_proj.out_dtype = dtype
         return
     for module in (model.backbone.embedding, model.backbone.norm_f, model.lm_head):
-        module.to(dtype)
+        if isinstance(module, (QEmbedding, W8A8Linear)):  # int8 codes, fp32 scales
+            module.out_dtype = dtype
+        elif not isinstance(module, (QRMSNorm, W4A16Linear)):  # W4A16: y in its input's dtype
+            module.to(dtype)
     for block in model.backbone.layers:
         if not isinstance(block.mixer, QuantModule):  # W4A16: the FP parts of its mixer
             block.norm.to(dtype)

@@ -12,7 +12,9 @@ PERCENTILE_KINDS = ("x_proj.input", "ssm_state")
 SUPPORTED_BITS = {(8, 8), (4, 8), (4, 16)}
 
 # Fields that change how a run executes but not what the quantized model holds.
-_RUNTIME_FIELDS = ("ssm_mode", "backend", "calib_batch_size")
+_RUNTIME_FIELDS = ("ssm_mode", "backend", "calib_batch_size", "state_cache")
+# Formats of the decode SSM state of the int8 mixers (see QuantConfig.state_cache).
+STATE_CACHE_FORMATS = ("int8", "fp32")
 # Fields of the activation calibration, which weight-only recipes do not run.
 _CALIBRATION_FIELDS = ("percentile_alpha", "observers", "calib_source", "calib_num_samples",
                        "calib_seqlen")
@@ -33,6 +35,15 @@ class QuantConfig:
     percentile_alpha: α of the percentile observer used for the SSM input u and the SSM state
       (None = absmax for them too: the naive recipe). ``observers`` overrides any tensor kind:
       {"kind": "absmax"} or {"kind": α as float}.
+
+    lm_head: "fp16" (the float head, tied to the embedding where the model ties them), "int8"
+      (W8A8 with per-output-channel weight scales; needs 8-bit activations) or "int4" (W4A16 in
+      groups of ``group_size``); quamba.layers.qhead. quantize_embedding: int8 embedding rows with
+      per-row scales. Both off by default: the float head and embedding of format ≤ 4.
+
+    state_cache: the decode SSM state of the int8 mixers, "int8" (Quamba: per-tensor calibrated
+      ``state_scale``, requantized every step) or "fp32" (the prefill's last state and every
+      decode step kept in fp32; 4× the memory). A runtime choice: no weight depends on it.
     """
 
     w_bits: int = 8
@@ -63,6 +74,9 @@ class QuantConfig:
     # (w_bits, a_bits) of each layer: set by quantize() from mixed_precision, or given; None:
     # every layer takes (w_bits, a_bits).
     layer_bits: tuple | None = None
+    lm_head: str = "fp16"
+    quantize_embedding: bool = False
+    state_cache: str = "int8"
 
     def __post_init__(self):
         if (self.w_bits, self.a_bits) not in SUPPORTED_BITS:
@@ -79,6 +93,7 @@ class QuantConfig:
             raise QuambaError(f"gptq_layers may name in_proj, x_proj and out_proj, not {sorted(unknown)}")
         self.gptq_layers = tuple(self.gptq_layers)  # JSON round trips give lists
         self._check_mixed_precision()
+        self._check_head_and_state()
         for kind in ("calib_num_samples", "calib_seqlen", "calib_batch_size", "group_size",
                      "gptq_num_samples", "gptq_seqlen", "gptq_block_size"):
             if getattr(self, kind) <= 0:
@@ -102,6 +117,19 @@ class QuantConfig:
         if self.weight_only and any(a == 8 for _, a in self.layer_bits):
             raise QuambaError("a W4A16 recipe calibrates no activations; layers with 8-bit "
                               "activations need a_bits=8")
+
+    def _check_head_and_state(self) -> None:
+        from quamba.layers.qhead import LM_HEAD_FORMATS
+        if self.lm_head not in LM_HEAD_FORMATS:
+            raise QuambaError(f"lm_head must be one of {', '.join(LM_HEAD_FORMATS)}, got {self.lm_head!r}")
+        if self.lm_head == "int8" and self.weight_only:
+            raise QuambaError("an int8 lm_head quantizes its input with a calibrated scale, which a "
+                              "W4A16 recipe does not calibrate; use lm_head int4 (weight-only)")
+        if not isinstance(self.quantize_embedding, bool):
+            raise QuambaError(f"quantize_embedding must be true or false, got {self.quantize_embedding!r}")
+        if self.state_cache not in STATE_CACHE_FORMATS:
+            raise QuambaError(f"state_cache must be one of {', '.join(STATE_CACHE_FORMATS)}, got "
+                              f"{self.state_cache!r}")
 
     def bits_of(self, layer: int) -> tuple[int, int]:
         """(w_bits, a_bits) of layer ``layer``."""

@@ -78,6 +78,7 @@ def quantize(model: MambaLMHeadModel, tokenizer=None, config: QuantConfig | None
     qmodel.tokenizer = tokenizer
     qmodel.__dict__["fp_model"] = model
     qmodel.set_ssm_mode(config.ssm_mode, config.backend)
+    qmodel.set_state_cache(config.state_cache)
     if config.apply_gptq:
         _apply_gptq(qmodel, work, tokenizer, config, progress)
     log.info("quantized %d layers (W%dA%d, hadamard %s, ssm mode %s)", model.config.n_layer,
@@ -107,7 +108,8 @@ def _calibrate(fp_model, tokenizer, config: QuantConfig, calib_data, progress: b
         calib = load_calibration_set(config.calib_source if calib is None else calib, tokenizer,
                                      config.calib_num_samples, config.calib_seqlen, config.seed)
     ranges = calibrate(fp_model, calib, observers=config.observer_specs(),
-                       batch_size=config.calib_batch_size, progress=progress)
+                       batch_size=config.calib_batch_size, progress=progress,
+                       observe_head=config.lm_head == "int8")
     tokens = calib.tokens if isinstance(calib, CalibrationSet) else calib
     return ranges, _calibration_record(calib, config), tokens
 
@@ -138,13 +140,34 @@ def build_quantized_model(fp_model: MambaLMHeadModel, ranges: dict, config: Quan
     weight = fp_model.backbone.embedding.weight
     qmodel = QuantizedMambaLM(copy.deepcopy(fp_model.config), config, dtype=weight.dtype,
                               device=weight.device)
-    qmodel.backbone.embedding.load_state_dict(fp_model.backbone.embedding.state_dict())
-    qmodel.backbone.norm_f.load_state_dict(fp_model.backbone.norm_f.state_dict())
-    if not qmodel.config.tie_embeddings:
-        qmodel.lm_head.load_state_dict(fp_model.lm_head.state_dict())
+    _quantize_ends_(qmodel, fp_model, ranges, config)
     for i, (block, fp_block) in enumerate(zip(qmodel.backbone.layers, fp_model.backbone.layers)):
         _quantize_block_(block, fp_block, i, ranges, config, qmodel.config)
     return qmodel
+
+
+def _quantize_ends_(qmodel: QuantizedMambaLM, fp_model: MambaLMHeadModel, ranges: dict,
+                    config: QuantConfig) -> None:
+    """The embedding, final norm and lm_head of ``qmodel`` from ``fp_model``'s, in the formats
+    of ``config.quantize_embedding`` and ``config.lm_head`` (quamba.layers.qhead)."""
+    from quamba.calibrate.calibrate import HEAD_KIND, HEAD_LAYER
+    from quamba.layers.qhead import QEmbedding
+    backbone, fp_backbone = qmodel.backbone, fp_model.backbone
+    if config.quantize_embedding:
+        backbone.embedding = QEmbedding.from_float(fp_backbone.embedding)
+    else:
+        backbone.embedding.load_state_dict(fp_backbone.embedding.state_dict())
+    if config.lm_head == "int8":
+        head_scale = scale_from_range(ranges[HEAD_LAYER][HEAD_KIND])
+        backbone.norm_f = quantized_norm(fp_backbone.norm_f, head_scale,
+                                         keep_weight=not config.hadamard)
+        qmodel.lm_head.in_scale.fill_(head_scale)
+    else:
+        backbone.norm_f.load_state_dict(fp_backbone.norm_f.state_dict())
+    if config.lm_head != "fp16":
+        qmodel.lm_head.load_float_weight(fp_model.lm_head.weight)
+    elif not qmodel.ties_lm_head:
+        qmodel.lm_head.weight.data.copy_(fp_model.lm_head.weight)
 
 
 def _quantize_block_(block, fp_block, layer: int, ranges: dict, config: QuantConfig,

@@ -110,7 +110,7 @@ def test_save_load_gives_identical_logits(w4a16_model, held_out_ids, tmp_path):
     assert tokenizer is not None and reloaded.quant_config.weight_only
     assert torch.equal(logits(reloaded, held_out_ids), logits(w4a16_model, held_out_ids))
     recorded = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
-    assert recorded["format_version"] == FORMAT_VERSION == 4
+    assert recorded["format_version"] == FORMAT_VERSION == 5
     assert recorded["a_bits"] == 16 and recorded["ssm_mode"] == "fp16"
     assert recorded["observer_specs"] == {} and recorded["calibration"] == {}
     state = reloaded.state_dict()
