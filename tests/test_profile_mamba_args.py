@@ -1,11 +1,10 @@
 """benchmarks/profile_mamba.py's argument handling (the timings themselves need a GPU)."""
 import sys
+from pathlib import Path
 
 import pytest
 
-from conftest import REPO_ROOT
-
-sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 profile_mamba = pytest.importorskip("profile_mamba")
 
 
