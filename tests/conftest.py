@@ -3,6 +3,8 @@
 Tests never reach the Hugging Face Hub. The offline switches are set when this file is imported,
 before any test module imports huggingface_hub, transformers or datasets (they read them at
 import time), and the datasets cache goes to a temporary directory removed at the end.
+Without a CUDA device, Triton kernels run under Triton's interpreter on CPU tensors
+(TRITON_INTERPRET, read when a kernel is defined), so their small-shape tests run here too.
 """
 import json
 import os
@@ -23,6 +25,8 @@ _DATASETS_CACHE = tempfile.mkdtemp(prefix="quamba-tests-datasets-")
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["HF_DATASETS_CACHE"] = _DATASETS_CACHE
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
 
 
 def pytest_unconfigure(config):

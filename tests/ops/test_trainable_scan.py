@@ -1,16 +1,12 @@
 """The fused Triton scan (quamba.ops.triton_scan, the cuda backend of trainable_selective_scan)
 against autograd through the fp32 reference: y, the last state and every gradient.
 
-Without a GPU its kernels run under TRITON_INTERPRET=1 on CPU tensors (tiny shapes, chunks
-shorter than the sequence); on a GPU the same cases run compiled, and the ``gpu`` tests add
-real shapes."""
-import os
-
+Without a GPU its kernels run under TRITON_INTERPRET=1 (set by tests/conftest.py) on CPU tensors
+(tiny shapes, chunks shorter than the sequence); on a GPU the same cases run compiled, and the
+``gpu`` tests add real shapes."""
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are defined
 pytest.importorskip("triton")
 
 from quamba.ops import backend, triton_scan  # noqa: E402
