@@ -44,6 +44,8 @@ class ModelRequest:
     mixed_precision: float | None = None
     ssm_mode: str | None = None
     percentile_alpha: float | None = 0.9995
+    learn_scales: bool = False
+    learn_steps: int = 200
     calib_source: str | None = None
     calib_num_samples: int = 512
     calib_seqlen: int = 512
@@ -64,6 +66,7 @@ class ModelRequest:
                            gptq_seqlen=self.gptq_seqlen, gptq_act_order=self.act_order,
                            hadamard=self.hadamard, mixed_precision=self.mixed_precision,
                            ssm_mode=self.ssm_mode, percentile_alpha=self.percentile_alpha,
+                           learn_scales=self.learn_scales, learn_steps=self.learn_steps,
                            calib_num_samples=self.calib_num_samples, calib_seqlen=self.calib_seqlen,
                            seed=self.seed, backend=self.backend, **optional)
 
@@ -111,12 +114,14 @@ class PreparedModel:
                 "calibration": getattr(self.model, "calibration", None) or None}
 
 
-def saved_model_name(model: str, w_bits: int, a_bits: int, mixed_precision: float | None = None) -> str:
-    """``quamba-<model basename>-w<W>a<A>`` (``-mixed<fraction>`` for per-layer mixed precision):
-    the name a quantized model is saved under."""
+def saved_model_name(model: str, w_bits: int, a_bits: int, mixed_precision: float | None = None,
+                     learn_scales: bool = False) -> str:
+    """``quamba-<model basename>-w<W>a<A>`` (``-mixed<fraction>`` for per-layer mixed precision,
+    ``-learned`` for learned scales): the name a quantized model is saved under."""
     basename = Path(str(model).rstrip("/")).name
     mixed = "" if mixed_precision is None else f"-mixed{mixed_precision:g}"
-    return f"quamba-{basename}-w{w_bits}a{a_bits}{mixed}"
+    learned = "-learned" if learn_scales else ""
+    return f"quamba-{basename}-w{w_bits}a{a_bits}{mixed}{learned}"
 
 
 def default_device() -> str:
@@ -176,7 +181,8 @@ def _quantize_or_reuse(source: str, request: ModelRequest, device: str, backend:
     from quamba import load_model, quantize
     wanted = request.quant_config()
     target = (Path(request.pretrained_dir) / saved_model_name(source, request.w_bits, request.a_bits,
-                                                              request.mixed_precision)
+                                                              request.mixed_precision,
+                                                              request.learn_scales)
               if request.pretrained_dir else None)
     if target is not None:
         recorded = _recorded_quant_config(target)

@@ -2,7 +2,8 @@
 
 Naive W8A8 = absmax observers everywhere and no Hadamard rotation. W4A8 and W4A16 quantize
 in_proj, x_proj and out_proj to 4-bit groups of --group_size with round-to-nearest, and with
-GPTQ too when --gptq_data is given; --mixed_precision adds W4AX rows (that fraction of the layers
+GPTQ too when --gptq_data is given; --learn_scales adds W8A8 and W4A8 rows whose activation
+scales were learned (quamba.quantization.learn_scales); --mixed_precision adds W4AX rows (that fraction of the layers
 W4A16, chosen by measured sensitivity). Every recipe is calibrated on the same samples (W4A16
 calibrates nothing). Mamba2 models take the same recipes (Quamba2's scales). Example (offline, test model, the README's table):
 
@@ -14,7 +15,9 @@ calibrates nothing). Mamba2 models take the same recipes (Quamba2's scales). Exa
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import subprocess
 
 import torch
 
@@ -42,6 +45,9 @@ def parse_args(argv=None):
     parser.add_argument("--act_order", action="store_true", help="GPTQ in act-order")
     parser.add_argument("--mixed_precision", type=float, default=None, metavar="FRACTION",
                         help="add per-layer mixed-precision rows: this fraction of the layers W4A16")
+    parser.add_argument("--learn_scales", action="store_true",
+                        help="add W8A8 and W4A8 RTN rows with learned activation scales")
+    parser.add_argument("--learn_steps", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default=None, help="write the numbers as JSON here")
@@ -59,8 +65,14 @@ def _recipes(args) -> dict:
         "W8A8 naive (absmax, no rotation)": quamba.QuantConfig(seed=args.seed, percentile_alpha=None,
                                                                hadamard=False),
     }
+    if args.learn_scales:
+        recipes["W8A8 Quamba recipe + learned scales"] = quamba.QuantConfig(
+            **common, learn_scales=True, learn_steps=args.learn_steps)
     for a_bits in (8, 16):
         recipes[f"W4A{a_bits} RTN"] = quamba.QuantConfig(**four_bit, a_bits=a_bits)
+        if args.learn_scales and a_bits == 8:
+            recipes["W4A8 RTN + learned scales"] = quamba.QuantConfig(
+                **four_bit, learn_scales=True, learn_steps=args.learn_steps)
         if args.gptq_data:
             recipes[f"W4A{a_bits} GPTQ"] = quamba.QuantConfig(**four_bit, **gptq, a_bits=a_bits)
     if args.mixed_precision is not None:
@@ -102,7 +114,15 @@ def main(argv=None):
     for name, ppl in results.items():
         print(f"| {name} | {ppl['perplexity']:.3f} | {100 * (ppl['perplexity'] / fp_ppl - 1):+.2f}% |")
     if args.out:
-        atomic_write_text(args.out, json.dumps({"args": vars(args), "results": results}, indent=2))
+        atomic_write_text(args.out, json.dumps({"args": vars(args), **_run_metadata(args),
+                                                "results": results}, indent=2))
+
+
+def _run_metadata(args) -> dict:
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip() or "unknown"
+    return {"commit": commit, "device": args.device, "torch": torch.__version__,
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
 
 
 if __name__ == "__main__":
