@@ -2,8 +2,8 @@
 
 Naive W8A8 = absmax observers everywhere and no Hadamard rotation. W4A8 and W4A16 quantize
 in_proj, x_proj and out_proj to 4-bit groups of --group_size with round-to-nearest, and with
-GPTQ too when --gptq_data is given; --learn_scales adds W8A8 and W4A8 rows whose activation
-scales were learned (quamba.quantization.learn_scales); --mixed_precision adds W4AX rows (that fraction of the layers
+GPTQ too when --gptq_data is given; --learn_scales compares W8A8 and W4A8 RTN with calibrated
+and with learned activation scales (quamba.quantization.learn_scales) instead; --mixed_precision adds W4AX rows (that fraction of the layers
 W4A16, chosen by measured sensitivity). Every recipe is calibrated on the same samples (W4A16
 calibrates nothing). Mamba2 models take the same recipes (Quamba2's scales). Example (offline, test model, the README's table):
 
@@ -46,8 +46,10 @@ def parse_args(argv=None):
     parser.add_argument("--mixed_precision", type=float, default=None, metavar="FRACTION",
                         help="add per-layer mixed-precision rows: this fraction of the layers W4A16")
     parser.add_argument("--learn_scales", action="store_true",
-                        help="add W8A8 and W4A8 RTN rows with learned activation scales")
+                        help="compare calibrated and learned activation scales: rows W8A8 and W4A8 "
+                             "RTN, each with and without --learn_scales (the other rows are left out)")
     parser.add_argument("--learn_steps", type=int, default=200)
+    parser.add_argument("--learn_num_samples", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default=None, help="write the numbers as JSON here")
@@ -66,13 +68,14 @@ def _recipes(args) -> dict:
                                                                hadamard=False),
     }
     if args.learn_scales:
-        recipes["W8A8 Quamba recipe + learned scales"] = quamba.QuantConfig(
-            **common, learn_scales=True, learn_steps=args.learn_steps)
+        learn = dict(learn_scales=True, learn_steps=args.learn_steps,
+                     learn_num_samples=args.learn_num_samples)
+        return {"W8A8 Quamba recipe": recipes["W8A8 Quamba recipe"],
+                "W8A8 Quamba recipe + learned scales": quamba.QuantConfig(**common, **learn),
+                "W4A8 RTN": quamba.QuantConfig(**four_bit),
+                "W4A8 RTN + learned scales": quamba.QuantConfig(**four_bit, **learn)}
     for a_bits in (8, 16):
         recipes[f"W4A{a_bits} RTN"] = quamba.QuantConfig(**four_bit, a_bits=a_bits)
-        if args.learn_scales and a_bits == 8:
-            recipes["W4A8 RTN + learned scales"] = quamba.QuantConfig(
-                **four_bit, learn_scales=True, learn_steps=args.learn_steps)
         if args.gptq_data:
             recipes[f"W4A{a_bits} GPTQ"] = quamba.QuantConfig(**four_bit, **gptq, a_bits=a_bits)
     if args.mixed_precision is not None:
