@@ -137,7 +137,7 @@ def _learn_block(weights: "_BlockWeights", q_stream, target, calibrated: dict, c
 
 def check_finite(loss: torch.Tensor, layer: int, step: int) -> None:
     if not torch.isfinite(loss):
-        raise QuambaError(f"learning the scales of layer {layer}: the loss is {float(loss)} at "
+        raise QuambaError(f"learning the scales of layer {layer}: the loss is {float(loss.detach())} at "
                           f"step {step} (non-finite activations or learning rate too high)")
 
 
