@@ -50,6 +50,7 @@ def parse_args(argv=None):
                              "RTN, each with and without --learn_scales (the other rows are left out)")
     parser.add_argument("--learn_steps", type=int, default=200)
     parser.add_argument("--learn_num_samples", type=int, default=128)
+    parser.add_argument("--learn_lr", type=float, default=0.01)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default=None, help="write the numbers as JSON here")
@@ -68,12 +69,12 @@ def _recipes(args) -> dict:
                                                                hadamard=False),
     }
     if args.learn_scales:
-        learn = dict(learn_scales=True, learn_steps=args.learn_steps,
+        learn = dict(learn_scales=True, learn_steps=args.learn_steps, learn_lr=args.learn_lr,
                      learn_num_samples=args.learn_num_samples)
-        return {"W8A8 Quamba recipe": recipes["W8A8 Quamba recipe"],
-                "W8A8 Quamba recipe + learned scales": quamba.QuantConfig(**common, **learn),
-                "W4A8 RTN": quamba.QuantConfig(**four_bit),
-                "W4A8 RTN + learned scales": quamba.QuantConfig(**four_bit, **learn)}
+        return {"W4A8 RTN": quamba.QuantConfig(**four_bit),
+                "W4A8 RTN + learned scales": quamba.QuantConfig(**four_bit, **learn),
+                "W8A8 Quamba recipe": recipes["W8A8 Quamba recipe"],
+                "W8A8 Quamba recipe + learned scales": quamba.QuantConfig(**common, **learn)}
     for a_bits in (8, 16):
         recipes[f"W4A{a_bits} RTN"] = quamba.QuantConfig(**four_bit, a_bits=a_bits)
         if args.gptq_data:
@@ -105,20 +106,22 @@ def main(argv=None):
     calib = load_calibration_set(args.calib_data, tokenizer, args.calib_data_num, args.calib_seqlen,
                                  args.seed)
     recipes = _recipes(args)
-    rows = {"FP32": model}
-    for name, config in recipes.items():
-        rows[name] = quamba.quantize(model, tokenizer, config, calib_data=calib)
-    results = {name: evaluate_perplexity(candidate, tokenizer, args.text, task_data=args.task_data,
-                                         window=args.window)
-               for name, candidate in rows.items()}
+    results = {}
+    for name, config in {"FP32": None, **recipes}.items():  # one at a time: memory, partial results
+        candidate = model if config is None else quamba.quantize(model, tokenizer, config,
+                                                                 calib_data=calib)
+        results[name] = evaluate_perplexity(candidate, tokenizer, args.text,
+                                            task_data=args.task_data, window=args.window)
+        if config is not None and config.learn_scales:
+            results[name]["learned_scales"] = candidate.calibration["learned_scales"]
+        if args.out:
+            atomic_write_text(args.out, json.dumps({"args": vars(args), **_run_metadata(args),
+                                                    "results": results}, indent=2))
     fp_ppl = results["FP32"]["perplexity"]
     print("\n" + _protocol(args, calib, results["FP32"]))
     print("| model | perplexity | vs FP |\n|---|---|---|")
     for name, ppl in results.items():
         print(f"| {name} | {ppl['perplexity']:.3f} | {100 * (ppl['perplexity'] / fp_ppl - 1):+.2f}% |")
-    if args.out:
-        atomic_write_text(args.out, json.dumps({"args": vars(args), **_run_metadata(args),
-                                                "results": results}, indent=2))
 
 
 def _run_metadata(args) -> dict:
