@@ -20,8 +20,8 @@ descent on the block's output error against the FP block:
   upstream; its target is the FP block's output on the FP model's own hidden states; the loss is
   the MSE of the residual stream after the block (mixer output + residual);
 * Adam on ``learn_steps`` minibatches of ``learn_batch_size`` samples drawn by a generator seeded
-  with ``seed`` and the layer, on CPU tensors in fp32: same model, data and seed give
-  bit-identical ranges;
+  with ``seed`` and the layer, in fp32: same model, data, seed and machine (device, thread
+  count) give bit-identical ranges;
 * guard: a non-finite loss stops with a QuambaError; a block keeps its learned ranges only where
   their loss over all learning samples is below the calibrated ranges' (else the calibrated ones,
   recorded as such).
@@ -56,7 +56,7 @@ def learn_ranges(fp_model, ranges: dict, tokens: torch.Tensor, config, progress:
     ``fp_model`` (in the quantization basis) and its calibrated ``ranges[layer][kind]``, learned on
     the calibration ``tokens``. ``ranges`` itself is not modified."""
     from quamba.quantization.quantize import quantized_block
-    _check_mamba1(fp_model)
+    check_learnable(fp_model)
     samples = tokens[:config.learn_num_samples]
     batch = config.calib_batch_size
     with torch.no_grad():
@@ -77,7 +77,8 @@ def learn_ranges(fp_model, ranges: dict, tokens: torch.Tensor, config, progress:
     return learned, record
 
 
-def _check_mamba1(model) -> None:
+def check_learnable(model) -> None:
+    """A one-line QuambaError unless every block of ``model`` is a Mamba1 block."""
     for layer, mixer in enumerate(model.mixers()):
         if type(mixer) is not MambaMixer:
             raise QuambaError(f"--learn_scales supports Mamba1 blocks; layer {layer} is a "

@@ -96,6 +96,9 @@ def _check_quantizable(model, config: QuantConfig) -> None:
     if not model.config.conv_bias and not config.weight_only:
         raise QuambaError("models without a conv1d bias are not supported by the W8A8 and W4A8 "
                           "recipes")
+    if config.learn_scales:
+        from quamba.quantization.learn_scales import check_learnable
+        check_learnable(model)
     if model.config.bias:
         raise QuambaError("models with biases in in_proj and out_proj are not supported by the "
                           "quantized layers")
