@@ -156,6 +156,11 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> _Flags:
     flags.add(group, "--calib_data_num", type=int, default=512, help="calibration samples (default 512)")
     flags.add(group, "--calib_seqlen", type=int, default=512,
               help="tokens per calibration sample (default 512)")
+    flags.add(group, "--learn_scales", action="store_true",
+              help="after calibration, learn each Mamba1 block's activation scales by minimizing "
+                   "its output error against the FP block (8-bit activations only)")
+    flags.add(group, "--learn_steps", type=int, default=200, metavar="N",
+              help="Adam steps per block of --learn_scales (default 200)")
     modes = group.add_mutually_exclusive_group()
     flags.add(modes, "--ssm_mode", choices=SSM_MODES, metavar="MODE",
               help=f"SSM dequantization mode, one of {', '.join(SSM_MODES)} (default: int8 for a "
@@ -185,6 +190,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     check_model_arguments(parser, args)
     if args.fewshot is not None and not args.eval_few_shot:
         parser.error("--fewshot needs --eval_few_shot")
+    if args.learn_scales and not args.quantize:
+        parser.error("--learn_scales needs --quantize (it learns the scales of a fresh quantization)")
+    if args.learn_scales and args.a_bits != 8:
+        parser.error("--learn_scales learns activation scales; it needs --a_bits 8")
     evaluates = args.eval_zero_shot or args.eval_few_shot or args.eval_ppl or args.eval_image
     if not evaluates and not (args.quantize and args.pretrained_dir):
         parser.error("nothing to do: give --eval_zero_shot, --eval_few_shot, --eval_ppl or "
@@ -200,6 +209,7 @@ def model_request(args: argparse.Namespace) -> ModelRequest:
         hadamard=False if args.no_hadamard else None, mixed_precision=args.mixed_precision,
         ssm_mode=args.ssm_mode, lm_head=args.lm_head, quantize_embedding=args.quantize_embedding,
         state_cache=args.state_cache, percentile_alpha=args.percentile_alpha,
+        learn_scales=args.learn_scales, learn_steps=args.learn_steps,
         calib_source=args.calib_data, calib_num_samples=args.calib_data_num,
         calib_seqlen=args.calib_seqlen, seed=args.seed, pretrained_dir=args.pretrained_dir,
         device=args.device, dtype=args.dtype, tokenizer=args.tokenizer, backend=args.backend)

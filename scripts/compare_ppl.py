@@ -2,7 +2,8 @@
 
 Naive W8A8 = absmax observers everywhere and no Hadamard rotation. W4A8 and W4A16 quantize
 in_proj, x_proj and out_proj to 4-bit groups of --group_size with round-to-nearest, and with
-GPTQ too when --gptq_data is given; --mixed_precision adds W4AX rows (that fraction of the layers
+GPTQ too when --gptq_data is given; --learn_scales compares W8A8 and W4A8 RTN with calibrated
+and with learned activation scales (quamba.quantization.learn_scales) instead; --mixed_precision adds W4AX rows (that fraction of the layers
 W4A16, chosen by measured sensitivity). Every recipe is calibrated on the same samples (W4A16
 calibrates nothing). Mamba2 models take the same recipes (Quamba2's scales). Example (offline, test model, the README's table):
 
@@ -14,7 +15,9 @@ calibrates nothing). Mamba2 models take the same recipes (Quamba2's scales). Exa
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import subprocess
 
 import torch
 
@@ -42,6 +45,12 @@ def parse_args(argv=None):
     parser.add_argument("--act_order", action="store_true", help="GPTQ in act-order")
     parser.add_argument("--mixed_precision", type=float, default=None, metavar="FRACTION",
                         help="add per-layer mixed-precision rows: this fraction of the layers W4A16")
+    parser.add_argument("--learn_scales", action="store_true",
+                        help="compare calibrated and learned activation scales: rows W8A8 and W4A8 "
+                             "RTN, each with and without --learn_scales (the other rows are left out)")
+    parser.add_argument("--learn_steps", type=int, default=200)
+    parser.add_argument("--learn_num_samples", type=int, default=128)
+    parser.add_argument("--learn_lr", type=float, default=0.01)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default=None, help="write the numbers as JSON here")
@@ -59,6 +68,13 @@ def _recipes(args) -> dict:
         "W8A8 naive (absmax, no rotation)": quamba.QuantConfig(seed=args.seed, percentile_alpha=None,
                                                                hadamard=False),
     }
+    if args.learn_scales:
+        learn = dict(learn_scales=True, learn_steps=args.learn_steps, learn_lr=args.learn_lr,
+                     learn_num_samples=args.learn_num_samples)
+        return {"W4A8 RTN": quamba.QuantConfig(**four_bit),
+                "W4A8 RTN + learned scales": quamba.QuantConfig(**four_bit, **learn),
+                "W8A8 Quamba recipe": recipes["W8A8 Quamba recipe"],
+                "W8A8 Quamba recipe + learned scales": quamba.QuantConfig(**common, **learn)}
     for a_bits in (8, 16):
         recipes[f"W4A{a_bits} RTN"] = quamba.QuantConfig(**four_bit, a_bits=a_bits)
         if args.gptq_data:
@@ -90,19 +106,29 @@ def main(argv=None):
     calib = load_calibration_set(args.calib_data, tokenizer, args.calib_data_num, args.calib_seqlen,
                                  args.seed)
     recipes = _recipes(args)
-    rows = {"FP32": model}
-    for name, config in recipes.items():
-        rows[name] = quamba.quantize(model, tokenizer, config, calib_data=calib)
-    results = {name: evaluate_perplexity(candidate, tokenizer, args.text, task_data=args.task_data,
-                                         window=args.window)
-               for name, candidate in rows.items()}
+    results = {}
+    for name, config in {"FP32": None, **recipes}.items():  # one at a time: memory, partial results
+        candidate = model if config is None else quamba.quantize(model, tokenizer, config,
+                                                                 calib_data=calib)
+        results[name] = evaluate_perplexity(candidate, tokenizer, args.text,
+                                            task_data=args.task_data, window=args.window)
+        if config is not None and config.learn_scales:
+            results[name]["learned_scales"] = candidate.calibration["learned_scales"]
+        if args.out:
+            atomic_write_text(args.out, json.dumps({"args": vars(args), **_run_metadata(args),
+                                                    "results": results}, indent=2))
     fp_ppl = results["FP32"]["perplexity"]
     print("\n" + _protocol(args, calib, results["FP32"]))
     print("| model | perplexity | vs FP |\n|---|---|---|")
     for name, ppl in results.items():
         print(f"| {name} | {ppl['perplexity']:.3f} | {100 * (ppl['perplexity'] / fp_ppl - 1):+.2f}% |")
-    if args.out:
-        atomic_write_text(args.out, json.dumps({"args": vars(args), "results": results}, indent=2))
+
+
+def _run_metadata(args) -> dict:
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip() or "unknown"
+    return {"commit": commit, "device": args.device, "torch": torch.__version__,
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
 
 
 if __name__ == "__main__":

@@ -95,6 +95,13 @@ def test_flags_map_onto_the_library():
     assert plan.tasks == main.DEFAULT_TASKS
 
 
+def test_learn_scales_flags_reach_the_recipe():
+    args = main.parse_args(["m", "--quantize", "--eval_ppl", "--learn-scales", "--learn_steps", "7"])
+    config = main.model_request(args).quant_config()
+    assert config.learn_scales and config.learn_steps == 7
+    assert not main.model_request(main.parse_args(["m", "--quantize", "--eval_ppl"])).learn_scales
+
+
 @pytest.mark.parametrize("argv", [
     ["m", "--eval_ppl", "--ssm_mode", "int8", "--fp32-ssm-input"],
     ["m", "--eval_ppl", "--fp32-ssm-input", "--float-sim-asic-int8"],
@@ -103,6 +110,8 @@ def test_flags_map_onto_the_library():
     ["m", "--eval-ppl", "--no-such-flag"],
     ["m", "--fewshot", "3", "--eval_zero_shot"],
     ["m"],  # nothing to do
+    ["m", "--eval_ppl", "--learn_scales"],  # nothing quantized to learn scales for
+    ["m", "--quantize", "--eval_ppl", "--learn_scales", "--w_bits", "4", "--a_bits", "16"],
 ])
 def test_bad_arguments_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as exited:

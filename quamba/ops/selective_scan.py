@@ -78,11 +78,13 @@ def _selective_scan_torch(u, delta, A, B, C, D, z, delta_bias, delta_softplus, i
         else:
             decay, step_input, previous_drive = _discretized_chunk(
                 discretization, dt, A, u[:, :, start:stop], B[:, :, start:stop], previous_drive)
-        states = torch.empty_like(decay)
-        for t in range(stop - start):
-            state = decay[:, :, t] * state + step_input[:, :, t]
-            states[:, :, t] = state
-        ys.append(torch.einsum("bdtn,bnt->bdt", states, C[:, :, start:stop]))
+        # unbound and stacked, not indexed and written into a buffer: each indexing or write
+        # costs autograd's backward a tensor of the chunk's size, unbind and stack one in all
+        states = []
+        for step_decay, step_drive in zip(decay.unbind(2), step_input.unbind(2)):
+            state = step_decay * state + step_drive
+            states.append(state)
+        ys.append(torch.einsum("bdtn,bnt->bdt", torch.stack(states, dim=2), C[:, :, start:stop]))
     y = torch.cat(ys, dim=-1) if ys else u.new_zeros(batch, d_inner, 0)
     if D is not None:
         y = y + u * D.to(dtype)[None, :, None]

@@ -17,7 +17,10 @@ _RUNTIME_FIELDS = ("ssm_mode", "backend", "calib_batch_size", "state_cache")
 STATE_CACHE_FORMATS = ("int8", "fp32")
 # Fields of the activation calibration, which weight-only recipes do not run.
 _CALIBRATION_FIELDS = ("percentile_alpha", "observers", "calib_source", "calib_num_samples",
-                       "calib_seqlen")
+                       "calib_seqlen", "learn_scales", "learn_steps", "learn_lr",
+                       "learn_num_samples", "learn_batch_size")
+# Fields of the learned-scales pass, part of a recipe only when it runs.
+_LEARN_FIELDS = ("learn_steps", "learn_lr", "learn_num_samples", "learn_batch_size")
 
 
 @dataclass
@@ -44,6 +47,11 @@ class QuantConfig:
     state_cache: the decode SSM state of the int8 mixers, "int8" (Quamba: per-tensor calibrated
       ``state_scale``, requantized every step) or "fp32" (the prefill's last state and every
       decode step kept in fp32; 4× the memory). A runtime choice: no weight depends on it.
+
+    learn_scales: refine the calibrated activation ranges of each Mamba1 block by minimizing its
+      output error against the FP block (quamba.quantization.learn_scales): Adam with learning
+      rate ``learn_lr`` on log(range), ``learn_steps`` minibatches of ``learn_batch_size`` of the
+      first ``learn_num_samples`` calibration samples. 8-bit activations only.
     """
 
     w_bits: int = 8
@@ -57,6 +65,11 @@ class QuantConfig:
     calib_num_samples: int = 512
     calib_seqlen: int = 512
     calib_batch_size: int = 8
+    learn_scales: bool = False
+    learn_steps: int = 200
+    learn_lr: float = 0.01
+    learn_num_samples: int = 128
+    learn_batch_size: int = 4
     seed: int = 0
     backend: str | None = None
     # GPTQ for 4-bit weights (Quamba2): Hessians from gptq_num_samples × gptq_seqlen tokens
@@ -94,8 +107,14 @@ class QuantConfig:
         self.gptq_layers = tuple(self.gptq_layers)  # JSON round trips give lists
         self._check_mixed_precision()
         self._check_head_and_state()
+        if self.learn_scales and self.weight_only:
+            raise QuambaError("learn_scales learns activation scales; a W4A16 recipe has none "
+                              "(use a_bits=8)")
+        if not self.learn_lr > 0:
+            raise QuambaError(f"learn_lr must be positive, got {self.learn_lr}")
         for kind in ("calib_num_samples", "calib_seqlen", "calib_batch_size", "group_size",
-                     "gptq_num_samples", "gptq_seqlen", "gptq_block_size"):
+                     "gptq_num_samples", "gptq_seqlen", "gptq_block_size", "learn_steps",
+                     "learn_num_samples", "learn_batch_size"):
             if getattr(self, kind) <= 0:
                 raise QuambaError(f"{kind} must be positive, got {getattr(self, kind)}")
 
@@ -178,6 +197,8 @@ class QuantConfig:
     def recipe(self) -> dict:
         """The fields that determine the quantized weights and scales (not how they are run)."""
         ignored = _RUNTIME_FIELDS + (_CALIBRATION_FIELDS if self.weight_only else ())
+        if not self.learn_scales:
+            ignored += _LEARN_FIELDS
         if self.mixed_precision is not None:  # the layers follow from it and the calibration data
             ignored += ("layer_bits",)
         return {k: v for k, v in self.to_dict().items() if k not in ignored}

@@ -17,7 +17,7 @@ from quamba.layers.qmixer import QMambaMixer
 from quamba.layers.qmixer2 import QMamba2Mixer
 from quamba.layers.qnorm import QRMSNorm
 from quamba.layers.weight_only import weight_only_mixer_from_float
-from quamba.models.mamba import MambaLMHeadModel
+from quamba.models.mamba import Block, MambaLMHeadModel
 from quamba.models.mamba2 import Mamba2Mixer
 from quamba.models.quantized import QuantizedMambaLM
 from quamba.models.vision import VisionMamba
@@ -62,6 +62,8 @@ def quantize(model: MambaLMHeadModel, tokenizer=None, config: QuantConfig | None
 
     config = config or QuantConfig()
     if isinstance(model, VisionMamba):
+        if config.learn_scales:
+            raise QuambaError("learn_scales supports Mamba1 language models, not Vision Mamba")
         from quamba.quantization.quantize_vision import quantize_vision
         return quantize_vision(model, config, calib_data, progress)
     _check_quantizable(model, config)
@@ -70,6 +72,9 @@ def quantize(model: MambaLMHeadModel, tokenizer=None, config: QuantConfig | None
         ranges, record, tokens = None, {}, None
     else:
         ranges, record, tokens = _calibrate(work, tokenizer, config, calib_data, progress)
+    if config.learn_scales:
+        from quamba.quantization.learn_scales import learn_ranges
+        ranges, record["learned_scales"] = learn_ranges(work, ranges, tokens, config, progress)
     qmodel = build_quantized_model(work, ranges, config)
     if config.mixed_precision is not None and config.layer_bits is None:
         config, record["layer_sensitivity"] = _mixed_precision_(qmodel, work, ranges, config, tokens)
@@ -92,6 +97,9 @@ def _check_quantizable(model, config: QuantConfig) -> None:
     if not model.config.conv_bias and not config.weight_only:
         raise QuambaError("models without a conv1d bias are not supported by the W8A8 and W4A8 "
                           "recipes")
+    if config.learn_scales:
+        from quamba.quantization.learn_scales import check_learnable
+        check_learnable(model)
     if model.config.bias:
         raise QuambaError("models with biases in in_proj and out_proj are not supported by the "
                           "quantized layers")
@@ -168,6 +176,13 @@ def _quantize_ends_(qmodel: QuantizedMambaLM, fp_model: MambaLMHeadModel, ranges
         qmodel.lm_head.load_float_weight(fp_model.lm_head.weight)
     elif not qmodel.ties_lm_head:
         qmodel.lm_head.weight.data.copy_(fp_model.lm_head.weight)
+
+
+def quantized_block(fp_block, layer: int, ranges: dict, config: QuantConfig, model_config) -> Block:
+    """A new Block: ``fp_block`` quantized at layer ``layer``'s bits with ``ranges``."""
+    block = Block(None, None)
+    _quantize_block_(block, fp_block, layer, ranges, config, model_config)
+    return block
 
 
 def _quantize_block_(block, fp_block, layer: int, ranges: dict, config: QuantConfig,
