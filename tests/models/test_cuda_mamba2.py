@@ -73,6 +73,13 @@ def test_every_quantized_op_runs_on_cuda(qmodel):
             "qconv1d_channelwise_update", "qssd_scan", "qssd_state_update"} <= on_cuda
 
 
+# The SSD kernel's products run in fp16 (tf32 for fp32 inputs): each op stays within 3e-3 of
+# its reference (tests/ops/test_cuda_qssd.py), but the int8 requantization after the SSD turns
+# such roundings into one-step code flips, which in this random 3-layer model compound to 3-4% of
+# the logits' norm (H100, 7169e1b: 3.7%; the roundings emulated in the torch reference on CPU:
+# 3.1% W8A8, 3.0% W4A8, against 7% and 36% for quantization itself; the trained tiny-mamba2's
+# W8A8 perplexity moves by 0.008%: benchmarks/ssd_product_precision.py). A wrong chunk, scale or
+# layout moves them by tens of percent.
 @pytest.mark.parametrize("mode", ["int8", "fp32-ssm-input", "fp32-conv"])
 def test_kernels_match_the_torch_reference(qmodel, mode, monkeypatch):
     ids = tokens(3, 200, seed=4)
@@ -82,7 +89,7 @@ def test_kernels_match_the_torch_reference(qmodel, mode, monkeypatch):
         monkeypatch.setenv("QUAMBA_BACKEND", "torch")
         reference = qmodel(ids).float()
     qmodel.set_ssm_mode("int8")
-    assert (fast - reference).norm() / reference.norm() < 2e-2, mode
+    assert (fast - reference).norm() / reference.norm() < 6e-2, mode
 
 
 def test_decode_continues_the_prefill(qmodel):

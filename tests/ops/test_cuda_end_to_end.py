@@ -106,7 +106,11 @@ def test_cuda_backend_generates(quantized, monkeypatch):
     assert float(gap.max()) <= NEAR_TIE, f"gaps to the torch backend's first choice: {gap.tolist()}"
 
 
-@pytest.mark.parametrize("method", ["zoh-exact", "bilinear", "foh", "rk4"])
+# rk4 is left out: this model's steps reach Δa ≈ -8.3 (measured on CPU), where rk4's
+# Ā = 1 + z + z²/2 + z³/6 + z⁴/24 ≈ 130, so its state grows without bound and two correct
+# summation orders part ways (the H100 run of 7169e1b failed this test for rk4, and the FP model's
+# rk4 logits are NaN on this text). tests/ops/test_cuda_ssm.py checks rk4's kernels at stable steps.
+@pytest.mark.parametrize("method", ["zoh-exact", "bilinear", "foh"])
 def test_cuda_runs_every_discretization(quantized, monkeypatch, method):
     """The quantized mixers switched to another discretization (calibrated with zoh: this checks
     the kernels, not the method): the cuda prefill agrees with the torch one, and cuda decode
@@ -116,8 +120,7 @@ def test_cuda_runs_every_discretization(quantized, monkeypatch, method):
     for mixer in (m for m in qmodel.modules() if hasattr(m, "discretization")):
         monkeypatch.setattr(mixer, "discretization", method)
     reference = logits_with(qmodel, "torch", ids, monkeypatch)
-    if not reference.isfinite().all():
-        pytest.skip(f"{method} is unstable at this model's steps (rk4: Δa below -2.78)")
+    assert reference.isfinite().all(), method
     full = logits_with(qmodel, "cuda", ids, monkeypatch)
     assert (full - reference).norm() / reference.norm() < 2e-2
     assert "cuda" in used_backends()["qsscan"]
