@@ -212,6 +212,9 @@ setup(
     extras_require={"dev": [
         "pytest",
         "scipy",  # cont2discrete and solve_ivp: the references of tests/ops/test_discretization.py
+        # its interpreter runs the Triton kernels' small tests on CPU (TRITON_INTERPRET, set by
+        # tests/conftest.py); on a GPU the triton that torch's CUDA wheels pin satisfies it
+        "triton; platform_system == 'Linux'",
     ]},
     **extension_kwargs(),
 )

@@ -77,8 +77,12 @@ build_extension() {
   "$PYTHON" -c "import quamba._C; print('quamba._C built')"
 }
 
+# The GPU tests: the test_cuda_* files, and the Triton kernels' files whose small cases also run
+# on CPU under Triton's interpreter. (`pytest -m gpu tests/` needs every test module's imports,
+# datasets and lm_eval included, which this offline --no-deps install does not bring.)
 run_tests() {
-  "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/*/test_cuda_*.py
+  "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/*/test_cuda_*.py \
+    tests/ops/test_trainable_scan.py tests/ops/test_full_scan_kernel.py
 }
 
 # sanitize TOOL TESTS SELECTION: runs the selected tests under compute-sanitizer's TOOL; any error

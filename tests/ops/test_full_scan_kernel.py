@@ -5,6 +5,7 @@ The small-shape tests run the kernel itself: on a GPU, or on CPU under Triton's 
 (``TRITON_INTERPRET=1 python -m pytest -q tests/ops/test_full_scan_kernel.py``); the others go
 through the ops' ``cuda`` backend on real shapes and need a GPU. What the kernel lacks is a
 BackendError under ``cuda`` on any device."""
+import importlib.util
 import os
 
 import pytest
@@ -18,8 +19,9 @@ from quamba.ops.selective_scan import selective_scan
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 runs_kernel = pytest.mark.skipif(
-    not HAS_CUDA and os.environ.get("TRITON_INTERPRET") != "1",
-    reason="runs the Triton kernel: needs a CUDA device or TRITON_INTERPRET=1")
+    importlib.util.find_spec("triton") is None
+    or (not HAS_CUDA and os.environ.get("TRITON_INTERPRET") != "1"),
+    reason="runs the Triton kernel: needs Triton, and a CUDA device or TRITON_INTERPRET=1")
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 
 
