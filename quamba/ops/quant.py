@@ -16,6 +16,8 @@ Symmetric, per-tensor (or per-channel where stated), static int8:
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 INT8_MAX = 127
@@ -41,6 +43,18 @@ def reciprocal(scale) -> torch.Tensor | float:
     if isinstance(scale, torch.Tensor):
         return torch.reciprocal(scale.float())
     return to_fp32(1.0 / to_fp32(scale))
+
+
+@functools.lru_cache(maxsize=4096)
+def fp32_value(value: float) -> float:
+    """:func:`to_fp32` of a Python float, cached: the constants kernel launchers pass per call."""
+    return float(to_fp32(value))
+
+
+@functools.lru_cache(maxsize=4096)
+def fp32_reciprocal(scale: float) -> float:
+    """:func:`reciprocal` of a Python float scale, cached."""
+    return float(reciprocal(scale))
 
 
 def quantize(x: torch.Tensor, scale) -> torch.Tensor:

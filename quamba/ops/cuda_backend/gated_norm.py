@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from quamba.ops import backend
-from quamba.ops.quant import to_fp32
+from quamba.ops.quant import fp32_value
 
 
 @triton.jit
@@ -33,7 +33,7 @@ def _gated_rms_norm_cuda(y, z, weight, group_size, eps, z_scale):
     block = triton.next_power_of_2(group_size)
     grid = (y_rows.shape[0], dim // group_size)
     _gated_rms_norm_kernel[grid](
-        y_rows, z_rows, 1.0 if z_scale is None else float(to_fp32(float(z_scale))),
+        y_rows, z_rows, 1.0 if z_scale is None else fp32_value(float(z_scale)),
         out if weight is None else weight.contiguous(), out, dim, group_size, eps,
         BLOCK=block, HAS_WEIGHT=weight is not None, num_warps=min(16, max(1, block // 512)))
     return out.view(y.shape)

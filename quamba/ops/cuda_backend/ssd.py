@@ -26,7 +26,7 @@ import triton.language as tl
 from torch.utils.weak import WeakIdKeyDictionary
 
 from quamba.ops import backend
-from quamba.ops.quant import quantize, reciprocal, to_fp32
+from quamba.ops.quant import fp32_reciprocal, fp32_value, quantize
 
 # Tiles, chosen on an H100 at Mamba2-2.7B's heads (80 × 64, d_state 128), L 1024-2048, batch 1-8
 CHUNK = 256  # steps per chunk (mamba-ssm's default)
@@ -396,12 +396,12 @@ def _launch_step(state, x, x_table, dt, dt_scale, B, B_table, C, C_table, A, D, 
         raise ValueError("the SSD step kernel needs a contiguous fp32 or int8 state")
     if int8_state and state_scale is None:
         raise ValueError("an int8 SSD state needs its state_scale")
-    scale = to_fp32(float(state_scale)) if int8_state else 1.0
+    scale = fp32_value(float(state_scale)) if int8_state else 1.0
     y = torch.empty(batch, nheads, headdim, dtype=out_dtype, device=x.device)
     block_p = min(_block(headdim), 64)
     grid = (batch, nheads, triton.cdiv(headdim, block_p))
     _ssd_step_kernel[grid](
-        state, scale, reciprocal(scale) if int8_state else 1.0, x, x_table, dt, dt_scale, B,
+        state, scale, fp32_reciprocal(scale) if int8_state else 1.0, x, x_table, dt, dt_scale, B,
         B_table, C, C_table, A, D, dt_bias, y, headdim, d_state, nheads // ngroups,
         *x.stride(), *dt.stride(), *B.stride(), *C.stride(),
         BLOCK_P=block_p, BLOCK_N=_block(d_state), INT8_STATE=int8_state)

@@ -26,17 +26,7 @@ import quamba._C  # noqa: F401  loads torch.ops.quamba.*
 from quamba.ops import backend
 from quamba.ops.discretization import DEFAULT
 from quamba.ops.hadamard import hadamard_factors, hadamard_sign_matrix
-from quamba.ops.quant import reciprocal, requant_multiplier, to_fp32
-
-
-@functools.lru_cache(maxsize=4096)
-def _fp32(value: float) -> float:
-    return float(to_fp32(value))
-
-
-@functools.lru_cache(maxsize=4096)
-def _inverse(scale: float) -> float:
-    return float(reciprocal(scale))
+from quamba.ops.quant import fp32_reciprocal, fp32_value, reciprocal, requant_multiplier
 
 
 @functools.lru_cache(maxsize=4096)
@@ -50,7 +40,7 @@ def _scale(value) -> float | None:
 
 
 def _inverse_or_none(scale) -> float | None:
-    return None if scale is None else _inverse(_scale(scale))
+    return None if scale is None else fp32_reciprocal(_scale(scale))
 
 
 def _silu_flag(activation) -> bool:
@@ -61,7 +51,7 @@ def _silu_flag(activation) -> bool:
 
 def _conv_constants(x_scale, weight_scale, bias, bias_scale, out_scale):
     multiplier = _multiplier(_scale(x_scale), _scale(weight_scale))
-    bias_scale32 = _fp32(_scale(bias_scale)) if bias is not None else 1.0
+    bias_scale32 = fp32_value(_scale(bias_scale)) if bias is not None else 1.0
     return multiplier, bias_scale32, _inverse_or_none(out_scale)
 
 
@@ -109,7 +99,7 @@ def _qconv1d_channelwise_cuda(x, x_scale, weight, weight_scale, bias, bias_scale
                               activation):
     silu = _silu_flag(activation)
     multipliers, out_inv = _channel_conv_constants(x_scale, weight_scale, out_scale, x.device)
-    bias_scale32 = _fp32(_scale(bias_scale)) if bias is not None else 1.0
+    bias_scale32 = fp32_value(_scale(bias_scale)) if bias is not None else 1.0
     return torch.ops.quamba.qconv1d_channelwise(x, weight, bias, multipliers, bias_scale32,
                                                 out_inv, silu)
 
@@ -119,7 +109,7 @@ def _qconv1d_channelwise_update_cuda(x, conv_state, x_scale, weight, weight_scal
                                      bias_scale, out_scale, activation):
     silu = _silu_flag(activation)
     multipliers, out_inv = _channel_conv_constants(x_scale, weight_scale, out_scale, x.device)
-    bias_scale32 = _fp32(_scale(bias_scale)) if bias is not None else 1.0
+    bias_scale32 = fp32_value(_scale(bias_scale)) if bias is not None else 1.0
     return torch.ops.quamba.qconv1d_channelwise_update(x, conv_state, weight, bias, multipliers,
                                                        bias_scale32, out_inv, silu)
 
@@ -128,12 +118,12 @@ def _input_scale(t: torch.Tensor, scale) -> float:
     """fp32 scale of int8 codes; float inputs ignore theirs (0.0 makes a missing one an error)."""
     if t.dtype != torch.int8:
         return 1.0
-    return 0.0 if scale is None else _fp32(_scale(scale))
+    return 0.0 if scale is None else fp32_value(_scale(scale))
 
 
 def _param_args(params):
-    return (params.A_log, _fp32(_scale(params.A_log_scale)), params.D,
-            _fp32(_scale(params.D_scale)), params.dt_bias, _fp32(_scale(params.dt_bias_scale)))
+    return (params.A_log, fp32_value(_scale(params.A_log_scale)), params.D,
+            fp32_value(_scale(params.D_scale)), params.dt_bias, fp32_value(_scale(params.dt_bias_scale)))
 
 
 def qsscan_op_args(u, u_scale, dt, dt_scale, B, B_scale, C, C_scale, z, z_scale, params,
@@ -169,8 +159,8 @@ def _qsscan_update_cuda(state, state_scale, u, u_scale, dt, dt_scale, B, B_scale
 def _rmsnorm_quant_cuda(x, residual, weight, eps, out_scale, residual_in_fp32):
     residual = None if residual is None else residual.contiguous()
     weight = None if weight is None else weight.contiguous()
-    return torch.ops.quamba.rmsnorm_quant(x.contiguous(), residual, weight, _fp32(float(eps)),
-                                          _inverse(_scale(out_scale)), residual_in_fp32)
+    return torch.ops.quamba.rmsnorm_quant(x.contiguous(), residual, weight, fp32_value(float(eps)),
+                                          fp32_reciprocal(_scale(out_scale)), residual_in_fp32)
 
 
 @functools.lru_cache(maxsize=None)
@@ -179,11 +169,11 @@ def _hadamard_plan(n: int) -> tuple[int, int, list[int], float]:
     m, p = hadamard_factors(n)
     negative = hadamard_sign_matrix(m, dtype=torch.int8) < 0  # [c, a]
     masks = [sum(1 << c for c in range(m) if negative[c, a]) for a in range(m)]
-    return m, p, masks, _fp32(1 / math.sqrt(n))
+    return m, p, masks, fp32_value(1 / math.sqrt(n))
 
 
 @backend.register("hadamard_quant", "cuda")
 def _hadamard_quant_cuda(x, out_scale):
     m, p, masks, norm = _hadamard_plan(x.shape[-1])
     return torch.ops.quamba.hadamard_quant(x.contiguous(), m, p, masks, norm,
-                                           _inverse(_scale(out_scale)))
+                                           fp32_reciprocal(_scale(out_scale)))
