@@ -12,7 +12,6 @@ included) and every row is built from those ranges, so rows differ only in what 
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 
@@ -25,14 +24,11 @@ from quamba.quantization.quantize import build_quantized_model
 from quamba.quantization.rotation import quantization_basis_
 from quamba.utils.io import atomic_write_text
 
+from compare_ppl import protocol_parser  # scripts/ (the running script's folder)
+
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("model", help="hub id or local model directory")
-    parser.add_argument("--calib_data", required=True, help="calibration source (file or hub id)")
-    parser.add_argument("--calib_data_num", type=int, default=512)
-    parser.add_argument("--calib_seqlen", type=int, default=512)
-    parser.add_argument("--text", default="wikitext2", help="'wikitext2' or a .txt/.jsonl file")
+    parser = protocol_parser(__doc__.splitlines()[0])
     parser.add_argument("--task_data", default=None, help="directory with wikitext2_test_docs.jsonl")
     parser.add_argument("--window", type=int, default=2048)
     parser.add_argument("--percentile_alpha", type=float, default=0.9995)

@@ -27,13 +27,20 @@ from quamba.eval.perplexity import evaluate_perplexity
 from quamba.utils.io import atomic_write_text
 
 
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def protocol_parser(description: str) -> argparse.ArgumentParser:
+    """A parser with the README's perplexity protocol's arguments (model, calibration set, held-out
+    text), which scripts/compare_head_ppl.py and scripts/decode_state_ppl.py share."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("model", help="hub id or local model directory")
     parser.add_argument("--calib_data", required=True, help="calibration source (file or hub id)")
     parser.add_argument("--calib_data_num", type=int, default=512)
     parser.add_argument("--calib_seqlen", type=int, default=512)
     parser.add_argument("--text", default="wikitext2", help="'wikitext2' or a .txt/.jsonl file")
+    return parser
+
+
+def parse_args(argv=None):
+    parser = protocol_parser(__doc__.splitlines()[0])
     parser.add_argument("--task_data", default=None, help="directory with wikitext2_test_docs.jsonl")
     parser.add_argument("--window", type=int, default=2048)
     parser.add_argument("--percentile_alpha", type=float, default=0.9995)

@@ -14,7 +14,6 @@ allocates, for the test model and for the Mamba-2.8B shapes (64 layers, d_inner 
 """
 from __future__ import annotations
 
-import argparse
 import json
 
 import torch
@@ -26,6 +25,8 @@ from quamba.eval.perplexity import evaluate_perplexity
 from quamba.models.config import preset_config
 from quamba.models.quantized import QuantizedMambaLM
 from quamba.utils.io import atomic_write_text
+
+from compare_ppl import protocol_parser  # scripts/ (the running script's folder)
 
 
 class DecodePath(nn.Module):
@@ -62,12 +63,7 @@ def mamba_2_8b_cache_bytes() -> dict:
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("model", help="hub id or local model directory")
-    parser.add_argument("--calib_data", required=True, help="calibration source (file or hub id)")
-    parser.add_argument("--calib_data_num", type=int, default=512)
-    parser.add_argument("--calib_seqlen", type=int, default=512)
-    parser.add_argument("--text", default="wikitext2", help="'wikitext2' or a .txt/.jsonl file")
+    parser = protocol_parser(__doc__.splitlines()[0])
     parser.add_argument("--window", type=int, default=2048)
     parser.add_argument("--batch_size", type=int, default=8, help="windows decoded together")
     parser.add_argument("--w_bits", type=int, default=8)
