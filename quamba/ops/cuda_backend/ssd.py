@@ -346,13 +346,13 @@ def _launch_scan(x, x_table, dt, dt_scale, B, B_table, C, C_table, A, D, dt_bias
         return y, state
     if x.dtype not in _DOT_DTYPES:
         raise TypeError(f"the SSD kernel takes int8, fp16, bf16 or fp32 x, got {x.dtype}")
-    dot_dtype, carried_dtype = _DOT_DTYPES[x.dtype]
+    dot_dtype, operand_dtype = _DOT_DTYPES[x.dtype]
     nchunks, blocks = triton.cdiv(seqlen, CHUNK), CHUNK // BLOCK_T
     padded_len = nchunks * CHUNK
     steps = torch.empty(2, batch * nheads, padded_len, dtype=torch.float32, device=device)
     own_states = torch.empty(batch * nheads, nchunks, headdim, d_state, dtype=torch.float32,
                              device=device)
-    carried = torch.empty(own_states.shape, dtype=carried_dtype, device=device)
+    carried = torch.empty(own_states.shape, dtype=operand_dtype, device=device)
     scores = torch.empty(batch * ngroups, nchunks, CHUNK, CHUNK, dtype=torch.float32, device=device)
     block_n = _block(d_state)
     block_p = min(_block(headdim), 64)
@@ -363,7 +363,7 @@ def _launch_scan(x, x_table, dt, dt_scale, B, B_table, C, C_table, A, D, dt_bias
         BLOCK_N=block_n, **tiles)
     state_block_n = min(block_n, STATE_BLOCK_N)
     n_blocks = triton.cdiv(d_state, state_block_n)
-    x_codes = torch.empty(x.shape, dtype=carried_dtype, device=device) if x.dtype == torch.int8 else x
+    x_codes = torch.empty(x.shape, dtype=operand_dtype, device=device) if x.dtype == torch.int8 else x
     _chunk_state_kernel[(nchunks, batch * nheads, p_blocks * n_blocks)](
         x, x_table, dt, dt_scale, B, B_table, A, dt_bias, steps[0], steps[1], own_states, x_codes,
         seqlen, nheads, headdim, d_state, nheads // ngroups, padded_len, n_blocks, *x.stride(),
