@@ -2,12 +2,17 @@
 vs ``causal_conv1d_fn`` (+SiLU), and the decode steps vs ``selective_state_update`` /
 ``causal_conv1d_update``; rmsnorm_quant and hadamard_quant are timed too (no baseline).
 
-Shapes: batch 1, d_inner 5120, d_state 16 (Mamba-2.8B), seqlen 1024 and 2048. The int8 ops are
-timed in the module's layout (channel-last views of the GEMM outputs, ``layout=module``) and
-channel-first (``layout=contiguous``, the layout mamba-ssm is given). GB/s counts each input
+Shapes: d_inner 5120, d_state 16 (Mamba-2.8B); the scans at batch 1 and 8 over 1024 and 2048
+tokens and at batch 1 over 4096 and 8192 (``--quick``: the first two), the other ops at batch 1,
+seqlen 1024 and 2048. The int8 ops are timed in the module's layout (channel-last views of the
+GEMM outputs, ``layout=module``) and channel-first (``layout=contiguous``, the layout mamba-ssm is
+given). GB/s counts each input
 read once and each output written once (y, and the last state); ``floor_us`` is those bytes
 over the device's measured copy bandwidth. The baseline columns are left empty, with a note,
 where mamba-ssm or causal-conv1d is not installed.
+
+``--configs`` adds every launch configuration of the QSScan kernel at those shapes, and the
+chunked one (config 2, the default) at several chunk lengths.
 
 ``--discretizations`` times instead QSScan's prefill (module layout, batch 1 and 8) and decode
 step (batch 1 and 8) for every discretization of quamba.ops.discretization, with each one's time
@@ -33,7 +38,8 @@ DEVICE = torch.device("cuda")
 BATCH, D_INNER, D_STATE, D_CONV, D_MODEL = 1, 5120, 16, 4, 2560
 DT_RANK = math.ceil(D_MODEL / 16)
 SEQLENS = (1024, 2048)
-COLUMNS = ("op", "layout", "seqlen", "us", "GB/s", "floor_us", "baseline_us", "speedup")
+SCAN_SHAPES = ((1, 1024), (1, 2048), (8, 1024), (8, 2048), (1, 4096), (1, 8192))  # batch, seqlen
+COLUMNS = ("op", "layout", "batch", "seqlen", "us", "GB/s", "floor_us", "baseline_us", "speedup")
 DISCRETIZATION_COLUMNS = ("op", "discretization", "batch", "seqlen", "us", "vs_zoh")
 DISCRETIZATION_BATCHES = (1, 8)
 
@@ -68,9 +74,9 @@ class Timer:
     def us(self, fn) -> float:
         return 1e3 * common.time_ms(fn, warmup_ms=25, rep_ms=self.rep_ms)
 
-    def row(self, op, layout, seqlen, fn, nbytes, baseline_us=None) -> dict:
+    def row(self, op, layout, seqlen, fn, nbytes, baseline_us=None, batch=BATCH) -> dict:
         us = self.us(fn)
-        return {"op": op, "layout": layout, "seqlen": seqlen, "us": us,
+        return {"op": op, "layout": layout, "batch": batch, "seqlen": seqlen, "us": us,
                 "GB/s": nbytes / us / 1e3, "floor_us": nbytes / self.bandwidth_gbs / 1e3,
                 "baseline_us": baseline_us,
                 "speedup": None if baseline_us is None else baseline_us / us}
@@ -99,58 +105,69 @@ def scan_inputs(seqlen, layout, batch=BATCH):
                 C=codes(batch, D_STATE, seqlen))
 
 
-def scan_bytes(seqlen, elem_in, elem_out, state_bytes):
+def scan_bytes(seqlen, elem_in, elem_out, state_bytes, batch=BATCH):
     return ((3 * D_INNER + 2 * D_STATE) * seqlen * elem_in + D_INNER * seqlen * elem_out
-            + D_INNER * D_STATE * state_bytes) * BATCH
+            + D_INNER * D_STATE * state_bytes) * batch
 
 
-def mamba_scan_fn(fns, seqlen):
+def mamba_scan_fn(fns, seqlen, batch=BATCH):
     if "selective_scan_fn" not in fns:
         return None
     half = dict(dtype=torch.float16, device=DEVICE)
-    u, dt, z = (torch.randn(BATCH, D_INNER, seqlen, **half) for _ in range(3))
-    B, C = (torch.randn(BATCH, D_STATE, seqlen, **half) for _ in range(2))
+    u, dt, z = (torch.randn(batch, D_INNER, seqlen, **half) for _ in range(3))
+    B, C = (torch.randn(batch, D_STATE, seqlen, **half) for _ in range(2))
     A = -torch.arange(1, D_STATE + 1, device=DEVICE).float().expand(D_INNER, D_STATE).contiguous()
     D, dt_bias = torch.ones(D_INNER, device=DEVICE), torch.full((D_INNER,), -4.0, device=DEVICE)
     return lambda: fns["selective_scan_fn"](u, dt, A, B, C, D, z=z, delta_bias=dt_bias,
                                             delta_softplus=True, return_last_state=True)
 
 
-def bench_scan(timer, fns, seqlen):
-    baseline = mamba_scan_fn(fns, seqlen)
+def bench_scan(timer, fns, batch, seqlen):
+    baseline = mamba_scan_fn(fns, seqlen, batch)
     base_us = timer.us(baseline) if baseline else None
     rows = []
     params = ssm_params()
     for layout in ("module", "contiguous"):
-        t = scan_inputs(seqlen, layout)
+        t = scan_inputs(seqlen, layout, batch)
         run = lambda: qsscan(t["u"], 0.03, t["dt"], 0.02, t["B"], 0.02, t["C"], 0.02, t["z"], 0.03,
                              params, state_scale=0.05, out_dtype=torch.float16,
                              backend_name="cuda")
-        rows.append(timer.row("qsscan int8", layout, seqlen, run, scan_bytes(seqlen, 1, 2, 1),
-                              base_us))
+        rows.append(timer.row("qsscan int8", layout, seqlen, run,
+                              scan_bytes(seqlen, 1, 2, 1, batch), base_us, batch))
     if base_us is not None:
-        rows.append({"op": "selective_scan_fn fp16", "layout": "contiguous", "seqlen": seqlen,
-                     "us": base_us, "GB/s": scan_bytes(seqlen, 2, 2, 4) / base_us / 1e3})
+        rows.append({"op": "selective_scan_fn fp16", "layout": "contiguous", "batch": batch,
+                     "seqlen": seqlen, "us": base_us,
+                     "GB/s": scan_bytes(seqlen, 2, 2, 4, batch) / base_us / 1e3})
     return rows
 
 
-SCAN_CONFIGS = 2  # the launch configurations of csrc/qsscan (kScanConfigs)
+SCAN_CONFIGS = 3  # the launch configurations of csrc/qsscan (kScanConfigs)
+CHUNKED_CONFIG = 2
+CHUNK_LENS = (32, 64, 128, 256)  # config 2's chunk lengths timed beside its own choice (0)
 
 
-def bench_scan_configs(timer, seqlen):
-    """Every launch configuration of the QSScan kernel (the op's default is one of them)."""
+def bench_scan_configs(timer, batch, seqlen):
+    """Every launch configuration of the QSScan kernel (the op's default is one of them), and
+    the chunked one at several chunk lengths (module layout)."""
     backend.cuda_extension_error()  # loads quamba._C and registers the cuda backend
     from quamba.ops.cuda_backend.ssm import qsscan_op_args
 
     params, rows = ssm_params(), []
+    nbytes = scan_bytes(seqlen, 1, 2, 1, batch)
     for layout in ("module", "contiguous"):
-        t = scan_inputs(seqlen, layout)
+        t = scan_inputs(seqlen, layout, batch)
         args = qsscan_op_args(t["u"], 0.03, t["dt"], 0.02, t["B"], 0.02, t["C"], 0.02, t["z"],
                               0.03, params, 0.05, torch.float16)
         for config in range(SCAN_CONFIGS):
             run = lambda: torch.ops.quamba.qsscan(*args, config)
-            rows.append(timer.row(f"qsscan config {config}", layout, seqlen, run,
-                                  scan_bytes(seqlen, 1, 2, 1)))
+            rows.append(timer.row(f"qsscan config {config}", layout, seqlen, run, nbytes,
+                                  batch=batch))
+        if layout != "module":
+            continue
+        for chunk_len in CHUNK_LENS:
+            run = lambda: torch.ops.quamba.qsscan(*args, CHUNKED_CONFIG, DEFAULT, chunk_len)
+            rows.append(timer.row(f"qsscan config 2, chunks of {chunk_len}", layout, seqlen, run,
+                                  nbytes, batch=batch))
     return rows
 
 
@@ -270,15 +287,16 @@ def main():
     if args.discretizations:
         return report_discretizations(timer, args.out, bandwidth)
     rows = []
+    for batch, seqlen in SCAN_SHAPES[:2] if args.quick else SCAN_SHAPES:
+        rows += bench_scan(timer, baselines["fns"], batch, seqlen)
+        if args.configs:
+            rows += bench_scan_configs(timer, batch, seqlen)
     for seqlen in SEQLENS:
-        rows += bench_scan(timer, baselines["fns"], seqlen)
         rows += bench_conv(timer, baselines["fns"], seqlen)
         rows += bench_norm_hadamard(timer, seqlen)
-        if args.configs:
-            rows += bench_scan_configs(timer, seqlen)
     rows += bench_decode(timer, baselines["fns"])
     meta = common.run_metadata()
-    title = (f"SSM kernels on {meta['device']} (batch {BATCH}, d_inner {D_INNER}, d_state "
+    title = (f"SSM kernels on {meta['device']} (d_inner {D_INNER}, d_state "
              f"{D_STATE}; copy bandwidth {bandwidth:.0f} GB/s; speedup = mamba-ssm fp16 / ours)")
     print(common.format_table(rows, COLUMNS, title))
     for note in baselines["notes"]:

@@ -4,6 +4,9 @@
 #
 #   scripts/build_baseline.sh            (~410 s alone on 16 cores; ~610 s beside quamba._C's build)
 #
+# BASELINE_WHEELS=DIR keeps the two built wheels in DIR (default: a temporary folder), so that
+# another machine of the same kind can install them with pip instead of building again.
+#
 # Their setup.py compile for a long list of architectures and try to download prebuilt wheels;
 # here every -gencode but sm_90's is dropped and the builds are forced. The sdists were fetched with
 #   MAMBA_SKIP_CUDA_BUILD=TRUE CAUSAL_CONV1D_SKIP_CUDA_BUILD=TRUE pip download --no-deps \
@@ -26,6 +29,9 @@ for path in sys.argv[1:]:
     assert count, f"no -gencode flags found in {path}"
     open(path, "w").write(text)
 PY
+wheels=${BASELINE_WHEELS:-$dir/wheels}
 MAMBA_FORCE_BUILD=TRUE CAUSAL_CONV1D_FORCE_BUILD=TRUE TORCH_CUDA_ARCH_LIST=9.0 \
-  "$PYTHON" -m pip install --no-build-isolation --no-deps --no-index "$dir"/causal_conv1d-* "$dir"/mamba_ssm-*
+  "$PYTHON" -m pip wheel --no-build-isolation --no-deps --no-index -w "$wheels" \
+  "$dir"/causal_conv1d-*/ "$dir"/mamba_ssm-*/
+"$PYTHON" -m pip install --no-deps --no-index "$wheels"/causal_conv1d-*.whl "$wheels"/mamba_ssm-*.whl
 "$PYTHON" -c "from quamba.ops import fp_kernels; import sys; print(fp_kernels.missing() or 'mamba-ssm and causal-conv1d kernels load'); sys.exit(bool(fp_kernels.missing()))"

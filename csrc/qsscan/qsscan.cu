@@ -19,114 +19,14 @@
 
 #include "../ssm_common/ssm_common.cuh"
 #include "pdl.cuh"
+#include "qsscan_chunked.h"
+#include "scan_math.cuh"
 
 namespace quamba_ssm {
 namespace {
 
 constexpr unsigned kFullMask = 0xffffffffu;
-constexpr float kLog2e = 1.4426950408889634f;
 constexpr int kMaxState = 32;
-
-__device__ __forceinline__ float exp2_approx(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
-// SiLU of the output gate. It only scales y (a float output compared to 1e-3), so the fast
-// exponential and division do; the conv, whose int8 output is compared code by code, uses the
-// exact silu_rn.
-__device__ __forceinline__ float silu_fast(float z) {
-  return __fdividef(z, 1.f + exp2_approx(-kLog2e * z));
-}
-
-__device__ __forceinline__ float log2_approx(float x) {
-  float y;
-  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
-// PyTorch's softplus (x if x > 20 else log1p(exp(x))) without branches: e = exp(x) through
-// ex2.approx; log1p(e) by its series e - e²/2 + e³/3 - e⁴/4 below e = 2^-6 (truncation < 2^-26
-// relative), else as lg2.approx(1 + e) · ln 2 (absolute error ~2^-23, under 1e-5 relative there).
-// Δ stays within about 1e-5 of the reference, for 12 instructions instead of log1pf's ~40.
-__device__ __forceinline__ float softplus_fast(float x) {
-  constexpr float kLn2 = 0.6931471805599453f;
-  const float e = exp2_approx(kLog2e * x);
-  const float series = e * fmaf(e, fmaf(e, fmaf(e, -0.25f, 1.f / 3.f), -0.5f), 1.f);
-  const float logarithm = log2_approx(1.f + e) * kLn2;
-  const float log1p_e = e < 0.015625f ? series : logarithm;
-  return x > 20.f ? x : log1p_e;
-}
-
-__device__ __forceinline__ float rcp_approx(float x) {
-  float y;
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
-// near_zero's value where |z| < kPhi2SeriesBelow, else far's, by one selp: the asm takes both
-// operands computed, so the compiler cannot turn the choice into a divergent branch around the
-// series (it did, per element, with a plain ?:).
-__device__ __forceinline__ float select_near_zero(float z, float near_zero, float far) {
-  float chosen;
-  asm("{\n\t.reg .pred p;\n\t.reg .f32 m;\n\t"
-      "abs.f32 m, %1;\n\t"
-      "setp.lt.f32 p, m, %4;\n\t"
-      "selp.f32 %0, %2, %3, p;\n\t}"
-      : "=f"(chosen)
-      : "f"(z), "f"(near_zero), "f"(far), "f"(kPhi2SeriesBelow));
-  return chosen;
-}
-
-// Both of φ1 and φ2 chosen as select_near_zero does, on one predicate.
-__device__ __forceinline__ void select_near_zero(float z, float& phi1, float& phi2,
-                                                 float phi1_near, float phi2_near,
-                                                 float phi1_far, float phi2_far) {
-  asm("{\n\t.reg .pred p;\n\t.reg .f32 m;\n\t"
-      "abs.f32 m, %2;\n\t"
-      "setp.lt.f32 p, m, %7;\n\t"
-      "selp.f32 %0, %3, %5, p;\n\t"
-      "selp.f32 %1, %4, %6, p;\n\t}"
-      : "=f"(phi1), "=f"(phi2)
-      : "f"(z), "f"(phi1_near), "f"(phi2_near), "f"(phi1_far), "f"(phi2_far),
-        "f"(kPhi2SeriesBelow));
-}
-
-constexpr bool is_exponential(Discretization method) {
-  return method == Discretization::kZohExact || method == Discretization::kFoh;
-}
-
-// The prefill's coefficients of kMethod (not zoh) for step Δ and A's value a, as Ā and the drive
-// gains over Δ (B̄ / Δ, so that the Δ u products zoh forms serve the other methods too), for
-// speed: exp through ex2.approx (as zoh's decay), divisions through rcp.approx, fused Horner
-// steps, φ1 = 1 + z φ2 from φ2's series where the reference sums that series (|z| < 0.5;
-// (exp(z) - 1) / z would cancel there), rk4's R(z) as 1 + z S(z) and bilinear's Ā as
-// 2 / (1 - z/2) - 1. Each value is within a few fp32 ulps of exact_coefficients' (over Δ).
-template <Discretization kMethod>
-__device__ __forceinline__ StepCoefficients fast_coefficients(float delta, float a) {
-  const float z = delta * a;
-  if constexpr (kMethod == Discretization::kBilinear) {
-    const float inverse = rcp_approx(fmaf(z, -0.5f, 1.f));
-    return {fmaf(2.f, inverse, -1.f), inverse, 0.f};
-  } else if constexpr (kMethod == Discretization::kRk4) {
-    const float gain = rk4_gain<false>(z);
-    return {fmaf(z, gain, 1.f), gain, 0.f};
-  } else {
-    const float decay = exp2_approx(z * kLog2e);
-    const float expm1 = decay - 1.f, inverse = rcp_approx(z);
-    const float series = phi2_series<false>(z);  // φ2 near 0
-    const float phi1_near = fmaf(z, series, 1.f), phi1_far = expm1 * inverse;
-    if constexpr (kMethod == Discretization::kZohExact) {
-      return {decay, select_near_zero(z, phi1_near, phi1_far), 0.f};
-    } else {
-      float phi1, phi2;
-      select_near_zero(z, phi1, phi2, phi1_near, series, phi1_far,
-                       (expm1 - z) * inverse * inverse);
-      return {decay, phi2, phi1 - phi2};
-    }
-  }
-}
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
   const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(smem));
@@ -227,10 +127,6 @@ __device__ __forceinline__ int conflict_free_step(int slot) {
   static_assert(Row::kLanesPerRow % 8 == 0, "needs lanes in multiples of 8");
   const int w = slot / 32, j = slot % 32;
   return ((w / kQuads) * 8 + j / 4) * Row::kItemsPerLane + (w % kQuads) * 4 + j % 4;
-}
-
-__device__ __forceinline__ float code_of(unsigned word, int byte, float scale) {
-  return dequantize(static_cast<int8_t>(word >> (8 * byte)), scale);
 }
 
 // Channel-fast int8 tile: one 16-byte (8-byte) load per (time step, 16 (8) channels), then
@@ -715,12 +611,15 @@ void launch_scan_config(ScanArgs args, const at::Tensor& u) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// Launch configurations <warps, lanes per channel, steps per lane, blocks per SM>, timed against
-// each other by benchmarks/bench_ssm.py --configs (benchmarks/notes_ssm_perf.md). Config 0, the
-// default: 2 channels per warp, 16 channels per block, 2 blocks per SM (128 registers), chunks
-// of 256 steps. Config 1: 4 channels per warp, 8 per block, up to 8 blocks per SM, chunks of 128
-// steps; its grid for 5120 channels (640 blocks) fits the 132 SMs in one wave.
-constexpr int kScanConfigs = 2;
+// Launch configurations, timed against each other by benchmarks/bench_ssm.py --configs
+// (benchmarks/notes_ssm_perf.md). Configs 0 and 1 are this file's kernel, <warps, lanes per
+// channel, steps per lane, blocks per SM>: config 0, 2 channels per warp, 16 channels per block,
+// 2 blocks per SM (128 registers), chunks of 256 steps; config 1, 4 channels per warp, 8 per
+// block, up to 8 blocks per SM, chunks of 128 steps (its grid for 5120 channels, 640 blocks, fits
+// the 132 SMs in one wave). Config 2 is the chunked scan of qsscan_chunked.cu, a lane per channel
+// walking a chunk of steps.
+constexpr int kScanConfigs = 3;
+constexpr int kChunkedConfig = 2;
 
 template <Discretization kMethod, typename Out>
 void launch_scan_method(const ScanArgs& args, const at::Tensor& u, int64_t config) {
@@ -811,6 +710,36 @@ int staging_mode(const at::Tensor& u, const at::Tensor& dt, const c10::optional<
   return channel_fast ? kChannelVec : kTimeVec;
 }
 
+// Whether B and C are int8 codes whose dstate values of a step lie in 16-byte aligned runs.
+bool state_runs_aligned(const at::Tensor& B, const at::Tensor& C) {
+  for (const at::Tensor* t : {&B, &C}) {
+    if (t->scalar_type() != at::kChar || t->stride(1) != 1 || t->size(1) % 16 != 0 ||
+        reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 != 0 || t->stride(0) % 16 != 0 ||
+        t->stride(2) % 16 != 0) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// The chunked kernel's arguments: the same tensors and scalars as the other configurations'.
+ChunkedScanArgs chunked_args(const ScanArgs& s, int64_t batch, const at::Tensor& u,
+                             const at::Tensor& dt, const c10::optional<at::Tensor>& z,
+                             const at::Tensor& B, const at::Tensor& C) {
+  ChunkedScanArgs a{};
+  a.u = s.u, a.dt = s.dt, a.z = s.z, a.B = s.B, a.C = s.C;
+  a.u_st = s.u_st, a.dt_st = s.dt_st, a.z_st = s.z_st, a.B_st = s.B_st, a.C_st = s.C_st;
+  a.A_log = s.A_log, a.A_log_scale = s.A_log_scale;
+  a.D = s.D, a.D_scale = s.D_scale;
+  a.dt_bias = s.dt_bias, a.dt_bias_scale = s.dt_bias_scale;
+  a.y = s.y, a.y_st = s.y_st;
+  a.state = s.state, a.state_int8 = s.state_int8, a.state_inv_scale = s.state_inv_scale;
+  a.batch = static_cast<int>(batch), a.dim = s.dim, a.dstate = s.dstate, a.seqlen = s.seqlen;
+  a.channel_vec = s.staging == kChannelVec;
+  a.state_vec = state_runs_aligned(B, C);
+  return a;
+}
+
 // u, dt, z: [batch, dim, seqlen]; B, C: [batch, dstate, seqlen]; any strides, each int8 codes
 // with its scale or float16/bfloat16/float32 values. y keeps u's layout family (channel-last
 // when u.stride(1) == 1, else contiguous); the last state is contiguous [batch, dim, dstate],
@@ -822,7 +751,7 @@ std::tuple<at::Tensor, at::Tensor> qsscan(
     const c10::optional<at::Tensor>& z, double z_scale, const at::Tensor& A_log,
     double A_log_scale, const at::Tensor& D, double D_scale, const at::Tensor& dt_bias,
     double dt_bias_scale, c10::optional<double> state_inv_scale, at::ScalarType out_dtype,
-    int64_t config, c10::string_view discretization) {
+    int64_t config, c10::string_view discretization, int64_t chunk_len) {
   check_cuda(u, "u");
   TORCH_CHECK(u.dim() == 3, "u must be [batch, dim, seqlen], got ", text(u.sizes()));
   const int64_t batch = u.size(0), dim = u.size(1), seqlen = u.size(2);
@@ -884,6 +813,10 @@ std::tuple<at::Tensor, at::Tensor> qsscan(
   if (batch == 0 || dim == 0) return {y, state};
   if (seqlen == 0) {
     state.zero_();  // no step taken: the state stays the zero initial state
+    return {y, state};
+  }
+  if (config == kChunkedConfig) {
+    launch_chunked_scan(chunked_args(args, batch, u, dt, z, B, C), u, chunk_len, method, out_dtype);
     return {y, state};
   }
   switch (out_dtype) {
@@ -1115,7 +1048,8 @@ TORCH_LIBRARY_FRAGMENT(quamba, m) {
       "qsscan(Tensor u, float u_scale, Tensor dt, float dt_scale, Tensor B, float B_scale, "
       "Tensor C, float C_scale, Tensor? z, float z_scale, Tensor A_log, float A_log_scale, "
       "Tensor D, float D_scale, Tensor dt_bias, float dt_bias_scale, float? state_inv_scale, "
-      "ScalarType out_dtype, int config=0, str discretization='zoh') -> (Tensor, Tensor)");
+      "ScalarType out_dtype, int config=2, str discretization='zoh', int chunk_len=0) "
+      "-> (Tensor, Tensor)");
   m.def(
       "qsscan_update(Tensor(a!) state, float state_scale, Tensor u, float u_scale, Tensor dt, "
       "float dt_scale, Tensor B, float B_scale, Tensor C, float C_scale, Tensor? z, "

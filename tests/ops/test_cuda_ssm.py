@@ -311,7 +311,8 @@ def test_small_qsscan_float_inputs(in_dtype, layout):
     check_scan(2, 136, 333, layout, torch.float32, False, in_dtype)
 
 
-SCAN_CONFIGS = 2  # the launch configurations of csrc/qsscan (kScanConfigs)
+SCAN_CONFIGS = 3  # the launch configurations of csrc/qsscan (kScanConfigs)
+CHUNKED_CONFIG = 2  # the chunked scan (csrc/qsscan/qsscan_chunked.cu), the op's default
 
 
 @pytest.mark.parametrize("config", range(SCAN_CONFIGS))
@@ -333,6 +334,82 @@ def test_small_qsscan_every_config(layout, config, dim, seqlen):
     y, h = torch.ops.quamba.qsscan(*args, config)
     assert_close_to(y, y_ref)
     assert_close_to(h, h_ref)
+
+
+def chunked_scan(inputs, params, out_dtype, chunk_len, method=DEFAULT, state_scale=None):
+    """The chunked configuration with an explicit chunk length (0: the launcher's choice)."""
+    from quamba.ops.cuda_backend.ssm import qsscan_op_args
+
+    s = scales_for(method)
+    args = qsscan_op_args(inputs["u"], s["u_scale"], inputs["dt"], s["dt_scale"], inputs["B"],
+                          s["B_scale"], inputs["C"], s["C_scale"], inputs["z"], s["z_scale"],
+                          params, state_scale, out_dtype)
+    return torch.ops.quamba.qsscan(*args, CHUNKED_CONFIG, method, chunk_len)
+
+
+@pytest.mark.parametrize("layout", ["module", "contiguous"])
+@pytest.mark.parametrize("batch,dim,seqlen,chunk_len", [
+    (1, 5120, 1024, 16), (2, 1536, 1000, 48), (3, 200, 257, 32), (1, 40, 4097, 512),
+    (4, 72, 17, 16), (2, 5120, 2048, 0), (1, 2048, 300, 1024), (3, 96, 333, 80)])
+def test_qsscan_chunked_chunk_lengths(batch, dim, seqlen, chunk_len, layout):
+    """The chunked scan split into many chunks (down to one staging window), few, or one, with a
+    short last chunk, on dims that fill whole warps and dims that do not: the chunks' end states
+    folded into start states give the sequential scan's y and last state."""
+    seed_for("scan-chunked", batch, dim, seqlen, chunk_len, layout)
+    inputs, params = scan_inputs(batch, dim, seqlen, layout), ssm_params(dim)
+    y_ref, h_ref = run_scan(inputs, params, None, torch.float16, "torch")
+    state_scale = float(scale_from_range(float(h_ref.abs().max())))
+    prime_allocator((batch * dim * seqlen, torch.float16), (batch * dim * D_STATE, torch.int8))
+    y, h = chunked_scan(inputs, params, torch.float16, chunk_len, state_scale=state_scale)
+    assert_close_to(y, y_ref)
+    assert_close_to(h, quantize(h_ref, state_scale))
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("layout", ["module", "contiguous"])
+def test_small_qsscan_chunked_every_method(method, layout):
+    """Every discretization across chunk boundaries (foh carries v = u B over them)."""
+    seed_for("scan-chunked-method", method, layout)
+    inputs, params = scan_inputs(2, 72, 301, layout, method=method), ssm_params(72)
+    y_ref, h_ref = run_scan(inputs, params, None, torch.float32, "torch", method)
+    y, h = chunked_scan(inputs, params, torch.float32, 32, method)
+    assert_close_to(y, y_ref)
+    assert_close_to(h, h_ref)
+
+
+@pytest.mark.parametrize("d_state", [1, 8, 15, 24, 32])
+@pytest.mark.parametrize("in_dtype", [torch.int8, torch.float16])
+def test_small_qsscan_chunked_state_sizes(d_state, in_dtype):
+    """State sizes the kernel pads (to 16 or 32 states) or fills exactly, through the element-wise
+    and the vector staging of B and C (int8 rows of 16 or 32 codes)."""
+    seed_for("scan-chunked-states", d_state, in_dtype)
+    batch, dim, seqlen = 2, 64, 129
+    x_dbl = codes(batch, seqlen, 16 + 2 * d_state)
+    B, C = (t.transpose(1, 2) for t in x_dbl.split([16, d_state, d_state], dim=-1)[1:])
+    inputs = dict(u=codes(batch, seqlen, dim).transpose(1, 2),
+                  dt=codes(batch, seqlen, dim).transpose(1, 2), B=B, C=C,
+                  z=codes(batch, seqlen, 2 * dim).transpose(1, 2)[:, dim:])
+    if in_dtype != torch.int8:
+        inputs = {k: dequantize(v, SCALES[f"{k}_scale"]).to(in_dtype) for k, v in inputs.items()}
+    a_log = torch.log(torch.arange(1, d_state + 1, device=DEVICE).float()).expand(dim, d_state)
+    A_log, A_log_scale = quantize_weight(a_log + 0.1 * torch.randn(dim, d_state, device=DEVICE))
+    base = ssm_params(dim)
+    params = SSMParams(A_log, float(A_log_scale), base.D, base.D_scale, base.dt_bias,
+                       base.dt_bias_scale)
+    y_ref, h_ref = run_scan(inputs, params, None, torch.float32, "torch")
+    y, h = chunked_scan(inputs, params, torch.float32, 48)
+    assert_close_to(y, y_ref)
+    assert_close_to(h, h_ref)
+
+
+def test_small_qsscan_chunked_is_deterministic():
+    """Whichever warp folds the chunks' states, it folds them in chunk order: two runs on the
+    same inputs agree bit for bit."""
+    seed_for("scan-chunked-determinism")
+    inputs, params = scan_inputs(3, 1536, 1000, "module"), ssm_params(1536)
+    first = chunked_scan(inputs, params, torch.float16, 16)
+    second = chunked_scan(inputs, params, torch.float16, 16)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
 
 
 def test_small_qsscan_mixed_inputs():
@@ -432,7 +509,7 @@ def test_small_qsscan_discretization_float_inputs(method, in_dtype):
 @pytest.mark.parametrize("config", range(SCAN_CONFIGS))
 @pytest.mark.parametrize("method", OTHER_METHODS)
 def test_small_qsscan_discretization_every_config(method, config):
-    """Both launch configurations, on a shape staged in 16-byte vectors, for every method."""
+    """Every launch configuration, on a shape staged in 16-byte vectors, for every method."""
     from quamba.ops.cuda_backend.ssm import qsscan_op_args
 
     seed_for("scan-method-config", method, config)
