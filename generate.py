@@ -5,7 +5,8 @@ one quantized on the fly), a prompt or a random one of a given length, and timin
     python generate.py quamba-mamba-2.8b-w4a8 --pretrained_dir pretrained --promptlen 1024 \
         --genlen 128 --batch 8 --cache_graph
 
-With ``--cache_graph`` each decode step is replayed from a CUDA graph (GPU only). The model and
+With ``--cache_graph`` each decode step is replayed from a CUDA graph (GPU only), and with
+``--prefill_graph`` too the prefill, from a graph captured per prompt length. The model and
 quantization flags are main.py's; errors print ``error: <message>`` and exit with status 2.
 """
 from __future__ import annotations
@@ -41,6 +42,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, object]:
     flags.add(group, "--ignore_eos", action="store_true", help="always generate --genlen tokens")
     flags.add(group, "--cache_graph", action="store_true",
               help="replay each decode step from a CUDA graph (GPU only)")
+    flags.add(group, "--prefill_graph", action="store_true",
+              help="with --cache_graph: replay the prefill from a CUDA graph too. The first prompt "
+                   "of each length pays the capture (here before the timed run); later prompts "
+                   "of that length replay it")
     flags.add(group, "--streaming", action="store_true", help="print tokens as they come (batch 1)")
     return parser, flags
 
@@ -55,6 +60,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--{name} must be positive, got {value}")
     if args.streaming and args.batch != 1:
         parser.error("--streaming prints one sequence: use it with --batch 1")
+    if args.prefill_graph and not args.cache_graph:
+        parser.error("--prefill_graph replays the prefill into the decode graphs' cache: use it "
+                     "with --cache_graph")
     if args.prompt is None and args.promptlen is None:
         args.prompt = "Mamba is"
     return args
@@ -97,7 +105,7 @@ def generate(args) -> None:
     if args.streaming and tokenizer is None:
         raise QuambaError("--streaming needs a tokenizer")
     kwargs = dict(max_new_tokens=args.genlen, temperature=args.temperature, top_k=args.topk,
-                  top_p=args.topp, cache_graph=args.cache_graph,
+                  top_p=args.topp, cache_graph=args.cache_graph, prefill_graph=args.prefill_graph,
                   generator=torch.Generator(device=prepared.device).manual_seed(args.seed))
     if args.ignore_eos:
         kwargs["eos_token_id"] = -1
@@ -105,8 +113,8 @@ def generate(args) -> None:
         print(args.prompt if args.promptlen is None else "", end="", flush=True)
         kwargs["streamer"] = _Printer(tokenizer)
     with backend.recording() as ran:
-        if args.cache_graph:  # capture outside the timed run
-            model.generate(ids[:, :1], max_new_tokens=1, cache_graph=True)
+        capture_seconds = _capture_graphs(model, ids, args.prefill_graph, prepared.device) \
+            if args.cache_graph else None  # outside the timed run
         start = _now(prepared.device)
         output = model.generate(ids, **kwargs)
         seconds = _now(prepared.device) - start
@@ -119,8 +127,22 @@ def generate(args) -> None:
             print(tokenizer.decode(row[start:].tolist()))
     print(f"{new_tokens} new tokens x batch {args.batch} after a {ids.shape[1]}-token prompt in "
           f"{seconds * 1e3:.1f} ms ({seconds * 1e3 / max(new_tokens, 1):.2f} ms per token, prefill "
-          f"included; cache_graph {args.cache_graph})", file=sys.stderr)
+          f"included; cache_graph {args.cache_graph}, prefill_graph {args.prefill_graph})",
+          file=sys.stderr)
+    if args.prefill_graph:
+        print(f"the decode graph and the {ids.shape[1]}-token prefill graph were captured before the "
+              f"timed run, in {capture_seconds * 1e3:.1f} ms; later prompts of this length replay "
+              f"the prefill graph", file=sys.stderr)
     print(backends_line(ran, prepared.device), file=sys.stderr)
+
+
+def _capture_graphs(model, ids, prefill_graph: bool, device) -> float:
+    """Captures the decode graph (and with ``prefill_graph`` the prefill graph of ``ids``' length)
+    by a one-token generation; returns the seconds it took."""
+    start = _now(device)
+    model.generate(ids if prefill_graph else ids[:, :1], max_new_tokens=1, cache_graph=True,
+                   prefill_graph=prefill_graph)
+    return _now(device) - start
 
 
 def backends_line(ran: dict, device) -> str:

@@ -11,6 +11,14 @@ W4A16, at the shapes of a published Mamba size with random weights (no download)
   logits (eager; its kernels are long enough to hide the launches).
 * TPOT: one decode step replayed from a CUDA graph (quamba.models.generation.GraphedStep; the same
   capture for mamba-ssm's model).
+* TTFT graph (quamba rows): the same prefill replayed from its CUDA graph through
+  quamba.models.generation.graphed_prefill, which generate(prefill_graph=True) runs
+  (`ttft_graph_ms`, median of replays timed as TTFT), and its first, capturing call
+  (`prefill_capture_ms`, wall time: warm-up prefill, capture, replay).
+* prefill host time (every row): the host's time to issue one eager prefill while a sleep kernel
+  queued first keeps the GPU busy (`prefill_host_ms`; `prefill_host_waited` when the GPU went idle
+  before the host was done, making it an upper bound). Against TTFT and the prefill kernels'
+  time (--breakdown) it says where batch-1 TTFT goes.
 * TTLT: the prefill and gen_len decode steps, the next token chosen greedily on the device.
 * generate (quamba rows): the same through quamba's generate(cache_graph=True), eos ignored, which
   checks for eos every 8 tokens (its default; `generate_ms`) or after each (`generate_each_ms`).
@@ -44,16 +52,17 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from collections import defaultdict
 
 import torch
 
-from common import (check_backends, copy_bandwidth_gbs, format_table, graph_launch_timing, median_ms,
-                    run_metadata, write_json)
+from common import (check_backends, copy_bandwidth_gbs, format_table, graph_launch_timing, host_ms,
+                    median_ms, run_metadata, write_json)
 
 from quamba import QuantConfig, quantize
 from quamba.models.config import PRESETS, preset_config
-from quamba.models.generation import GraphedStep, graphed_decoder
+from quamba.models.generation import GraphedStep, graphed_decoder, graphed_prefill
 from quamba.models.mamba import MambaLMHeadModel, randomize_
 from quamba.ops import backend, fp_kernels
 from quamba.quantization.config import STATE_CACHE_FORMATS
@@ -133,6 +142,11 @@ class QuambaRunner:
     def prefill(self, input_ids):
         self.cache.seqlen_offset = 0
         return self.model(input_ids, cache=self.cache, num_last_tokens=1)[:, -1]
+
+    def graphed_prefill(self, input_ids):
+        """The prefill replayed from its CUDA graph into the same cache, as generate(...,
+        prefill_graph=True) runs it (captured on the first call)."""
+        return graphed_prefill(self.model, input_ids)
 
     def eager_step(self, next_ids):
         self.cache.seqlen_offset = max(self.cache.seqlen_offset, 1)
@@ -293,7 +307,20 @@ def measure(name: str, runner, weights: int, prompt, args, bandwidth_gbs: float)
     greedy(runner, prompt, args.gen_len)
     torch.cuda.synchronize()
     row["peak_bytes"] = torch.cuda.max_memory_allocated()
+    row["prefill_host_ms"], row["prefill_host_waited"] = host_ms(lambda: runner.prefill(prompt))
+    if isinstance(runner, QuambaRunner):  # after the peak: the prefill graphs' pool is not in it
+        row["prefill_capture_ms"] = wall_ms(lambda: runner.graphed_prefill(prompt))
+        row["ttft_graph_ms"] = median_ms(lambda: runner.graphed_prefill(prompt), args.repeats)
     return row
+
+
+def wall_ms(fn) -> float:
+    """Wall time in ms of one call of ``fn``, from an idle GPU until the GPU has finished it."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e3
 
 
 def cache_memory(parts: dict, batch: int) -> dict:
@@ -431,15 +458,18 @@ def _add_ratios(rows: list[dict], args) -> None:
         row["peak_gb"] = row["peak_bytes"] / 1e9
         if anchor is not None:
             row["ttft_speedup"] = anchor["ttft_ms"] / row["ttft_ms"]
+            if "ttft_graph_ms" in row:
+                row["ttft_graph_speedup"] = anchor["ttft_ms"] / row["ttft_graph_ms"]
             row["tpot_speedup"] = anchor["tpot_ms"] / row["tpot_ms"]
             row["ttlt_speedup"] = anchor["ttlt_ms"] / row["ttlt_ms"]
             row["weights_ratio"] = row["weights_bytes"] / anchor["weights_bytes"]
 
 
-COLUMNS = ["name", "batch", "ttft_ms", "tpot_ms", "decode_tokens_per_s", "prefill_tokens_per_s",
+COLUMNS = ["name", "batch", "ttft_ms", "ttft_graph_ms", "prefill_capture_ms", "prefill_host_ms", "tpot_ms",
+           "decode_tokens_per_s", "prefill_tokens_per_s",
            "tpot_floor_ms", "ttlt_ms", "generate_ms", "generate_each_ms",
-           "weights_gb", "cache_mb", "ssm_state_mb_per_seq", "peak_gb", "ttft_speedup", "tpot_speedup", "ttlt_speedup",
-           "weights_ratio"]
+           "weights_gb", "cache_mb", "ssm_state_mb_per_seq", "peak_gb", "ttft_speedup", "ttft_graph_speedup",
+           "tpot_speedup", "ttlt_speedup", "weights_ratio"]
 
 
 def main(argv=None) -> int:
@@ -503,6 +533,9 @@ def run_one(args, argv: list[str]) -> tuple[dict, int]:
         if "graph_launch" in row:
             print(f"{row['name']}: graph launch, µs: " +
                   ", ".join(f"{key} {value:.1f}" for key, value in row["graph_launch"].items()))
+        if row.get("prefill_host_waited"):
+            print(f"{row['name']}: prefill_host_ms is an upper bound: the GPU's sleep ended before the "
+                  "host had issued the prefill (it waited for the GPU, or took longer than the sleep)")
         if "backends" in row:
             print(f"{row['name']}: backends: " +
                   ", ".join(f"{op} {name}" for op, name in row["backends"].items()))

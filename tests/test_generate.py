@@ -35,7 +35,15 @@ def test_cache_graph_on_the_cpu_is_a_clear_error(tiny_model_dir, capsys):
     assert "error: CUDA graphs need a CUDA device" in capsys.readouterr().err
 
 
+def test_prefill_graph_on_the_cpu_is_a_clear_error(tiny_model_dir, capsys):
+    argv = [str(tiny_model_dir), "--genlen", "2", "--cache_graph", "--prefill_graph"]
+    assert generate.main(argv) == 2
+    assert "error: CUDA graphs need a CUDA device" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv, message", [
+    (["--prefill_graph"], "--prefill_graph replays the prefill into the decode graphs' cache: use it with "
+                          "--cache_graph"),
     (["--batch", "2", "--streaming"], "--streaming prints one sequence"),
     (["--genlen", "0"], "--genlen must be positive"),
     (["--prompt", "a", "--promptlen", "3"], "not allowed with argument"),

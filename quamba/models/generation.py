@@ -1,12 +1,19 @@
 """Token generation on any quamba LM (FP or quantized): prefill once, then one decode step per
-token, eagerly or replayed from a CUDA graph (``cache_graph=True``)."""
+token, eagerly or replayed from a CUDA graph (``cache_graph=True``); the prefill too can replay a
+CUDA graph captured per prompt length (``prefill_graph=True``)."""
 from __future__ import annotations
 
-from typing import Callable
+from collections import OrderedDict
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from quamba.errors import QuambaError
+
+if TYPE_CHECKING:
+    from quamba.models.mamba import InferenceCache
 
 
 # Tokens between the checks for every row having finished, by default when decoding replays CUDA
@@ -15,6 +22,17 @@ from quamba.errors import QuambaError
 # H100: 310 ms, against 328 ms checking after each token: benchmarks/RESULTS.md). Eager steps are
 # slower to launch than to run, so there each token is checked.
 GRAPH_EOS_CHECK_EVERY = 8
+
+# Prompt lengths whose prefill graphs are kept per batch size (and device and SSM mode); the least
+# recently used is dropped first. A graph holds its static input ids and logits; its scratch memory
+# lies in the pool that all of a model's prefill graphs share (about the largest prefill's
+# activations, however many graphs are kept: a capture reuses what earlier ones freed).
+PREFILL_GRAPHS_PER_BATCH = 4
+
+# Eager prefills on a side stream before a prefill capture. One suffices: every lazy step of the
+# prefill path happens in its first call (Triton's compilation and autotuning, the kernels' cached
+# constants, W4A8's overflow check), and each costs a whole prefill's time at capture.
+PREFILL_WARMUPS = 1
 
 
 def sample_next(logits, temperature: float = 1.0, top_k: int = 1, top_p: float = 1.0,
@@ -54,15 +72,8 @@ class GraphedStep:
     def __init__(self, step_fn: Callable, batch_size: int, device, pool=None, warmups: int = 2):
         device = _cuda_device(device)
         self.input_ids = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            for _ in range(warmups):
-                step_fn(self.input_ids)
-        torch.cuda.current_stream(device).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
-            self.logits = step_fn(self.input_ids)
+        _warm_up(lambda: step_fn(self.input_ids), device, warmups)
+        self.graph, self.logits = _capture(lambda: step_fn(self.input_ids), pool)
 
     def __call__(self, next_ids: torch.Tensor) -> torch.Tensor:
         self.input_ids.copy_(next_ids.view(-1, 1))
@@ -70,13 +81,110 @@ class GraphedStep:
         return self.logits
 
 
+class PrefillGraph:
+    """A prefill of ``prompt_len`` tokens per row into ``cache`` (a decode graph's), captured once
+    in a CUDA graph and replayed per prompt: the host launches one graph instead of the prefill's
+    hundreds of kernels.
+
+    Every mixer's prefill overwrites the whole of its state in the cache (conv state, SSM state and
+    the foh drive; tests/models/test_prefill_graph.py checks each mixer), so a replay resets the
+    cache whatever it held. Calling it with input_ids [batch, prompt_len] returns the last
+    position's logits [batch, vocab] in a static tensor that its next call overwrites, and leaves
+    the cache as an eager prefill does (``seqlen_offset`` = prompt_len).
+
+    Its static input ids and logits are allocated outside ``pool``: what the graphs sharing the
+    pool keep there is only scratch that each replay writes before reading, so the graphs may be
+    replayed in any order (one at a time, on one stream) without one clobbering another's result.
+    """
+
+    def __init__(self, model, cache, batch_size: int, prompt_len: int, device, pool):
+        self.cache, self.prompt_len = cache, prompt_len
+        self.input_ids = torch.zeros(batch_size, prompt_len, dtype=torch.long, device=device)
+
+        def prefill():
+            cache.seqlen_offset = 0  # the forward advances it; only the host sees it
+            return model(self.input_ids, cache=cache, num_last_tokens=1)[:, -1]
+
+        self.logits = torch.empty_like(_warm_up(prefill, device, PREFILL_WARMUPS))
+        self.graph, _ = _capture(lambda: self.logits.copy_(prefill()), pool)
+
+    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
+        self.input_ids.copy_(input_ids)
+        self.graph.replay()
+        self.cache.seqlen_offset = self.prompt_len
+        return self.logits
+
+
+def _warm_up(fn: Callable[[], torch.Tensor], device: torch.device, runs: int):
+    """Runs ``fn`` ``runs`` times on a side stream, as a capture needs first: lazy initialisation
+    (Triton's compilation and autotuning, the kernels' cached constants, host checks that read the
+    device) happens there, not in the capture, which runs nothing. Returns the last output."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    output = None
+    with torch.cuda.stream(side):
+        for _ in range(runs):
+            output = fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    return output
+
+
+def _capture(fn: Callable[[], torch.Tensor], pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """A CUDA graph of ``fn()``, its allocations from ``pool``, and the output of the captured call
+    (a static tensor that each replay rewrites)."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        output = fn()
+    return graph, output
+
+
+class LRUCache:
+    """At most ``capacity`` values by key. ``get`` returns a key's value, making it where missing
+    and then dropping the least recently used values beyond ``capacity``; a dropped value is freed
+    once nothing else holds it. (Made before the drop, a new prefill graph is captured while the
+    others keep their shared pool alive: PyTorch may refuse a capture into a pool all of whose
+    graphs were freed.)"""
+
+    def __init__(self, capacity: int):
+        if capacity < 1:
+            raise ValueError(f"an LRU cache holds at least one value, got capacity {capacity}")
+        self.capacity = capacity
+        self._values: OrderedDict = OrderedDict()
+
+    def get(self, key: Hashable, make: Callable[[], object]):
+        if key in self._values:
+            self._values.move_to_end(key)
+            return self._values[key]
+        value = self._values[key] = make()
+        while len(self._values) > self.capacity:
+            self._values.popitem(last=False)
+        return value
+
+    def keys(self) -> list:
+        """The keys held, the least recently used first."""
+        return list(self._values)
+
+
+@dataclass
+class _DecoderGraphs:
+    """What a model keeps per batch size (device, SSM mode, state cache format): the decode cache,
+    its graphed decode step, and the prefill graphs into that cache by prompt length."""
+
+    cache: InferenceCache
+    step: GraphedStep
+    prefills: LRUCache
+
+
 class _GraphCache(dict):
-    """The decode graphs kept on a model. A copy of the model (deepcopy, pickle) starts with none:
-    graphs are bound to this model's own weights and caches. The graphs share one memory pool."""
+    """The CUDA graphs kept on a model (_DecoderGraphs by batch size, device, SSM mode and state
+    cache format). A copy of the model (deepcopy, pickle) starts with none: graphs are bound to
+    this model's own weights and caches. The decode graphs share one memory pool, the prefill
+    graphs another (see PrefillGraph)."""
 
     def __init__(self):
         super().__init__()
         self.pool = None
+        self.prefill_pool = None
 
     def __deepcopy__(self, memo):
         return _GraphCache()
@@ -87,12 +195,44 @@ class _GraphCache(dict):
 
 def graphed_decoder(model, batch_size: int, device):
     """``(cache, step)`` for ``model`` at ``batch_size``: a preallocated cache and its decode step
-    as a GraphedStep, captured on first use and kept on the model (per batch size, device and SSM
-    mode; the graphs share one memory pool). Prefill into ``cache`` after resetting its
-    ``seqlen_offset`` to 0, then call ``step``."""
+    as a GraphedStep, captured on first use and kept on the model (per batch size, device, SSM
+    mode and state cache format; the graphs share one memory pool). Prefill into ``cache`` after
+    resetting its ``seqlen_offset`` to 0 (or with :func:`graphed_prefill`), then call ``step``."""
+    entry = _decoder_graphs(model, batch_size, device)
+    return entry.cache, entry.step
+
+
+@torch.inference_mode()
+def graphed_prefill(model, input_ids: torch.Tensor) -> torch.Tensor:
+    """The last position's logits [batch, vocab] of a prefill of ``input_ids`` [batch,
+    prompt_len], replayed from a PrefillGraph into the cache of ``graphed_decoder(model, batch,
+    device)``, which it leaves ready for that decoder's steps. The first prompt of each length
+    captures the graph (a warm-up prefill, the capture and a replay); later prompts of that length
+    replay it. PREFILL_GRAPHS_PER_BATCH lengths are kept per batch size, the least recently used
+    dropped first. The logits are a static tensor that the graph's next replay overwrites."""
+    _check_prompt(input_ids)
+    batch_size, prompt_len = input_ids.shape
+    device = _cuda_device(input_ids.device)
+    graphs = _graph_cache(model)
+    entry = _decoder_graphs(model, batch_size, device)
+    if graphs.prefill_pool is None:
+        graphs.prefill_pool = torch.cuda.graph_pool_handle()
+    prefill = entry.prefills.get(prompt_len, lambda: PrefillGraph(
+        model, entry.cache, batch_size, prompt_len, device, graphs.prefill_pool))
+    return prefill(input_ids)
+
+
+def _graph_cache(model) -> _GraphCache:
+    return model.__dict__.setdefault("_decode_graphs", _GraphCache())
+
+
+def _decoder_graphs(model, batch_size: int, device) -> _DecoderGraphs:
+    """The _DecoderGraphs of ``model`` at ``batch_size`` on ``device``, its decode step captured on
+    first use. The key holds the state cache format because a cache allocated for one format does
+    not fit the other's prefill (QuantizedModel.set_state_cache)."""
     device = _cuda_device(device)
-    graphs = model.__dict__.setdefault("_decode_graphs", _GraphCache())
-    key = (batch_size, str(device), getattr(model, "ssm_mode", None))
+    graphs = _graph_cache(model)
+    key = (batch_size, str(device), getattr(model, "ssm_mode", None), getattr(model, "state_cache", None))
     if key not in graphs:
         cache = model.allocate_cache(batch_size, device=device)
 
@@ -102,14 +242,24 @@ def graphed_decoder(model, batch_size: int, device):
 
         if graphs.pool is None:
             graphs.pool = torch.cuda.graph_pool_handle()
-        graphs[key] = (cache, GraphedStep(step_fn, batch_size, device, graphs.pool))
+        graphs[key] = _DecoderGraphs(cache, GraphedStep(step_fn, batch_size, device, graphs.pool),
+                                     LRUCache(PREFILL_GRAPHS_PER_BATCH))
     return graphs[key]
 
 
+def _check_prompt(input_ids: torch.Tensor) -> None:
+    if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+        raise ValueError(f"input_ids must be [batch, prompt_len] with prompt_len > 0, got {tuple(input_ids.shape)}")
+
+
 def _cuda_device(device) -> torch.device:
+    """``device`` with its index ("cuda" is the current device), so that graphs kept by device
+    find each other whichever way it was named; a QuambaError for a device that is not CUDA."""
     device = torch.device(device)
     if device.type != "cuda":
         raise QuambaError(f"CUDA graphs need a CUDA device, the model is on {device}")
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     return device
 
 
@@ -118,7 +268,7 @@ def generate(model, input_ids, max_new_tokens: int | None = None, max_length: in
              temperature: float = 1.0, top_k: int = 1, top_p: float = 1.0,
              eos_token_id: int | None = None, generator: torch.Generator | None = None,
              streamer: Callable[[torch.Tensor], None] | None = None, cache_graph: bool = False,
-             eos_check_every: int | None = None):
+             eos_check_every: int | None = None, prefill_graph: bool = False):
     """Generate continuations of ``input_ids`` [batch, prompt_len]; returns [batch, total_len].
 
     Stops after ``max_new_tokens`` (or when the total reaches ``max_length``) or once every row
@@ -131,9 +281,14 @@ def generate(model, input_ids, max_new_tokens: int | None = None, max_length: in
     checked.
     ``cache_graph``: replay each decode step from a CUDA graph (graphed_decoder) instead of
     running it eagerly; the tokens are the same.
+    ``prefill_graph`` (with ``cache_graph``): replay the prefill too, from a CUDA graph captured on
+    the first prompt of each length into the decode graph's cache (graphed_prefill); the tokens
+    are the same.
     """
-    if input_ids.dim() != 2 or input_ids.shape[1] == 0:
-        raise ValueError(f"input_ids must be [batch, prompt_len] with prompt_len > 0, got {tuple(input_ids.shape)}")
+    if prefill_graph and not cache_graph:
+        raise ValueError("prefill_graph replays the prefill into the decode graph's cache: it needs "
+                         "cache_graph=True")
+    _check_prompt(input_ids)
     prompt_len = input_ids.shape[1]
     if max_new_tokens is None:
         if max_length is None:
@@ -157,7 +312,10 @@ def generate(model, input_ids, max_new_tokens: int | None = None, max_length: in
 
         def step(next_ids):
             return model(next_ids[:, None], cache=cache)[:, -1]
-    logits = model(input_ids, cache=cache, num_last_tokens=1)[:, -1]
+    if prefill_graph:
+        logits = graphed_prefill(model, input_ids)
+    else:
+        logits = model(input_ids, cache=cache, num_last_tokens=1)[:, -1]
     tokens = [input_ids]
     finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
     all_finished = []  # per token since the last check: whether every row had finished (on the device)

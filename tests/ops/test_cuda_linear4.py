@@ -18,6 +18,7 @@ import zlib
 import pytest
 import torch
 
+from quamba.errors import QuambaError
 from quamba.ops import backend
 from quamba.ops.qlinear4 import w4a8_linear, w4a16_linear, w4a16_linear_channel_major
 from quamba.ops.quant4 import dequantize_int4, pack_int4
@@ -468,6 +469,32 @@ def test_linear4_ops_replay_in_a_cuda_graph(M):
     assert_exact(out8, w4a8_reference(a8))
     assert_close_w4a16(out16, w4a16_reference(a16))
 
+
+
+def test_w4a8_prefill_of_inference_tensors_is_captured_with_the_warm_up_check():
+    """A capture cannot read the device: the overflow check of weights made under inference_mode
+    (no version counter, so checked in every eager call) keeps the verdict of the warm-up's check
+    there, and a weight never checked is refused with a QuambaError."""
+    seed_for("graph", "inference")
+    M, N, K, G = 100, 256, 512, 128
+    with torch.inference_mode():
+        case = w4a8_case(M, N, K, G, torch.float16)
+        args = (case["x_scale"], case["weight_packed"], case["group_multiplier"], case["channel_scale"],
+                G, None)
+        w4a8_linear(case["x"], *args, backend_name="cuda")  # the warm-up: checks the weight
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = w4a8_linear(case["x"], *args, backend_name="cuda")
+        case["x"].copy_(torch.randint(-127, 128, (M, K), dtype=torch.int8, device=DEVICE))
+        graph.replay()
+        assert_exact(out, w4a8_reference(case))
+        unchecked = w4a8_case(M, N, K, G, torch.float16)
+        with pytest.raises(QuambaError, match="checked before the capture"), \
+                torch.cuda.graph(torch.cuda.CUDAGraph()):
+            w4a8_linear(unchecked["x"], unchecked["x_scale"], unchecked["weight_packed"],
+                        unchecked["group_multiplier"], unchecked["channel_scale"], G, None,
+                        backend_name="cuda")
 
 # ---- input checks: RuntimeError naming the argument ----
 

@@ -29,6 +29,7 @@ from quamba.ops.qlinear4 import _w4a16_linear_torch
 GEMV_MAX_M = 8
 
 # packed weight -> (group multiplier tensor, its _version, the weight's _version, group size)
+# of its last passed check; the versions are None for inference tensors
 _EXPANDABLE: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
@@ -87,13 +88,20 @@ def _w4a16_linear_channel_major_cuda(x, weight_packed, scales, group_size, out_d
 def check_expandable(weight_packed: torch.Tensor, group_multiplier: torch.Tensor, group_size: int) -> None:
     """Raises W4A8OverflowError unless every code × group multiplier of the weight fits int8.
     Checked on the device once per weight and cached (see the module docstring); in every call
-    for inference tensors (made under torch.inference_mode), which have no version counter."""
-    cacheable = not (weight_packed.is_inference() or group_multiplier.is_inference())
-    if cacheable:
-        state = (group_multiplier, group_multiplier._version, weight_packed._version, group_size)
-        cached = _EXPANDABLE.get(weight_packed)
-        if cached is not None and cached[0] is state[0] and cached[1:] == state[1:]:
-            return
+    for inference tensors (made under torch.inference_mode), which have no version counter. A
+    CUDA-graph capture cannot read the device: there the verdict of the last check stands, also
+    for inference tensors (the warm-up runs before a capture check them), and a weight never
+    checked is an error."""
+    inference = weight_packed.is_inference() or group_multiplier.is_inference()
+    versions = (None, None) if inference else (group_multiplier._version, weight_packed._version)
+    cached = _EXPANDABLE.get(weight_packed)
+    checked = cached is not None and cached[0] is group_multiplier and cached[1:] == (*versions, group_size)
+    capturing = torch.cuda.is_current_stream_capturing()
+    if checked and (capturing or not inference):
+        return
+    if capturing:
+        raise QuambaError("w4a8_linear: a CUDA graph of a W4A8 prefill needs the weight's int8 range "
+                          "checked before the capture (run the prefill once first)")
     overflow = torch.zeros(1, dtype=torch.int32, device=weight_packed.device)
     scratch = torch.empty(weight_packed.shape[0], 2 * weight_packed.shape[1], dtype=torch.int8,
                           device=weight_packed.device)
@@ -103,5 +111,4 @@ def check_expandable(weight_packed: torch.Tensor, group_multiplier: torch.Tensor
             "w4a8_linear: the prefill GEMM runs on int8 code × group_multiplier, and this weight has "
             "products outside [-128, 127] (group multipliers must lie in 1…18 for codes in -7…7); "
             "requantize it with the current quamba.ops.quant4 rule")
-    if cacheable:
-        _EXPANDABLE[weight_packed] = state
+    _EXPANDABLE[weight_packed] = (group_multiplier, *versions, group_size)
