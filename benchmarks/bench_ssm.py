@@ -143,7 +143,7 @@ def bench_scan(timer, fns, batch, seqlen):
 
 SCAN_CONFIGS = 3  # the launch configurations of csrc/qsscan (kScanConfigs)
 CHUNKED_CONFIG = 2
-CHUNK_LENS = (32, 64, 128, 256)  # config 2's chunk lengths timed beside its own choice (0)
+CHUNK_LENS = (32, 64, 128, 256)  # chunk lengths timed beside the launcher's own choice (0)
 
 
 def bench_scan_configs(timer, batch, seqlen):

@@ -12,9 +12,11 @@
 //          (one order whichever warp folds, so the result is deterministic);
 //   final: each chunk runs again from its start state, writing y; the last chunk writes the state.
 // Each warp stages its inputs through shared-memory tiles of its own, a window of kWindow steps at
-// a time (int8 codes dequantized once there, B and C once for all 32 lanes), so warps never wait
-// for each other. The cost of splitting is the local pass: about (chunks - 1) / chunks of a second
-// pass; the launcher picks as few chunks as fill the GPU.
+// a time (int8 codes dequantized once there, B and C once for all 32 lanes; the next window's
+// codes copied by cp.async meanwhile), so warps never wait for each other. The cost of splitting
+// is the local pass: about (chunks - 1) / chunks of a second pass; the launcher picks as few
+// chunks as fill the GPU, of at most kMaxChunkLen steps. benchmarks/notes_ssm_perf.md has the
+// measurements.
 #include <ATen/cuda/CUDAContext.h>
 
 #include "qsscan_chunked.h"
@@ -29,6 +31,7 @@ constexpr int kWindow = 16;              // steps a warp stages at a time
 constexpr int kWarps = 4;                // warps of a block, each on its own chunk
 constexpr int kTilePitch = kGroup + 4;   // floats per step of a u, dt or z tile (rows 4 banks apart)
 constexpr int kTargetWarpsPerSm = 16;    // the launcher's chunk count aims at this many warps
+constexpr int kMaxChunkLen = 256;        // and splits longer sequences further
 
 template <int kState>
 constexpr int bc_pitch() {  // floats per step of the B | C tile
@@ -36,8 +39,32 @@ constexpr int bc_pitch() {  // floats per step of the B | C tile
 }
 
 template <int kState>
-constexpr int warp_smem_floats() {
+constexpr int tile_floats() {  // the fp32 tiles of a warp: u, dt, z and B | C
   return 3 * kWindow * kTilePitch + kWindow * bc_pitch<kState>();
+}
+
+// A window's int8 codes as the vector paths copy them: u, dt, z (16 bytes a lane each), then B | C
+// (kState bytes a lane). A warp copies the next window's into a second stage with cp.async while
+// it computes on the current one.
+constexpr int kRawInput = kWindow * kGroup;
+template <int kState>
+constexpr int raw_stage_bytes() {
+  return 3 * kRawInput + 32 * kState;
+}
+
+template <int kState>
+constexpr int warp_smem_bytes() {
+  return tile_floats<kState>() * 4 + 2 * raw_stage_bytes<kState>();
+}
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(address), "l"(gmem));
+}
+
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
 }
 
 // A's value as the state loop uses it: A · log2(e) for zoh (its decay is one ex2), A otherwise.
@@ -47,26 +74,48 @@ __device__ __forceinline__ float state_a(int8_t A_log, float A_log_scale) {
   return kMethod == Discretization::kZoh ? __fmul_rn(A, kLog2e) : A;
 }
 
-// Steps [t0, t0 + steps) of one input of the warp's 32 channels into an fp32 tile [step][channel].
-// vec: int8 codes with 16-byte aligned channel runs: lane l loads 16 channels of step l % 16.
-// Otherwise element by element, consecutive lanes along the input's stride-1 dimension.
-__device__ __forceinline__ void stage_tile(float* tile, const FloatSource& src, const Strides3& st,
-                                           bool vec, int b, int d0, int dim, int t0, int steps,
-                                           int lane) {
-  if (vec) {
-    const int s = lane % kWindow, half = lane / kWindow;
-    if (s >= steps) return;
-    const int8_t* codes = static_cast<const int8_t*>(src.data) + b * st.batch +
-                          (t0 + s) * st.time + d0 + 16 * half;
-    const uint4 v = *reinterpret_cast<const uint4*>(codes);
-    const unsigned words[4] = {v.x, v.y, v.z, v.w};
-    float* row = tile + s * kTilePitch + 16 * half;
+// 16 int8 codes (global or shared memory, 16-byte aligned) dequantized into row[0..16).
+__device__ __forceinline__ void dequantize16(const int8_t* codes, float scale, float* row) {
+  const uint4 v = *reinterpret_cast<const uint4*>(codes);
+  const unsigned words[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-    for (int w = 0; w < 4; ++w) {
-      *reinterpret_cast<float4*>(row + 4 * w) =
-          make_float4(code_of(words[w], 0, src.scale), code_of(words[w], 1, src.scale),
-                      code_of(words[w], 2, src.scale), code_of(words[w], 3, src.scale));
-    }
+  for (int w = 0; w < 4; ++w) {
+    *reinterpret_cast<float4*>(row + 4 * w) =
+        make_float4(code_of(words[w], 0, scale), code_of(words[w], 1, scale),
+                    code_of(words[w], 2, scale), code_of(words[w], 3, scale));
+  }
+}
+
+// The 16 codes a lane moves of a vector-staged input window: step lane % kWindow, channels from
+// 16 · (lane / kWindow).
+__device__ __forceinline__ const int8_t* input_codes(const FloatSource& src, const Strides3& st,
+                                                     int b, int d0, int t0, int lane) {
+  return static_cast<const int8_t*>(src.data) + b * st.batch + (t0 + lane % kWindow) * st.time +
+         d0 + 16 * (lane / kWindow);
+}
+
+// The kState codes a lane moves of a vector-staged B | C window: B of step lane for lanes 0-15,
+// C of step lane - 16 for the others.
+__device__ __forceinline__ const int8_t* bc_codes(const ChunkedScanArgs& a, int b, int t0,
+                                                  int lane) {
+  const bool is_c = lane >= kWindow;
+  const Strides3& st = is_c ? a.C_st : a.B_st;
+  return static_cast<const int8_t*>((is_c ? a.C : a.B).data) + b * st.batch +
+         (t0 + lane % kWindow) * st.time;
+}
+
+// Steps [t0, t0 + steps) of one input of the warp's 32 channels into an fp32 tile [step][channel].
+// vec: int8 codes with 16-byte aligned channel runs: lane l dequantizes 16 channels of step l % 16,
+// from `raw` (its prefetched codes) or else from global memory. Otherwise element by element,
+// consecutive lanes along the input's stride-1 dimension.
+__device__ __forceinline__ void stage_tile(float* tile, const FloatSource& src, const Strides3& st,
+                                           bool vec, const int8_t* raw, int b, int d0, int dim,
+                                           int t0, int steps, int lane) {
+  if (vec) {
+    const int s = lane % kWindow;
+    if (s >= steps) return;
+    dequantize16(raw ? raw : input_codes(src, st, b, d0, t0, lane), src.scale,
+                 tile + s * kTilePitch + 16 * (lane / kWindow));
     return;
   }
   const bool time_fast = st.time == 1;
@@ -81,28 +130,20 @@ __device__ __forceinline__ void stage_tile(float* tile, const FloatSource& src, 
 }
 
 // B (and C for the final pass) of steps [t0, t0 + steps) into the tile [step][B | C], zero past
-// dstate. With int8 codes in aligned rows, lanes 0-15 load B of one step each, lanes 16-31 C.
+// dstate. vec (int8 codes in aligned rows of kState): lanes 0-15 dequantize B of one step each,
+// lanes 16-31 C, from `raw` (prefetched) or else from global memory.
 template <int kState, bool kWithC>
-__device__ __forceinline__ void stage_bc(float* tile, const ChunkedScanArgs& a, int b, int t0,
-                                         int steps, int lane) {
+__device__ __forceinline__ void stage_bc(float* tile, const ChunkedScanArgs& a, bool vec,
+                                         const int8_t* raw, int b, int t0, int steps, int lane) {
   constexpr int kPitch = bc_pitch<kState>();
-  if (a.state_vec && a.dstate == kState) {
+  if (vec) {
     const int s = lane % kWindow, which = lane / kWindow;
     if (s >= steps || (!kWithC && which == 1)) return;
-    const FloatSource& src = which ? a.C : a.B;
-    const Strides3& st = which ? a.C_st : a.B_st;
-    const int8_t* codes = static_cast<const int8_t*>(src.data) + b * st.batch + (t0 + s) * st.time;
-    float* row = tile + s * kPitch + which * kState;
+    const int8_t* codes = raw ? raw : bc_codes(a, b, t0, lane);
 #pragma unroll
     for (int q = 0; q < kState / 16; ++q) {
-      const uint4 v = *reinterpret_cast<const uint4*>(codes + 16 * q);
-      const unsigned words[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-      for (int w = 0; w < 4; ++w) {
-        *reinterpret_cast<float4*>(row + 16 * q + 4 * w) =
-            make_float4(code_of(words[w], 0, src.scale), code_of(words[w], 1, src.scale),
-                        code_of(words[w], 2, src.scale), code_of(words[w], 3, src.scale));
-      }
+      dequantize16(codes + 16 * q, (which ? a.C : a.B).scale,
+                   tile + s * kPitch + which * kState + 16 * q);
     }
     return;
   }
@@ -143,6 +184,7 @@ __device__ __forceinline__ void fold_chunk_states(const ChunkedScanArgs& a, int 
   float running[kState];
 #pragma unroll
   for (int n = 0; n < kState; ++n) running[n] = 0.f;
+#pragma unroll 2
   for (int k = 0; k < a.chunks - 1; ++k) {
     float* states = a.chunk_states + (static_cast<int64_t>(bg) * a.chunks + k) * kState * kGroup + lane;
     const float* decays =
@@ -199,6 +241,30 @@ __device__ __forceinline__ void store_state(const ChunkedScanArgs& a, int b, int
   }
 }
 
+// Starts copying the vector-staged codes of steps [t0, t0 + steps) into a raw stage (cp.async, one
+// commit group). Each lane copies, and later dequantizes, only its own pieces, so the stage needs
+// no barrier between the two.
+template <int kState, bool kFinal>
+__device__ __forceinline__ void prefetch_window(int8_t* raw, const ChunkedScanArgs& a, bool channel_vec,
+                                                bool bc_vec, bool has_z, int b, int d0, int t0,
+                                                int steps, int lane) {
+  if (lane % kWindow < steps) {
+    if (channel_vec) {
+      cp_async16(raw + lane * 16, input_codes(a.u, a.u_st, b, d0, t0, lane));
+      cp_async16(raw + kRawInput + lane * 16, input_codes(a.dt, a.dt_st, b, d0, t0, lane));
+      if (has_z) cp_async16(raw + 2 * kRawInput + lane * 16, input_codes(a.z, a.z_st, b, d0, t0, lane));
+    }
+    if (bc_vec && (kFinal || lane < kWindow)) {
+      const int8_t* codes = bc_codes(a, b, t0, lane);
+#pragma unroll
+      for (int q = 0; q < kState / 16; ++q) {
+        cp_async16(raw + 3 * kRawInput + lane * kState + 16 * q, codes + 16 * q);
+      }
+    }
+  }
+  asm volatile("cp.async.commit_group;\n" ::);
+}
+
 // kFinal false: the local pass over chunks 0 .. chunks - 2; true: the final pass over every chunk.
 template <Discretization kMethod, int kState, bool kFinal, typename Out>
 __global__ void __launch_bounds__(kWarps * 32, 4) chunked_scan_kernel(const ChunkedScanArgs a) {
@@ -214,12 +280,15 @@ __global__ void __launch_bounds__(kWarps * 32, 4) chunked_scan_kernel(const Chun
   const int bg = task / chunks_here, chunk = task % chunks_here;
   const int b = bg / a.groups, d0 = bg % a.groups * kGroup, d = d0 + lane;
   const bool valid = d < a.dim;
-  float* u_tile = reinterpret_cast<float*>(smem_vec) + warp * warp_smem_floats<kState>();
+  char* warp_smem = reinterpret_cast<char*>(smem_vec) + warp * warp_smem_bytes<kState>();
+  float* u_tile = reinterpret_cast<float*>(warp_smem);
   float* dt_tile = u_tile + kWindow * kTilePitch;
   float* z_tile = dt_tile + kWindow * kTilePitch;
   float* bc_tile = z_tile + kWindow * kTilePitch;
+  int8_t* raw_stages = reinterpret_cast<int8_t*>(warp_smem + tile_floats<kState>() * 4);
   const bool has_z = kFinal && a.z.data != nullptr;
   const bool channel_vec = a.channel_vec && d0 + kGroup <= a.dim;
+  const bool bc_vec = a.state_vec && a.dstate == kState;
 
   float A[kState], h[kState];
 #pragma unroll
@@ -258,13 +327,33 @@ __global__ void __launch_bounds__(kWarps * 32, 4) chunked_scan_kernel(const Chun
   const bool y_direct = a.y_st.dim == 1;
   Out* y_next = static_cast<Out*>(a.y) + b * a.y_st.batch + d + t_begin * a.y_st.time;
 
-  for (int t0 = t_begin; t0 < t_end; t0 += kWindow) {
+  const bool prefetch = channel_vec || bc_vec;
+  if (prefetch && t_begin < t_end) {
+    prefetch_window<kState, kFinal>(raw_stages, a, channel_vec, bc_vec, has_z, b, d0, t_begin,
+                                    min(kWindow, t_end - t_begin), lane);
+  }
+  for (int t0 = t_begin, stage = 0; t0 < t_end; t0 += kWindow, stage ^= 1) {
     const int steps = min(kWindow, t_end - t0);
+    const int8_t* raw = nullptr;  // this window's prefetched codes
+    if (prefetch) {
+      raw = raw_stages + stage * raw_stage_bytes<kState>();
+      const int next = t0 + kWindow;
+      if (next < t_end) {
+        prefetch_window<kState, kFinal>(raw_stages + (stage ^ 1) * raw_stage_bytes<kState>(), a,
+                                        channel_vec, bc_vec, has_z, b, d0, next,
+                                        min(kWindow, t_end - next), lane);
+        cp_async_wait<1>();
+      } else {
+        cp_async_wait<0>();
+      }
+    }
+    const auto piece = [&](int input) { return raw ? raw + input * kRawInput + lane * 16 : nullptr; };
     __syncwarp();  // the previous window's tiles are consumed
-    stage_tile(u_tile, a.u, a.u_st, channel_vec, b, d0, a.dim, t0, steps, lane);
-    stage_tile(dt_tile, a.dt, a.dt_st, channel_vec, b, d0, a.dim, t0, steps, lane);
-    if (has_z) stage_tile(z_tile, a.z, a.z_st, channel_vec, b, d0, a.dim, t0, steps, lane);
-    stage_bc<kState, kFinal>(bc_tile, a, b, t0, steps, lane);
+    stage_tile(u_tile, a.u, a.u_st, channel_vec, piece(0), b, d0, a.dim, t0, steps, lane);
+    stage_tile(dt_tile, a.dt, a.dt_st, channel_vec, piece(1), b, d0, a.dim, t0, steps, lane);
+    if (has_z) stage_tile(z_tile, a.z, a.z_st, channel_vec, piece(2), b, d0, a.dim, t0, steps, lane);
+    stage_bc<kState, kFinal>(bc_tile, a, bc_vec, raw ? raw + 3 * kRawInput + lane * kState : nullptr,
+                             b, t0, steps, lane);
     __syncwarp();
     for (int s = 0; s < steps; ++s) {
       const float u = u_tile[s * kTilePitch + lane];
@@ -337,20 +426,24 @@ __global__ void __launch_bounds__(kWarps * 32, 4) chunked_scan_kernel(const Chun
   }
 }
 
+template <typename Kernel>
+void launch_pass(Kernel kernel, int64_t warps, int smem, const ChunkedScanArgs& args) {
+  check_kernel_image(kernel, "qsscan");
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  kernel<<<ceil_div(warps, kWarps), kWarps * 32, smem, current_stream()>>>(args);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 template <Discretization kMethod, int kState, typename Out>
 void launch_passes(const ChunkedScanArgs& args) {
-  const int smem = kWarps * warp_smem_floats<kState>() * sizeof(float);
+  const int smem = kWarps * warp_smem_bytes<kState>();
   const int64_t groups = static_cast<int64_t>(args.batch) * args.groups;
   if (args.chunks > 1) {
-    auto local = chunked_scan_kernel<kMethod, kState, false, Out>;
-    check_kernel_image(local, "qsscan");
-    local<<<ceil_div(groups * (args.chunks - 1), kWarps), kWarps * 32, smem, current_stream()>>>(args);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch_pass(chunked_scan_kernel<kMethod, kState, false, Out>,
+                groups * (args.chunks - 1), smem, args);
   }
-  auto final_pass = chunked_scan_kernel<kMethod, kState, true, Out>;
-  check_kernel_image(final_pass, "qsscan");
-  final_pass<<<ceil_div(groups * args.chunks, kWarps), kWarps * 32, smem, current_stream()>>>(args);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_pass(chunked_scan_kernel<kMethod, kState, true, Out>, groups * args.chunks,
+              smem, args);
 }
 
 template <Discretization kMethod, typename Out>
@@ -363,21 +456,27 @@ template <typename Out>
 void launch_method(const ChunkedScanArgs& args, Discretization method) {
   switch (method) {
     case Discretization::kZoh: return launch_states<Discretization::kZoh, Out>(args);
-    case Discretization::kZohExact: return launch_states<Discretization::kZohExact, Out>(args);
-    case Discretization::kBilinear: return launch_states<Discretization::kBilinear, Out>(args);
+    case Discretization::kZohExact:
+      return launch_states<Discretization::kZohExact, Out>(args);
+    case Discretization::kBilinear:
+      return launch_states<Discretization::kBilinear, Out>(args);
     case Discretization::kFoh: return launch_states<Discretization::kFoh, Out>(args);
     default: return launch_states<Discretization::kRk4, Out>(args);
   }
 }
 
-// As few chunks as give the GPU kTargetWarpsPerSm warps per multiprocessor, each a whole number of
-// staging windows long; a requested length is rounded up to whole windows.
+
+// As few chunks as give the GPU kTargetWarpsPerSm warps per multiprocessor, but none longer than
+// kMaxChunkLen steps, each a whole number of staging windows long; a requested length is rounded
+// up to whole windows. (H100, d_inner 5120: fewer, longer chunks were slower at 4096 and 8192
+// tokens; benchmarks/RESULTS.md.)
 int chunk_length(const ChunkedScanArgs& a, int64_t requested) {
   if (requested > 0) return static_cast<int>(ceil_div(requested, kWindow) * kWindow);
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const int64_t warps = static_cast<int64_t>(a.batch) * a.groups;
   const int64_t chunks = std::max<int64_t>(1, ceil_div(int64_t{sms} * kTargetWarpsPerSm, warps));
-  return static_cast<int>(ceil_div(ceil_div(a.seqlen, chunks), kWindow) * kWindow);
+  const int64_t length = std::min<int64_t>(ceil_div(a.seqlen, chunks), kMaxChunkLen);
+  return static_cast<int>(ceil_div(length, kWindow) * kWindow);
 }
 
 }  // namespace

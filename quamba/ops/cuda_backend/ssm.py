@@ -80,17 +80,19 @@ _CHANNEL_CONSTANTS = WeakIdKeyDictionary()
 
 def _channel_conv_constants(x_scale, weight_scale, out_scale, device):
     """(multipliers fp32 [dim], out_inv_scales fp32 [dim] or None) on ``device``, computed by the
-    reference's functions."""
+    reference's functions. Every key's constants stay cached (an SSM mode switch changes the
+    key): a CUDA graph captured with them keeps reading those tensors. Nothing computed during a
+    capture is cached: such tensors hold values only while that graph replays."""
     tensors = [s for s in (x_scale, out_scale) if s is not None]
     cacheable = not any(s.is_inference() for s in tensors)
     key = tuple((id(s), s._version) for s in tensors) + (float(weight_scale), device)
-    cached = _CHANNEL_CONSTANTS.get(x_scale) if cacheable else None
-    if cached is not None and cached[0] == key:
-        return cached[1]
+    entries = _CHANNEL_CONSTANTS.get(x_scale, {}) if cacheable else {}
+    if key in entries:
+        return entries[key]
     multipliers = requant_multiplier(x_scale.float(), weight_scale).to(device).contiguous()
     out_inv = None if out_scale is None else reciprocal(out_scale).to(device).contiguous()
-    if cacheable:
-        _CHANNEL_CONSTANTS[x_scale] = (key, (multipliers, out_inv))
+    if cacheable and not torch.cuda.is_current_stream_capturing():
+        _CHANNEL_CONSTANTS.setdefault(x_scale, {})[key] = (multipliers, out_inv)
     return multipliers, out_inv
 
 
