@@ -617,9 +617,12 @@ void launch_scan_config(ScanArgs args, const at::Tensor& u) {
 // 2 blocks per SM (128 registers), chunks of 256 steps; config 1, 4 channels per warp, 8 per
 // block, up to 8 blocks per SM, chunks of 128 steps (its grid for 5120 channels, 640 blocks, fits
 // the 132 SMs in one wave). Config 2 is the chunked scan of qsscan_chunked.cu, a lane per channel
-// walking a chunk of steps.
+// walking a chunk of steps. The op's default, kAutoConfig, takes config 2 where u's channels are
+// contiguous (the mixer's channel-last views: config 2 is 1.2x config 0 at batch 1 and equal at
+// batch 8) and config 0 for channel-first inputs (config 2 reads those element by element, at
+// about half config 0's speed; benchmarks/RESULTS.md).
 constexpr int kScanConfigs = 3;
-constexpr int kChunkedConfig = 2;
+constexpr int kChunkedConfig = 2, kAutoConfig = -1;
 
 template <Discretization kMethod, typename Out>
 void launch_scan_method(const ScanArgs& args, const at::Tensor& u, int64_t config) {
@@ -775,12 +778,13 @@ std::tuple<at::Tensor, at::Tensor> qsscan(
   check_ssm_params(u, A_log, A_log_scale, D, D_scale, dt_bias, dt_bias_scale, dim, dstate);
   check_out_dtype(out_dtype);
   if (state_inv_scale.has_value()) check_positive_scale(*state_inv_scale, "state_inv_scale");
-  TORCH_CHECK(config >= 0 && config < kScanConfigs, "config must be in 0..",
-              text(kScanConfigs - 1), ", got ", text(config));
+  TORCH_CHECK(config >= kAutoConfig && config < kScanConfigs, "config must be in 0..",
+              text(kScanConfigs - 1), " (or -1, chosen by layout), got ", text(config));
   const Discretization method = discretization_of(discretization);
   const c10::cuda::CUDAGuard guard(u.device());
 
   const bool channel_fast = u.stride(1) == 1 && u.stride(2) != 1;
+  if (config == kAutoConfig) config = channel_fast ? kChunkedConfig : 0;
   at::Tensor y = channel_fast
                      ? at::empty({batch, seqlen, dim}, u.options().dtype(out_dtype)).transpose(1, 2)
                      : at::empty({batch, dim, seqlen}, u.options().dtype(out_dtype));
@@ -1048,7 +1052,7 @@ TORCH_LIBRARY_FRAGMENT(quamba, m) {
       "qsscan(Tensor u, float u_scale, Tensor dt, float dt_scale, Tensor B, float B_scale, "
       "Tensor C, float C_scale, Tensor? z, float z_scale, Tensor A_log, float A_log_scale, "
       "Tensor D, float D_scale, Tensor dt_bias, float dt_bias_scale, float? state_inv_scale, "
-      "ScalarType out_dtype, int config=2, str discretization='zoh', int chunk_len=0) "
+      "ScalarType out_dtype, int config=-1, str discretization='zoh', int chunk_len=0) "
       "-> (Tensor, Tensor)");
   m.def(
       "qsscan_update(Tensor(a!) state, float state_scale, Tensor u, float u_scale, Tensor dt, "

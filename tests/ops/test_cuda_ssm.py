@@ -312,7 +312,8 @@ def test_small_qsscan_float_inputs(in_dtype, layout):
 
 
 SCAN_CONFIGS = 3  # the launch configurations of csrc/qsscan (kScanConfigs)
-CHUNKED_CONFIG = 2  # the chunked scan (csrc/qsscan/qsscan_chunked.cu), the op's default
+CHUNKED_CONFIG = 2  # the chunked scan (csrc/qsscan/qsscan_chunked.cu), the op's default for
+# channel-last inputs (config 0 for channel-first ones)
 
 
 @pytest.mark.parametrize("config", range(SCAN_CONFIGS))
@@ -400,6 +401,23 @@ def test_small_qsscan_chunked_state_sizes(d_state, in_dtype):
     y, h = chunked_scan(inputs, params, torch.float32, 48)
     assert_close_to(y, y_ref)
     assert_close_to(h, h_ref)
+
+
+@pytest.mark.parametrize("layout,config", [("module", CHUNKED_CONFIG), ("contiguous", 0)])
+def test_small_qsscan_default_config_follows_the_layout(layout, config):
+    """The op's default runs the chunked scan on channel-last inputs and config 0 on channel-first
+    ones (which the chunked scan reads element by element): the same bits as that config."""
+    from quamba.ops.cuda_backend.ssm import qsscan_op_args
+
+    seed_for("scan-default-config", layout)
+    inputs, params = scan_inputs(2, 256, 300, layout), ssm_params(256)
+    s = SCALES
+    args = qsscan_op_args(inputs["u"], s["u_scale"], inputs["dt"], s["dt_scale"], inputs["B"],
+                          s["B_scale"], inputs["C"], s["C_scale"], inputs["z"], s["z_scale"],
+                          params, None, torch.float16)
+    default = torch.ops.quamba.qsscan(*args)
+    chosen = torch.ops.quamba.qsscan(*args, config)
+    assert all(torch.equal(a, b) for a, b in zip(default, chosen))
 
 
 def test_small_qsscan_chunked_is_deterministic():
