@@ -20,6 +20,7 @@
 #include "../ssm_common/ssm_common.cuh"
 #include "pdl.cuh"
 #include "qsscan_chunked.h"
+#include "scan_args.h"
 #include "scan_math.cuh"
 
 namespace quamba_ssm {
@@ -49,30 +50,6 @@ struct ChunkRow {
     return (t % kItems / 4) * (4 * kLanes) + (t / kItems) * 4 + t % 4;
   }
 };
-
-struct ScanArgs {
-  FloatSource u, dt, z, B, C;  // z.data == nullptr: no gate
-  Strides3 u_st, dt_st, z_st, B_st, C_st;
-  float* bc;  // the prepared B, C tiles: [batch, chunks, 2, dstate, chunk length]
-  const int8_t* A_log;
-  float A_log_scale;
-  const int8_t* D;
-  float D_scale;
-  const int8_t* dt_bias;
-  float dt_bias_scale;
-  void* y;  // out dtype, [batch, dim, seqlen] with strides y_st
-  Strides3 y_st;
-  void* state;           // contiguous [batch, dim, dstate]: int8 when state_int8, else fp32
-  bool state_int8;
-  float state_inv_scale;
-  int dim, dstate, seqlen, chunks;
-  int staging;  // Staging: how the block moves u, dt, z in and y out
-};
-
-// kChannelVec / kTimeVec: u, dt, z are int8 codes and u, dt, z, y all have 16-byte aligned runs
-// of 16 codes (16 bytes of y) along the stride-1 dimension (channels / time steps), so the block
-// moves them with 16-byte loads and stores; kGeneric: element by element, any dtype and strides.
-enum Staging : int { kGeneric = 0, kChannelVec = 1, kTimeVec = 2 };
 
 // Loads rows [row0, row0 + rows) × the chunk's time steps of one input into a tile (row pitch
 // kPitch, time steps at pos(t)) as fp32, zero outside the tensor. Consecutive threads follow the
@@ -725,22 +702,14 @@ bool state_runs_aligned(const at::Tensor& B, const at::Tensor& C) {
   return true;
 }
 
-// The chunked kernel's arguments: the same tensors and scalars as the other configurations'.
-ChunkedScanArgs chunked_args(const ScanArgs& s, int64_t batch, const at::Tensor& u,
-                             const at::Tensor& dt, const c10::optional<at::Tensor>& z,
-                             const at::Tensor& B, const at::Tensor& C) {
-  ChunkedScanArgs a{};
-  a.u = s.u, a.dt = s.dt, a.z = s.z, a.B = s.B, a.C = s.C;
-  a.u_st = s.u_st, a.dt_st = s.dt_st, a.z_st = s.z_st, a.B_st = s.B_st, a.C_st = s.C_st;
-  a.A_log = s.A_log, a.A_log_scale = s.A_log_scale;
-  a.D = s.D, a.D_scale = s.D_scale;
-  a.dt_bias = s.dt_bias, a.dt_bias_scale = s.dt_bias_scale;
-  a.y = s.y, a.y_st = s.y_st;
-  a.state = s.state, a.state_int8 = s.state_int8, a.state_inv_scale = s.state_inv_scale;
-  a.batch = static_cast<int>(batch), a.dim = s.dim, a.dstate = s.dstate, a.seqlen = s.seqlen;
-  a.channel_vec = s.staging == kChannelVec;
-  a.state_vec = state_runs_aligned(B, C);
-  return a;
+// The chunked kernel's plan: what its staging can vectorize (the launcher fills the rest).
+ChunkPlan chunk_plan(const ScanArgs& args, int64_t batch, const at::Tensor& B,
+                     const at::Tensor& C) {
+  ChunkPlan plan{};
+  plan.batch = static_cast<int>(batch);
+  plan.channel_vec = args.staging == kChannelVec;
+  plan.state_vec = state_runs_aligned(B, C);
+  return plan;
 }
 
 // u, dt, z: [batch, dim, seqlen]; B, C: [batch, dstate, seqlen]; any strides, each int8 codes
@@ -820,7 +789,7 @@ std::tuple<at::Tensor, at::Tensor> qsscan(
     return {y, state};
   }
   if (config == kChunkedConfig) {
-    launch_chunked_scan(chunked_args(args, batch, u, dt, z, B, C), u, chunk_len, method, out_dtype);
+    launch_chunked_scan(args, chunk_plan(args, batch, B, C), u, chunk_len, method, out_dtype);
     return {y, state};
   }
   switch (out_dtype) {

@@ -96,7 +96,7 @@ __device__ __forceinline__ const int8_t* input_codes(const FloatSource& src, con
 
 // The kState codes a lane moves of a vector-staged B | C window: B of step lane for lanes 0-15,
 // C of step lane - 16 for the others.
-__device__ __forceinline__ const int8_t* bc_codes(const ChunkedScanArgs& a, int b, int t0,
+__device__ __forceinline__ const int8_t* bc_codes(const ScanArgs& a, int b, int t0,
                                                   int lane) {
   const bool is_c = lane >= kWindow;
   const Strides3& st = is_c ? a.C_st : a.B_st;
@@ -133,7 +133,7 @@ __device__ __forceinline__ void stage_tile(float* tile, const FloatSource& src, 
 // dstate. vec (int8 codes in aligned rows of kState): lanes 0-15 dequantize B of one step each,
 // lanes 16-31 C, from `raw` (prefetched) or else from global memory.
 template <int kState, bool kWithC>
-__device__ __forceinline__ void stage_bc(float* tile, const ChunkedScanArgs& a, bool vec,
+__device__ __forceinline__ void stage_bc(float* tile, const ScanArgs& a, bool vec,
                                          const int8_t* raw, int b, int t0, int steps, int lane) {
   constexpr int kPitch = bc_pitch<kState>();
   if (vec) {
@@ -162,7 +162,7 @@ __device__ __forceinline__ void stage_bc(float* tile, const ChunkedScanArgs& a, 
 // The tile's y (kept in the u tile) to a layout whose channels are not contiguous: consecutive
 // lanes along y's stride-1 dimension.
 template <typename Out>
-__device__ __forceinline__ void store_y_tile(const float* tile, const ChunkedScanArgs& a, int b,
+__device__ __forceinline__ void store_y_tile(const float* tile, const ScanArgs& a, int b,
                                              int d0, int t0, int steps, int lane) {
   const Strides3& st = a.y_st;
   Out* y = static_cast<Out*>(a.y) + b * st.batch;
@@ -180,15 +180,15 @@ __device__ __forceinline__ void store_y_tile(const float* tile, const ChunkedSca
 // Each chunk's start state from the local pass's end states and decays, in chunk order:
 // start_0 = 0, start_{k+1} = decay_k ⊙ start_k + end_k. Overwrites the end states.
 template <int kState>
-__device__ __forceinline__ void fold_chunk_states(const ChunkedScanArgs& a, int bg, int lane) {
+__device__ __forceinline__ void fold_chunk_states(const ChunkPlan& p, int bg, int lane) {
   float running[kState];
 #pragma unroll
   for (int n = 0; n < kState; ++n) running[n] = 0.f;
 #pragma unroll 2
-  for (int k = 0; k < a.chunks - 1; ++k) {
-    float* states = a.chunk_states + (static_cast<int64_t>(bg) * a.chunks + k) * kState * kGroup + lane;
+  for (int k = 0; k < p.chunks - 1; ++k) {
+    float* states = p.chunk_states + (static_cast<int64_t>(bg) * p.chunks + k) * kState * kGroup + lane;
     const float* decays =
-        a.chunk_decays + (static_cast<int64_t>(bg) * (a.chunks - 1) + k) * kState * kGroup + lane;
+        p.chunk_decays + (static_cast<int64_t>(bg) * (p.chunks - 1) + k) * kState * kGroup + lane;
 #pragma unroll
     for (int n = 0; n < kState; ++n) {
       const float end = __ldcg(states + n * kGroup), decay = __ldcg(decays + n * kGroup);
@@ -196,7 +196,7 @@ __device__ __forceinline__ void fold_chunk_states(const ChunkedScanArgs& a, int 
       running[n] = fmaf(decay, running[n], end);
     }
   }
-  float* last = a.chunk_states + (static_cast<int64_t>(bg) * a.chunks + a.chunks - 1) * kState * kGroup + lane;
+  float* last = p.chunk_states + (static_cast<int64_t>(bg) * p.chunks + p.chunks - 1) * kState * kGroup + lane;
 #pragma unroll
   for (int n = 0; n < kState; ++n) last[n * kGroup] = running[n];
 }
@@ -205,11 +205,11 @@ __device__ __forceinline__ void fold_chunk_states(const ChunkedScanArgs& a, int 
 // to arrive folds every chunk's into start states (threadfence reduction: each writer fences
 // before counting itself, the folder after seeing the count).
 template <int kState>
-__device__ __forceinline__ void publish_chunk(const ChunkedScanArgs& a, int bg, int chunk, int lane,
+__device__ __forceinline__ void publish_chunk(const ChunkPlan& p, int bg, int chunk, int lane,
                                               const float (&h)[kState], const float (&decay)[kState]) {
-  float* states = a.chunk_states + (static_cast<int64_t>(bg) * a.chunks + chunk) * kState * kGroup + lane;
+  float* states = p.chunk_states + (static_cast<int64_t>(bg) * p.chunks + chunk) * kState * kGroup + lane;
   float* decays =
-      a.chunk_decays + (static_cast<int64_t>(bg) * (a.chunks - 1) + chunk) * kState * kGroup + lane;
+      p.chunk_decays + (static_cast<int64_t>(bg) * (p.chunks - 1) + chunk) * kState * kGroup + lane;
 #pragma unroll
   for (int n = 0; n < kState; ++n) {
     states[n * kGroup] = h[n];
@@ -218,16 +218,16 @@ __device__ __forceinline__ void publish_chunk(const ChunkedScanArgs& a, int bg, 
   __threadfence();
   __syncwarp();
   int arrived = 0;
-  if (lane == 0) arrived = atomicAdd(a.arrivals + bg, 1);
+  if (lane == 0) arrived = atomicAdd(p.arrivals + bg, 1);
   arrived = __shfl_sync(kFullMask, arrived, 0);
-  if (arrived != a.chunks - 2) return;
+  if (arrived != p.chunks - 2) return;
   __threadfence();
-  fold_chunk_states<kState>(a, bg, lane);
+  fold_chunk_states<kState>(p, bg, lane);
 }
 
 // The last state of a sequence's channel d: int8 codes or fp32, [batch, dim, dstate].
 template <int kState>
-__device__ __forceinline__ void store_state(const ChunkedScanArgs& a, int b, int d,
+__device__ __forceinline__ void store_state(const ScanArgs& a, int b, int d,
                                             const float (&h)[kState]) {
   const int64_t offset = (static_cast<int64_t>(b) * a.dim + d) * a.dstate;
 #pragma unroll
@@ -245,7 +245,7 @@ __device__ __forceinline__ void store_state(const ChunkedScanArgs& a, int b, int
 // commit group). Each lane copies, and later dequantizes, only its own pieces, so the stage needs
 // no barrier between the two.
 template <int kState, bool kFinal>
-__device__ __forceinline__ void prefetch_window(int8_t* raw, const ChunkedScanArgs& a, bool channel_vec,
+__device__ __forceinline__ void prefetch_window(int8_t* raw, const ScanArgs& a, bool channel_vec,
                                                 bool bc_vec, bool has_z, int b, int d0, int t0,
                                                 int steps, int lane) {
   if (lane % kWindow < steps) {
@@ -267,18 +267,19 @@ __device__ __forceinline__ void prefetch_window(int8_t* raw, const ChunkedScanAr
 
 // kFinal false: the local pass over chunks 0 .. chunks - 2; true: the final pass over every chunk.
 template <Discretization kMethod, int kState, bool kFinal, typename Out>
-__global__ void __launch_bounds__(kWarps * 32, 4) chunked_scan_kernel(const ChunkedScanArgs a) {
+__global__ void __launch_bounds__(kWarps * 32, 4) chunked_scan_kernel(const ScanArgs a,
+                                                                              const ChunkPlan p) {
   constexpr bool kFoh = kMethod == Discretization::kFoh;
   constexpr bool kZoh = kMethod == Discretization::kZoh;
   constexpr bool kDecayProduct = !kFinal && !is_exponential(kMethod) && !kZoh;
   constexpr int kBcPitch = bc_pitch<kState>();
   extern __shared__ float4 smem_vec[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int chunks_here = kFinal ? a.chunks : a.chunks - 1;
+  const int chunks_here = kFinal ? p.chunks : p.chunks - 1;
   const int task = blockIdx.x * kWarps + warp;
-  if (task >= a.batch * a.groups * chunks_here) return;
+  if (task >= p.batch * p.groups * chunks_here) return;
   const int bg = task / chunks_here, chunk = task % chunks_here;
-  const int b = bg / a.groups, d0 = bg % a.groups * kGroup, d = d0 + lane;
+  const int b = bg / p.groups, d0 = bg % p.groups * kGroup, d = d0 + lane;
   const bool valid = d < a.dim;
   char* warp_smem = reinterpret_cast<char*>(smem_vec) + warp * warp_smem_bytes<kState>();
   float* u_tile = reinterpret_cast<float*>(warp_smem);
@@ -287,8 +288,8 @@ __global__ void __launch_bounds__(kWarps * 32, 4) chunked_scan_kernel(const Chun
   float* bc_tile = z_tile + kWindow * kTilePitch;
   int8_t* raw_stages = reinterpret_cast<int8_t*>(warp_smem + tile_floats<kState>() * 4);
   const bool has_z = kFinal && a.z.data != nullptr;
-  const bool channel_vec = a.channel_vec && d0 + kGroup <= a.dim;
-  const bool bc_vec = a.state_vec && a.dstate == kState;
+  const bool channel_vec = p.channel_vec && d0 + kGroup <= a.dim;
+  const bool bc_vec = p.state_vec && a.dstate == kState;
 
   float A[kState], h[kState];
 #pragma unroll
@@ -296,14 +297,14 @@ __global__ void __launch_bounds__(kWarps * 32, 4) chunked_scan_kernel(const Chun
     A[n] = valid && n < a.dstate ? state_a<kMethod>(a.A_log[d * a.dstate + n], a.A_log_scale) : 0.f;
     h[n] = 0.f;
   }
-  if (kFinal && a.chunks > 1) {
-    const float* start = a.chunk_states + (static_cast<int64_t>(bg) * a.chunks + chunk) * kState * kGroup + lane;
+  if (kFinal && p.chunks > 1) {
+    const float* start = p.chunk_states + (static_cast<int64_t>(bg) * p.chunks + chunk) * kState * kGroup + lane;
 #pragma unroll
     for (int n = 0; n < kState; ++n) h[n] = start[n * kGroup];
   }
   const float bias = valid ? dequantize(a.dt_bias[d], a.dt_bias_scale) : 0.f;
   const float skip = valid ? dequantize(a.D[d], a.D_scale) : 0.f;
-  const int t_begin = chunk * a.chunk_len, t_end = min(t_begin + a.chunk_len, a.seqlen);
+  const int t_begin = chunk * p.chunk_len, t_end = min(t_begin + p.chunk_len, a.seqlen);
 
   // foh: the drives v = u B of the step before (zero before the sequence).
   float v_previous[kFoh ? kState : 1];
@@ -411,7 +412,7 @@ __global__ void __launch_bounds__(kWarps * 32, 4) chunked_scan_kernel(const Chun
   }
 
   if constexpr (kFinal) {
-    if (chunk == a.chunks - 1 && valid) store_state<kState>(a, b, d, h);
+    if (chunk == p.chunks - 1 && valid) store_state<kState>(a, b, d, h);
   } else {
     float decay[kState];
 #pragma unroll
@@ -422,46 +423,47 @@ __global__ void __launch_bounds__(kWarps * 32, 4) chunked_scan_kernel(const Chun
         decay[n] = exp2_approx(delta_sum * (kZoh ? A[n] : A[n] * kLog2e));
       }
     }
-    publish_chunk<kState>(a, bg, chunk, lane, h, decay);
+    publish_chunk<kState>(p, bg, chunk, lane, h, decay);
   }
 }
 
 template <typename Kernel>
-void launch_pass(Kernel kernel, int64_t warps, int smem, const ChunkedScanArgs& args) {
+void launch_pass(Kernel kernel, int64_t warps, int smem, const ScanArgs& args,
+                 const ChunkPlan& plan) {
   check_kernel_image(kernel, "qsscan");
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  kernel<<<ceil_div(warps, kWarps), kWarps * 32, smem, current_stream()>>>(args);
+  kernel<<<ceil_div(warps, kWarps), kWarps * 32, smem, current_stream()>>>(args, plan);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 template <Discretization kMethod, int kState, typename Out>
-void launch_passes(const ChunkedScanArgs& args) {
+void launch_passes(const ScanArgs& args, const ChunkPlan& plan) {
   const int smem = kWarps * warp_smem_bytes<kState>();
-  const int64_t groups = static_cast<int64_t>(args.batch) * args.groups;
-  if (args.chunks > 1) {
+  const int64_t groups = static_cast<int64_t>(plan.batch) * plan.groups;
+  if (plan.chunks > 1) {
     launch_pass(chunked_scan_kernel<kMethod, kState, false, Out>,
-                groups * (args.chunks - 1), smem, args);
+                groups * (plan.chunks - 1), smem, args, plan);
   }
-  launch_pass(chunked_scan_kernel<kMethod, kState, true, Out>, groups * args.chunks,
-              smem, args);
+  launch_pass(chunked_scan_kernel<kMethod, kState, true, Out>, groups * plan.chunks,
+              smem, args, plan);
 }
 
 template <Discretization kMethod, typename Out>
-void launch_states(const ChunkedScanArgs& args) {
-  if (args.dstate <= 16) return launch_passes<kMethod, 16, Out>(args);
-  launch_passes<kMethod, 32, Out>(args);
+void launch_states(const ScanArgs& args, const ChunkPlan& plan) {
+  if (args.dstate <= 16) return launch_passes<kMethod, 16, Out>(args, plan);
+  launch_passes<kMethod, 32, Out>(args, plan);
 }
 
 template <typename Out>
-void launch_method(const ChunkedScanArgs& args, Discretization method) {
+void launch_method(const ScanArgs& args, const ChunkPlan& plan, Discretization method) {
   switch (method) {
-    case Discretization::kZoh: return launch_states<Discretization::kZoh, Out>(args);
+    case Discretization::kZoh: return launch_states<Discretization::kZoh, Out>(args, plan);
     case Discretization::kZohExact:
-      return launch_states<Discretization::kZohExact, Out>(args);
+      return launch_states<Discretization::kZohExact, Out>(args, plan);
     case Discretization::kBilinear:
-      return launch_states<Discretization::kBilinear, Out>(args);
-    case Discretization::kFoh: return launch_states<Discretization::kFoh, Out>(args);
-    default: return launch_states<Discretization::kRk4, Out>(args);
+      return launch_states<Discretization::kBilinear, Out>(args, plan);
+    case Discretization::kFoh: return launch_states<Discretization::kFoh, Out>(args, plan);
+    default: return launch_states<Discretization::kRk4, Out>(args, plan);
   }
 }
 
@@ -470,40 +472,40 @@ void launch_method(const ChunkedScanArgs& args, Discretization method) {
 // kMaxChunkLen steps, each a whole number of staging windows long; a requested length is rounded
 // up to whole windows. (H100, d_inner 5120: fewer, longer chunks were slower at 4096 and 8192
 // tokens; benchmarks/RESULTS.md.)
-int chunk_length(const ChunkedScanArgs& a, int64_t requested) {
+int chunk_length(const ChunkPlan& p, int seqlen, int64_t requested) {
   if (requested > 0) return static_cast<int>(ceil_div(requested, kWindow) * kWindow);
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const int64_t warps = static_cast<int64_t>(a.batch) * a.groups;
+  const int64_t warps = static_cast<int64_t>(p.batch) * p.groups;
   const int64_t chunks = std::max<int64_t>(1, ceil_div(int64_t{sms} * kTargetWarpsPerSm, warps));
-  const int64_t length = std::min<int64_t>(ceil_div(a.seqlen, chunks), kMaxChunkLen);
+  const int64_t length = std::min<int64_t>(ceil_div(seqlen, chunks), kMaxChunkLen);
   return static_cast<int>(ceil_div(length, kWindow) * kWindow);
 }
 
 }  // namespace
 
-void launch_chunked_scan(ChunkedScanArgs args, const at::Tensor& u, int64_t chunk_len,
-                         Discretization method, at::ScalarType out_dtype) {
+void launch_chunked_scan(const ScanArgs& args, ChunkPlan plan, const at::Tensor& u,
+                         int64_t chunk_len, Discretization method, at::ScalarType out_dtype) {
   TORCH_CHECK(chunk_len >= 0 && chunk_len < (int64_t{1} << 30), "chunk_len must be in 0..2^30, got ",
               text(chunk_len));
-  args.groups = static_cast<int>(ceil_div(args.dim, kGroup));
-  args.chunk_len = chunk_length(args, chunk_len);
-  args.chunks = static_cast<int>(ceil_div(args.seqlen, args.chunk_len));
-  const int64_t groups = static_cast<int64_t>(args.batch) * args.groups;
+  plan.groups = static_cast<int>(ceil_div(args.dim, kGroup));
+  plan.chunk_len = chunk_length(plan, args.seqlen, chunk_len);
+  plan.chunks = static_cast<int>(ceil_div(args.seqlen, plan.chunk_len));
+  const int64_t groups = static_cast<int64_t>(plan.batch) * plan.groups;
   const int state_slots = args.dstate <= 16 ? 16 : 32;
   at::Tensor states, decays, arrivals;
-  if (args.chunks > 1) {
+  if (plan.chunks > 1) {
     const auto options = u.options().dtype(at::kFloat);
-    states = at::empty({groups, args.chunks, state_slots, kGroup}, options);
-    decays = at::empty({groups, args.chunks - 1, state_slots, kGroup}, options);
+    states = at::empty({groups, plan.chunks, state_slots, kGroup}, options);
+    decays = at::empty({groups, plan.chunks - 1, state_slots, kGroup}, options);
     arrivals = at::zeros({groups}, u.options().dtype(at::kInt));
-    args.chunk_states = states.data_ptr<float>();
-    args.chunk_decays = decays.data_ptr<float>();
-    args.arrivals = arrivals.data_ptr<int>();
+    plan.chunk_states = states.data_ptr<float>();
+    plan.chunk_decays = decays.data_ptr<float>();
+    plan.arrivals = arrivals.data_ptr<int>();
   }
   switch (out_dtype) {
-    case at::kHalf: return launch_method<__half>(args, method);
-    case at::kBFloat16: return launch_method<__nv_bfloat16>(args, method);
-    default: return launch_method<float>(args, method);
+    case at::kHalf: return launch_method<__half>(args, plan, method);
+    case at::kBFloat16: return launch_method<__nv_bfloat16>(args, plan, method);
+    default: return launch_method<float>(args, plan, method);
   }
 }
 

@@ -1,0 +1,33 @@
+// The arguments of the QSScan prefill kernels (qsscan.cu, qsscan_chunked.cu): the op's tensors,
+// strides and scales as qsscan() checked them.
+#pragma once
+
+#include "../ssm_common/ssm_common.cuh"
+
+namespace quamba_ssm {
+
+struct ScanArgs {
+  FloatSource u, dt, z, B, C;  // z.data == nullptr: no gate
+  Strides3 u_st, dt_st, z_st, B_st, C_st;
+  float* bc;  // the prepared B, C tiles: [batch, chunks, 2, dstate, chunk length]
+  const int8_t* A_log;
+  float A_log_scale;
+  const int8_t* D;
+  float D_scale;
+  const int8_t* dt_bias;
+  float dt_bias_scale;
+  void* y;  // out dtype, [batch, dim, seqlen] with strides y_st
+  Strides3 y_st;
+  void* state;           // contiguous [batch, dim, dstate]: int8 when state_int8, else fp32
+  bool state_int8;
+  float state_inv_scale;
+  int dim, dstate, seqlen, chunks;
+  int staging;  // Staging: how the block moves u, dt, z in and y out
+};
+
+// kChannelVec / kTimeVec: u, dt, z are int8 codes and u, dt, z, y all have 16-byte aligned runs
+// of 16 codes (16 bytes of y) along the stride-1 dimension (channels / time steps), so the block
+// moves them with 16-byte loads and stores; kGeneric: element by element, any dtype and strides.
+enum Staging : int { kGeneric = 0, kChannelVec = 1, kTimeVec = 2 };
+
+}  // namespace quamba_ssm
