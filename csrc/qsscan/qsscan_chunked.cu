@@ -124,7 +124,9 @@ __device__ __forceinline__ void stage_tile(float* tile, const FloatSource& src, 
     const int s = time_fast ? e % kWindow : e / kGroup;
     const int c = time_fast ? e / kWindow : e % kGroup;
     float value = 0.f;
-    if (s < steps && d0 + c < dim) value = src.load(b * st.batch + (d0 + c) * st.dim + (t0 + s) * st.time);
+    if (s < steps && d0 + c < dim) {
+      value = src.load(b * st.batch + (d0 + c) * st.dim + (t0 + s) * st.time);
+    }
     tile[s * kTilePitch + c] = value;
   }
 }
@@ -177,6 +179,13 @@ __device__ __forceinline__ void store_y_tile(const float* tile, const ScanArgs& 
   }
 }
 
+// Lane `lane`'s slot of chunk `chunk` of channel group bg in a [groups, chunks, kState, 32] array
+// of the chunk states or decays (state n at [n * kGroup]).
+template <int kState>
+__device__ __forceinline__ float* chunk_slot(float* base, int chunks, int bg, int chunk, int lane) {
+  return base + (static_cast<int64_t>(bg) * chunks + chunk) * kState * kGroup + lane;
+}
+
 // Each chunk's start state from the local pass's end states and decays, in chunk order:
 // start_0 = 0, start_{k+1} = decay_k ⊙ start_k + end_k. Overwrites the end states.
 template <int kState>
@@ -186,9 +195,8 @@ __device__ __forceinline__ void fold_chunk_states(const ChunkPlan& p, int bg, in
   for (int n = 0; n < kState; ++n) running[n] = 0.f;
 #pragma unroll 2
   for (int k = 0; k < p.chunks - 1; ++k) {
-    float* states = p.chunk_states + (static_cast<int64_t>(bg) * p.chunks + k) * kState * kGroup + lane;
-    const float* decays =
-        p.chunk_decays + (static_cast<int64_t>(bg) * (p.chunks - 1) + k) * kState * kGroup + lane;
+    float* states = chunk_slot<kState>(p.chunk_states, p.chunks, bg, k, lane);
+    const float* decays = chunk_slot<kState>(p.chunk_decays, p.chunks - 1, bg, k, lane);
 #pragma unroll
     for (int n = 0; n < kState; ++n) {
       const float end = __ldcg(states + n * kGroup), decay = __ldcg(decays + n * kGroup);
@@ -196,7 +204,7 @@ __device__ __forceinline__ void fold_chunk_states(const ChunkPlan& p, int bg, in
       running[n] = fmaf(decay, running[n], end);
     }
   }
-  float* last = p.chunk_states + (static_cast<int64_t>(bg) * p.chunks + p.chunks - 1) * kState * kGroup + lane;
+  float* last = chunk_slot<kState>(p.chunk_states, p.chunks, bg, p.chunks - 1, lane);
 #pragma unroll
   for (int n = 0; n < kState; ++n) last[n * kGroup] = running[n];
 }
@@ -206,10 +214,10 @@ __device__ __forceinline__ void fold_chunk_states(const ChunkPlan& p, int bg, in
 // before counting itself, the folder after seeing the count).
 template <int kState>
 __device__ __forceinline__ void publish_chunk(const ChunkPlan& p, int bg, int chunk, int lane,
-                                              const float (&h)[kState], const float (&decay)[kState]) {
-  float* states = p.chunk_states + (static_cast<int64_t>(bg) * p.chunks + chunk) * kState * kGroup + lane;
-  float* decays =
-      p.chunk_decays + (static_cast<int64_t>(bg) * (p.chunks - 1) + chunk) * kState * kGroup + lane;
+                                              const float (&h)[kState],
+                                              const float (&decay)[kState]) {
+  float* states = chunk_slot<kState>(p.chunk_states, p.chunks, bg, chunk, lane);
+  float* decays = chunk_slot<kState>(p.chunk_decays, p.chunks - 1, bg, chunk, lane);
 #pragma unroll
   for (int n = 0; n < kState; ++n) {
     states[n * kGroup] = h[n];
@@ -252,7 +260,9 @@ __device__ __forceinline__ void prefetch_window(int8_t* raw, const ScanArgs& a, 
     if (channel_vec) {
       cp_async16(raw + lane * 16, input_codes(a.u, a.u_st, b, d0, t0, lane));
       cp_async16(raw + kRawInput + lane * 16, input_codes(a.dt, a.dt_st, b, d0, t0, lane));
-      if (has_z) cp_async16(raw + 2 * kRawInput + lane * 16, input_codes(a.z, a.z_st, b, d0, t0, lane));
+      if (has_z) {
+        cp_async16(raw + 2 * kRawInput + lane * 16, input_codes(a.z, a.z_st, b, d0, t0, lane));
+      }
     }
     if (bc_vec && (kFinal || lane < kWindow)) {
       const int8_t* codes = bc_codes(a, b, t0, lane);
@@ -267,8 +277,8 @@ __device__ __forceinline__ void prefetch_window(int8_t* raw, const ScanArgs& a, 
 
 // kFinal false: the local pass over chunks 0 .. chunks - 2; true: the final pass over every chunk.
 template <Discretization kMethod, int kState, bool kFinal, typename Out>
-__global__ void __launch_bounds__(kWarps * 32, 4) chunked_scan_kernel(const ScanArgs a,
-                                                                              const ChunkPlan p) {
+__global__ void __launch_bounds__(kWarps * 32, 4)
+chunked_scan_kernel(const ScanArgs a, const ChunkPlan p) {
   constexpr bool kFoh = kMethod == Discretization::kFoh;
   constexpr bool kZoh = kMethod == Discretization::kZoh;
   constexpr bool kDecayProduct = !kFinal && !is_exponential(kMethod) && !kZoh;
@@ -298,7 +308,7 @@ __global__ void __launch_bounds__(kWarps * 32, 4) chunked_scan_kernel(const Scan
     h[n] = 0.f;
   }
   if (kFinal && p.chunks > 1) {
-    const float* start = p.chunk_states + (static_cast<int64_t>(bg) * p.chunks + chunk) * kState * kGroup + lane;
+    const float* start = chunk_slot<kState>(p.chunk_states, p.chunks, bg, chunk, lane);
 #pragma unroll
     for (int n = 0; n < kState; ++n) h[n] = start[n * kGroup];
   }
@@ -348,13 +358,17 @@ __global__ void __launch_bounds__(kWarps * 32, 4) chunked_scan_kernel(const Scan
         cp_async_wait<0>();
       }
     }
-    const auto piece = [&](int input) { return raw ? raw + input * kRawInput + lane * 16 : nullptr; };
+    const auto piece = [&](int input) {
+      return raw ? raw + input * kRawInput + lane * 16 : nullptr;
+    };
     __syncwarp();  // the previous window's tiles are consumed
     stage_tile(u_tile, a.u, a.u_st, channel_vec, piece(0), b, d0, a.dim, t0, steps, lane);
     stage_tile(dt_tile, a.dt, a.dt_st, channel_vec, piece(1), b, d0, a.dim, t0, steps, lane);
-    if (has_z) stage_tile(z_tile, a.z, a.z_st, channel_vec, piece(2), b, d0, a.dim, t0, steps, lane);
-    stage_bc<kState, kFinal>(bc_tile, a, bc_vec, raw ? raw + 3 * kRawInput + lane * kState : nullptr,
-                             b, t0, steps, lane);
+    if (has_z) {
+      stage_tile(z_tile, a.z, a.z_st, channel_vec, piece(2), b, d0, a.dim, t0, steps, lane);
+    }
+    const int8_t* bc_raw = raw ? raw + 3 * kRawInput + lane * kState : nullptr;
+    stage_bc<kState, kFinal>(bc_tile, a, bc_vec, bc_raw, b, t0, steps, lane);
     __syncwarp();
     for (int s = 0; s < steps; ++s) {
       const float u = u_tile[s * kTilePitch + lane];
@@ -485,8 +499,8 @@ int chunk_length(const ChunkPlan& p, int seqlen, int64_t requested) {
 
 void launch_chunked_scan(const ScanArgs& args, ChunkPlan plan, const at::Tensor& u,
                          int64_t chunk_len, Discretization method, at::ScalarType out_dtype) {
-  TORCH_CHECK(chunk_len >= 0 && chunk_len < (int64_t{1} << 30), "chunk_len must be in 0..2^30, got ",
-              text(chunk_len));
+  TORCH_CHECK(chunk_len >= 0 && chunk_len < (int64_t{1} << 30),
+              "chunk_len must be in 0..2^30, got ", text(chunk_len));
   plan.groups = static_cast<int>(ceil_div(args.dim, kGroup));
   plan.chunk_len = chunk_length(plan, args.seqlen, chunk_len);
   plan.chunks = static_cast<int>(ceil_div(args.seqlen, plan.chunk_len));
