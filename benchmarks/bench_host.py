@@ -6,8 +6,8 @@ quamba._C, W4A16 through the library's backend selection, and the two halves of 
 Why: batch-1 prefill is bound by the host's Python on the lent H100 machine, for every
 precision (benchmarks/RESULTS.md, 2026-11-23); this shows what each linear call costs the host
 there. Each number is the wall time of a run of calls issued while a long sleep kernel queued
-first keeps the GPU busy, so that no call waits for it; a call that synchronizes with the GPU would
-wait for the sleep and is reported as such. A torch profiler pass over the W4A16 prefill call
+first keeps the GPU busy, so that no call waits for it (common.host_ms); a run that outlasted the
+sleep, as a call that synchronizes with the GPU would, is reported as such. A torch profiler pass over the W4A16 prefill call
 lists the CPU-side events (ATen ops and CUDA runtime calls) that take its time.
 
     python benchmarks/bench_host.py [--out results.json] [--quick]
@@ -15,19 +15,16 @@ lists the CPU-side events (ATen ops and CUDA runtime calls) that take its time.
 from __future__ import annotations
 
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 from bench_gemm4 import GROUP, gemv_operands
-from common import format_table, parse_args, run_metadata, write_json
+from common import format_table, host_ms, parse_args, run_metadata, write_json
 from quamba.ops.qlinear4 import w4a16_linear
 
 N, K = 10240, 2560
-SLEEP_CYCLES = 400_000_000  # ~0.2 s at the H100's clock: longer than any run of calls below
-WAITED_S = 0.05  # a run of calls this long waited for the sleep (or did 1 ms of host work per call)
 
 
 def operands(M: int) -> dict:
@@ -53,20 +50,6 @@ def calls(o: dict) -> dict:
                                                                     o["dequantized"]),
         "torch.mm(x, w.t()) fp16": lambda: torch.mm(o["x16"], o["dequantized"].t()),
     }
-
-
-def host_seconds(fn, repeats: int) -> float:
-    """Host time of ``repeats`` calls issued behind a sleeping GPU."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    torch.cuda._sleep(SLEEP_CYCLES)
-    start = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed
 
 
 def profiler_events(fn, repeats: int, top: int = 15) -> list[dict]:
@@ -95,9 +78,8 @@ def main():
     with torch.inference_mode():
         for M in (1024, 1):
             for name, fn in calls(operands(M)).items():
-                seconds = host_seconds(fn, repeats)
-                rows.append({"M": M, "call": name, "host_us": 1e6 * seconds / repeats,
-                             "waits_for_gpu": seconds > WAITED_S})
+                ms, waited = host_ms(fn, runs=1, calls=repeats)
+                rows.append({"M": M, "call": name, "host_us": 1e3 * ms, "waits_for_gpu": waited})
             events[f"w4a16_linear op, M={M}"] = profiler_events(calls(operands(M))["w4a16_linear op"], repeats)
     print(format_table(rows, ["M", "call", "host_us", "waits_for_gpu"], "host time per call"))
     for title, table in events.items():

@@ -6,9 +6,8 @@ Shapes: d_inner 5120, d_state 16 (Mamba-2.8B); the scans at batch 1 and 8 over 1
 tokens and at batch 1 over 4096 and 8192 (``--quick``: the first two), the other ops at batch 1,
 seqlen 1024 and 2048. The int8 ops are timed in the module's layout (channel-last views of the
 GEMM outputs, ``layout=module``) and channel-first (``layout=contiguous``, the layout mamba-ssm is
-given). GB/s counts each input
-read once and each output written once (y, and the last state); ``floor_us`` is those bytes
-over the device's measured copy bandwidth. The baseline columns are left empty, with a note,
+given). GB/s counts each input read once and each output written once (y, and the last state);
+``floor_us`` is those bytes over the device's measured copy bandwidth. The baseline columns are left empty, with a note,
 where mamba-ssm or causal-conv1d is not installed.
 
 ``--configs`` adds every launch configuration of the QSScan kernel at those shapes, and the
@@ -166,8 +165,8 @@ def bench_scan_configs(timer, batch, seqlen):
             continue
         for chunk_len in CHUNK_LENS:
             run = lambda: torch.ops.quamba.qsscan(*args, CHUNKED_CONFIG, DEFAULT, chunk_len)
-            rows.append(timer.row(f"qsscan config 2, chunks of {chunk_len}", layout, seqlen, run,
-                                  nbytes, batch=batch))
+            rows.append(timer.row(f"qsscan config {CHUNKED_CONFIG}, chunks of {chunk_len}", layout,
+                                  seqlen, run, nbytes, batch=batch))
     return rows
 
 

@@ -25,7 +25,7 @@ from quamba.utils.io import atomic_write_text
 L2_FLUSH_BYTES = 256 << 20
 # Cycles of the sleep kernel that keeps the GPU busy while host_ms times the host: ~0.5 s at an
 # H100's clock, longer than the host's part of an eager prefill (the batch-1 TTFTs that it bounds
-# are at most ~0.1 s in benchmarks/RESULTS.md).
+# are at most ~0.1 s in benchmarks/RESULTS.md) or of bench_host.py's runs of calls.
 SLEEP_CYCLES = 1_000_000_000
 
 
@@ -102,12 +102,12 @@ def median_ms(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
-def host_ms(fn: Callable[[], object], runs: int = 3) -> tuple[float, bool]:
-    """Median host time in ms of one call of ``fn`` issued while a sleep kernel queued first keeps
-    the GPU busy, so that no launch waits for the GPU (as benchmarks/bench_host.py measures ops),
-    and whether in any run the sleep had ended before the call returned: the call then waited for
-    the GPU (a synchronization, a full launch queue) or outlasted the sleep, and the time is an
-    upper bound."""
+def host_ms(fn: Callable[[], object], runs: int = 3, calls: int = 1) -> tuple[float, bool]:
+    """Host time in ms of one call of ``fn``: the median over ``runs`` of ``calls`` calls issued
+    while a sleep kernel queued first keeps the GPU busy, so that no launch waits for the GPU; and
+    whether in any run the sleep had ended before the calls returned: they then waited for the GPU
+    (a synchronization, a full launch queue) or outlasted the sleep, and the time is an upper
+    bound."""
     fn()
     torch.cuda.synchronize()
     times, waited = [], False
@@ -116,8 +116,9 @@ def host_ms(fn: Callable[[], object], runs: int = 3) -> tuple[float, bool]:
         slept = torch.cuda.Event()
         slept.record()
         start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - start) * 1e3 / calls)
         waited |= slept.query()
         torch.cuda.synchronize()
     return statistics.median(times), waited

@@ -29,11 +29,6 @@ namespace {
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int kMaxState = 32;
 
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(address), "l"(gmem));
-}
-
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::); }
 
 // Shared-memory row of one chunk (kLanes lanes × kItems time steps). Time step t of a row sits at

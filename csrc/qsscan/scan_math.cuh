@@ -1,6 +1,6 @@
-// Fast fp32 arithmetic of the QSScan prefill kernels (qsscan.cu, qsscan_chunked.cu): approximate
-// exponential, logarithm and reciprocal, the fast softplus and SiLU, and the per-method step
-// coefficients of the discretizations other than zoh.
+// Device helpers of the QSScan prefill kernels (qsscan.cu, qsscan_chunked.cu): fast fp32
+// arithmetic (approximate exponential, logarithm and reciprocal, the fast softplus and SiLU, the
+// per-method step coefficients of the discretizations other than zoh) and cp.async copies.
 #pragma once
 
 #include "../ssm_common/ssm_common.cuh"
@@ -8,6 +8,12 @@
 namespace quamba_ssm {
 
 constexpr float kLog2e = 1.4426950408889634f;
+
+// A 16-byte copy from global to shared memory that does not hold the thread (cp.async.cg).
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(address), "l"(gmem));
+}
 
 // Byte ``byte`` of a word of four int8 codes, dequantized.
 __device__ __forceinline__ float code_of(unsigned word, int byte, float scale) {
