@@ -7,17 +7,23 @@ Data flow of the int8 mode (prefill; shapes [batch, seqlen, ·] unless noted):
     u ─ x_proj W8A8 → dt_low, B, C (int8, one scale) ; dt_low ─ dt_proj W8A8 → dt (int8)
     QSScan(u, dt, B, C, z; A_log, D, dt_bias int8) → y fp16    ssm state ← int8 (percentile)
     y ─ Hadamard + quantize → int8 ─ out_proj W8A8 → fp16 out
+
+A decode step (one token) runs conv update → x_proj → dt_proj → scan step as one op,
+qmixer_ssm_step (quamba.ops.fused_decode: two Triton kernels on a GPU), where
+:meth:`QMambaMixer.fuses_decode` says it applies; else op by op.
 """
 from __future__ import annotations
 
 import torch
 
 from quamba.layers.base import QuantModule
-from quamba.layers.qlinear import W4A8Linear, W8A8Linear
+from quamba.layers.qlinear import W4A8Linear, W8A8Linear, output_scale
 from quamba.models.mamba import MixerState
 from quamba.ops.causal_conv1d import causal_conv1d, causal_conv1d_update, conv_state_from_prefill
 from quamba.ops.discretization import (DEFAULT as DEFAULT_DISCRETIZATION,
                                        check as check_discretization, input_drive)
+from quamba.ops.fused_decode import (ConvWeights, StepScales, W4A8Weight, W8A8Weight,
+                                     qmixer_ssm_step)
 from quamba.ops.hadamard import hadamard_transform
 from quamba.ops.qconv1d import qconv1d, qconv1d_update
 from quamba.ops.qhadamard import hadamard_quant
@@ -52,6 +58,10 @@ class QMambaMixer(QuantModule):
         self._add_branch("", scales, device)
         self.taps: dict | None = None
         self.state_cache = "int8"  # or "fp32": QuantConfig.state_cache
+        # the int8 decode step's SSM side as one op (qmixer_ssm_step) where it applies
+        # (:meth:`fuses_decode`); False runs the separate ops (the same numbers on the torch
+        # backend). QuantizedModel.set_fused_decode switches every mixer of a model.
+        self.fused_decode = True
 
     def _linear(self, in_features, out_features, in_scale, out_scale, device, dtype=torch.float16):
         """A linear layer of the recipe's weight bits (int8 out when ``out_scale`` is given)."""
@@ -213,8 +223,38 @@ class QMambaMixer(QuantModule):
     def _step(self, h, state: MixerState):
         if self.simulate:
             return self._step_simulated(h, state)
-        s = self.scales
         x, z = self.in_proj(h[:, 0]).chunk(2, dim=-1)
+        linears = self._fused_linears()
+        if linears is None:
+            y = self._ssm_step(x, z, state)
+        else:
+            y = qmixer_ssm_step(x, z, state.conv, state.ssm, ConvWeights(*self._conv_weights("")),
+                                *linears, self.ssm_params, self._step_scales(),
+                                out_dtype=self.out_dtype, backend_name=self.backend)
+        return self._out(y).unsqueeze(1)
+
+    def fuses_decode(self) -> bool:
+        """Whether the decode step runs its SSM side as one qmixer_ssm_step: ``fused_decode`` set,
+        the int8 mode with zoh, and linear layers of the op's kinds (a W8A8 x_proj with a
+        per-tensor weight scale, or W4A8; per-tensor activation scales)."""
+        return self._fused_linears() is not None
+
+    def _fused_linears(self) -> tuple | None:
+        """qmixer_ssm_step's (x_proj, dt_proj) where :meth:`fuses_decode`, else None."""
+        if not (self.fused_decode and self.mode == "int8"
+                and self.discretization == DEFAULT_DISCRETIZATION):
+            return None
+        linears = (_fused_weight(self.x_proj), _fused_weight(self.dt_proj))
+        return None if None in linears else linears
+
+    def _step_scales(self) -> StepScales:
+        s = self.scales
+        return StepScales(s["xz_scale"], s["u_scale"], s["xdbl_scale"], s["dt_scale"],
+                          s["state_scale"])
+
+    def _ssm_step(self, x, z, state: MixerState):
+        """The decode step's SSM side, op by op: y [batch, d_inner] in the output dtype."""
+        s = self.scales
         fp32_conv = self.mode == "fp32-conv"
         u = qconv1d_update(x, state.conv, s["xz_scale"], self.conv_weight, s["conv_weight_scale"],
                            self.conv_bias, s["conv_bias_scale"],
@@ -226,10 +266,9 @@ class QMambaMixer(QuantModule):
                        z, s["xz_scale"]]
         if self.mode == "fp32-ssm-input":
             scan_inputs = _dequantize_pairs(scan_inputs)
-        y = qsscan_update(state.ssm, s["state_scale"], *scan_inputs, self.ssm_params,
-                          out_dtype=self.out_dtype, backend_name=self.backend,
-                          discretization=self.discretization, drive=state.drive)
-        return self._out(y).unsqueeze(1)
+        return qsscan_update(state.ssm, s["state_scale"], *scan_inputs, self.ssm_params,
+                             out_dtype=self.out_dtype, backend_name=self.backend,
+                             discretization=self.discretization, drive=state.drive)
 
     # --- float simulation of the int8 path -------------------------------------------------------
 
@@ -287,6 +326,22 @@ def out_projection(mixer: QuantModule, y):
     out = mixer.out_proj(y_q)
     mixer._tap("out", out)
     return out
+
+
+def _fused_weight(linear) -> W8A8Weight | W4A8Weight | None:
+    """qmixer_ssm_step's view of an int8-output linear layer (its codes and scales as the layer
+    runs them), or None where the op takes no such layer (a float output, a per-channel W8A8
+    weight scale or output scale)."""
+    out_scale = output_scale(linear)
+    if not isinstance(out_scale, float):
+        return None
+    s = linear.scales
+    if isinstance(linear, W4A8Linear):
+        return W4A8Weight(linear.weight, linear.group_multiplier, linear.channel_scale,
+                          linear.group_size, s["in_scale"], out_scale)
+    if isinstance(linear, W8A8Linear) and not linear.per_channel:
+        return W8A8Weight(linear.weight, s["weight_scale"], s["in_scale"], out_scale)
+    return None
 
 
 def suffixed(scale_name: str, suffix: str) -> str:

@@ -38,6 +38,8 @@ class QuantizedModel:
     the ``fp16`` mode the unquantized model (kept from quantize(), else loaded from the recorded
     base model). Needs ``quant_config``, ``base_model``, ``ssm_mode`` and ``dtype``."""
 
+    fused_decode = True  # whether the Mamba1 mixers' decode step is fused (set_fused_decode)
+
     @property
     def weight_only(self) -> bool:
         return self.quant_config.weight_only
@@ -71,6 +73,17 @@ class QuantizedModel:
             if hasattr(module, "state_cache"):
                 module.state_cache = state_cache
         self.state_cache = state_cache
+        return self
+
+    def set_fused_decode(self, enabled: bool):
+        """Run each int8 Mamba1 mixer's decode-step SSM side as one op (qmixer_ssm_step, the
+        default) or op by op (``enabled`` False): the same numbers on the torch backend; on a GPU
+        two Triton kernels instead of four kernels (QMambaMixer.fuses_decode says where it
+        applies)."""
+        for module in self.modules():
+            if hasattr(module, "fused_decode"):
+                module.fused_decode = bool(enabled)
+        self.fused_decode = bool(enabled)
         return self
 
     def _fp(self):
