@@ -1,5 +1,6 @@
 """benchmarks/profile_mamba.py's argument handling (the timings themselves need a GPU)."""
 import sys
+from argparse import Namespace
 from pathlib import Path
 
 import pytest
@@ -25,3 +26,10 @@ def test_cache_memory_is_reported_per_sequence():
     memory = profile_mamba.cache_memory({"ssm": 64 * 5120 * 16 * 8, "conv": 64 * 5120 * 3 * 2 * 8}, 8)
     assert memory["ssm_state_bytes_per_seq"] == 64 * 5120 * 16  # int8 state, Mamba-2.8B shapes
     assert memory["cache_bytes"] == memory["ssm_state_bytes"] + memory["conv_state_bytes"]
+
+
+def test_unfused_decode_rows_are_added_for_the_int8_activation_precisions():
+    wanted, unwanted = Namespace(unfused_decode=True), Namespace(unfused_decode=False)
+    added = [p for p in profile_mamba.PRECISIONS if profile_mamba.unfused_row(p, wanted)]
+    assert added == ["w8a8", "w4a8"]
+    assert not profile_mamba.unfused_row("w8a8", unwanted)

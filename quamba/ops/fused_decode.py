@@ -100,7 +100,8 @@ def _check(x, z, conv_state, ssm_state, conv, x_proj, dt_proj) -> None:
         raise ValueError(f"{OP}: x and z must be int8 [batch, d_inner] codes, got {x.dtype} "
                          f"{tuple(x.shape)} and {z.dtype} {tuple(z.shape)}")
     batch, d_inner = x.shape
-    if conv_state.dtype != torch.int8 or conv_state.shape != (batch, d_inner, conv.weight.shape[1] - 1):
+    width = conv.weight.shape[1]
+    if conv_state.dtype != torch.int8 or conv_state.shape != (batch, d_inner, width - 1):
         raise ValueError(f"{OP}: conv_state must be int8 [batch, d_inner, width - 1], got "
                          f"{conv_state.dtype} {tuple(conv_state.shape)}")
     if ssm_state.dtype not in (torch.int8, torch.float32) or ssm_state.shape[:2] != x.shape:
@@ -110,12 +111,12 @@ def _check(x, z, conv_state, ssm_state, conv, x_proj, dt_proj) -> None:
         raise ValueError(f"{OP}: x_proj must be a W8A8Weight or W4A8Weight and dt_proj a "
                          f"W8A8Weight, got {type(x_proj).__name__} and {type(dt_proj).__name__}")
     dt_rank = dt_proj.weight.shape[1]
-    if x_proj_shape(x_proj) != (dt_rank + 2 * ssm_state.shape[2], d_inner):
-        raise ValueError(f"{OP}: x_proj {x_proj_shape(x_proj)} does not map d_inner {d_inner} to "
+    if _x_proj_shape(x_proj) != (dt_rank + 2 * ssm_state.shape[2], d_inner):
+        raise ValueError(f"{OP}: x_proj {_x_proj_shape(x_proj)} does not map d_inner {d_inner} to "
                          f"dt_rank + 2 d_state = {dt_rank + 2 * ssm_state.shape[2]}")
 
 
-def x_proj_shape(x_proj) -> tuple[int, int]:
+def _x_proj_shape(x_proj) -> tuple[int, int]:
     """(out, in) features of an x_proj weight."""
     if isinstance(x_proj, W4A8Weight):
         return x_proj.packed.shape[0], x_proj.packed.shape[1] * 2

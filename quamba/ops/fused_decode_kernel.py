@@ -21,7 +21,7 @@ chain of ops to one int8 step and y to the scan's tolerance. On a GPU exp and lo
 libdevice's (the CUDA kernels' expf and log1pf); under Triton's interpreter numpy's.
 
 Tiles: at most 8 batch rows per program (decode's batch 1-8 is one row block; larger batches take
-more, each reading the weights again), and broadcast products of at most TILE elements. The
+more, each reading the weights again), and tiles of at most TILE elements. The
 block sizes are first choices for Mamba-2.8B's shapes (d_inner 5120: 20 conv programs, 80 scan
 programs) not yet tuned on a GPU.
 """
@@ -33,20 +33,22 @@ import torch
 import triton
 import triton.language as tl
 from torch.utils.weak import WeakIdKeyDictionary
+from triton.language.extra import libdevice
+from triton.runtime.interpreter import InterpretedFunction
 
 from quamba.ops.fused_decode import W4A8Weight
 from quamba.ops.quant import fp32_reciprocal, fp32_value, requant_multiplier
 
 MAX_ROWS = 8  # batch rows per program
-TILE = 8192  # elements of a program's largest broadcast product (64 per thread with 4 warps)
+# Elements of a program's largest tile (the conv's [rows, channels, 4] window, a broadcast
+# product, the scan's [rows, channels, d_state] state): 32 per thread with 8 warps. Compiled for
+# sm_90 at Mamba-2.8B's shapes, batch 1 to 8, no kernel spills registers (at most ~205 used);
+# with 4 warps both spilled at batch 8.
+TILE = 8192
+NUM_WARPS = 8
 CONV_CHANNELS = 256  # d_inner channels per conv + x_proj program (x_proj's K slice)
 SCAN_CHANNELS = 64  # d_inner channels per dt_proj + scan program
-NUM_WARPS = 4
 
-try:
-    from triton.language.extra import libdevice
-except ImportError:  # a Triton without it runs the interpreter's (numpy's) functions only
-    libdevice = None
 
 
 @triton.jit
@@ -85,7 +87,7 @@ def _silu(y, LIBDEVICE: tl.constexpr):
 def _quantize(x, inverse):
     """fp32 int8 codes of x: round half to even of x · inverse, saturated to ±127."""
     scaled = tl.clamp(x * inverse, -128.0, 128.0)
-    # |scaled| ≤ 128: adding 1.5 · 2^23 leaves no fraction bits, so the addition rounds half to even
+    # |scaled| ≤ 128: adding 1.5 · 2^23 leaves no fraction bits, so the sum rounds half to even
     return tl.clamp((scaled + 12582912.0) - 12582912.0, -127.0, 127.0)
 
 
@@ -97,7 +99,8 @@ def _conv_step(x_ptr, sx_b, sx_d, conv_state_ptr, weight_ptr, bias_ptr, m, k, ma
     (oldest input first) rolled in place."""
     taps = tl.arange(0, 4)  # the widest conv's window (KERNEL_WIDTHS)
     tap = taps[None, None, :]
-    state_ptrs = conv_state_ptr + (m[:, None, None] * d_inner + k[None, :, None]) * (WIDTH - 1) + tap
+    channel = m[:, None, None] * d_inner + k[None, :, None]
+    state_ptrs = conv_state_ptr + channel * (WIDTH - 1) + tap
     window = tl.load(state_ptrs, mask=mask[:, :, None] & (tap < WIDTH - 1), other=0).to(tl.int32)
     x = tl.load(x_ptr + m[:, None] * sx_b + k[None, :] * sx_d, mask=mask, other=0).to(tl.int32)
     window = tl.where(tap == WIDTH - 1, x[:, :, None], window)
@@ -191,9 +194,10 @@ def _dt_proj_scan_kernel(partial_ptr, xdbl_multipliers_ptr, u_ptr, z_ptr, sz_b, 
         r_mask = row_mask[:, None] & (r < dt_rank)[None, :]
         dt_low = _x_dbl_codes(partial_ptr, xdbl_multipliers_ptr, xdbl_multiplier, m, r, r_mask,
                               batch, n_out, k_blocks, PER_CHANNEL)
-        if WRITES_CODES and tl.program_id(0) == 0:  # x_proj's codes: written once
-            tl.store(x_dbl_out_ptr + m[:, None] * n_out + r[None, :], dt_low.to(tl.int8),
-                     mask=r_mask)
+        if WRITES_CODES:
+            if tl.program_id(0) == 0:  # x_proj's codes: written once
+                tl.store(x_dbl_out_ptr + m[:, None] * n_out + r[None, :], dt_low.to(tl.int8),
+                         mask=r_mask)
         w = tl.load(dt_proj_ptr + d[:, None] * dt_rank + r[None, :],
                     mask=d_mask[:, None] & (r < dt_rank)[None, :], other=0).to(tl.int32)
         acc += tl.sum(dt_low.to(tl.int32)[:, None, :] * w[None, :, :], axis=2)
@@ -207,15 +211,18 @@ def _dt_proj_scan_kernel(partial_ptr, xdbl_multipliers_ptr, u_ptr, z_ptr, sz_b, 
                            n_mask, batch, n_out, k_blocks, PER_CHANNEL)
     C_codes = _x_dbl_codes(partial_ptr, xdbl_multipliers_ptr, xdbl_multiplier, m,
                            dt_rank + d_state + n, n_mask, batch, n_out, k_blocks, PER_CHANNEL)
-    if WRITES_CODES and tl.program_id(0) == 0:
-        codes_ptrs = x_dbl_out_ptr + m[:, None] * n_out + dt_rank + n[None, :]
-        tl.store(codes_ptrs, B_codes.to(tl.int8), mask=n_mask)
-        tl.store(codes_ptrs + d_state, C_codes.to(tl.int8), mask=n_mask)
+    if WRITES_CODES:
+        if tl.program_id(0) == 0:
+            codes_ptrs = x_dbl_out_ptr + m[:, None] * n_out + dt_rank + n[None, :]
+            tl.store(codes_ptrs, B_codes.to(tl.int8), mask=n_mask)
+            tl.store(codes_ptrs + d_state, C_codes.to(tl.int8), mask=n_mask)
     B, C = B_codes * xdbl_scale, C_codes * xdbl_scale
 
     # the zoh step of qsscan_update's reference, operation by operation
-    u = tl.load(u_ptr + m[:, None] * d_inner + d[None, :], mask=mask, other=0).to(tl.float32) * u_scale
-    z = tl.load(z_ptr + m[:, None] * sz_b + d[None, :] * sz_d, mask=mask, other=0).to(tl.float32) * z_scale
+    u = tl.load(u_ptr + m[:, None] * d_inner + d[None, :], mask=mask, other=0)
+    u = u.to(tl.float32) * u_scale
+    z = tl.load(z_ptr + m[:, None] * sz_b + d[None, :] * sz_d, mask=mask, other=0)
+    z = z.to(tl.float32) * z_scale
     dt_bias = tl.load(dt_bias_ptr + d, mask=d_mask, other=0).to(tl.float32) * dt_bias_scale
     delta = _softplus(dt_codes * dt_scale + dt_bias[None, :], LIBDEVICE)
     A_mask = d_mask[:, None] & (n < d_state)[None, :]
@@ -236,6 +243,11 @@ def _dt_proj_scan_kernel(partial_ptr, xdbl_multipliers_ptr, u_ptr, z_ptr, sz_b, 
     y = tl.sum(h * C[:, None, :], axis=2) + u * D[None, :]
     y = y * _silu(z, LIBDEVICE)
     tl.store(y_ptr + m[:, None] * d_inner + d[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+# libdevice's exp and log1p where the kernels are compiled; Triton's interpreter (TRITON_INTERPRET
+# when they were defined) has no external functions and runs numpy's
+LIBDEVICE_MATH = not isinstance(_dt_proj_scan_kernel, InterpretedFunction)
 
 
 def ssm_step(x, z, conv_state, ssm_state, conv, x_proj, dt_proj, params, scales, out_dtype):
@@ -268,13 +280,12 @@ def _launch(x, z, conv_state, ssm_state, conv, x_proj, dt_proj, params, scales, 
         return y
     rows = min(MAX_ROWS, triton.next_power_of_2(batch))
     row_blocks = triton.cdiv(batch, rows)
-    block_k = min(CONV_CHANNELS, triton.next_power_of_2(d_inner))
+    block_k = _block(d_inner, min(CONV_CHANNELS, TILE // (4 * rows)))
     k_blocks = triton.cdiv(d_inner, block_k)
     u = codes[0] if codes is not None else torch.empty(batch, d_inner, dtype=torch.int8,
                                                        device=x.device)
     partial = torch.empty(k_blocks, batch, n_out, dtype=torch.int32, device=x.device)
     int4 = isinstance(x_proj, W4A8Weight)
-    libdevice_math = not triton.knobs.runtime.interpret
     _conv_x_proj_kernel[(k_blocks, row_blocks)](
         x, x.stride(0), x.stride(1), conv_state, conv.weight.contiguous(),
         conv.weight if conv.bias is None else conv.bias, u,
@@ -284,7 +295,7 @@ def _launch(x, z, conv_state, ssm_state, conv, x_proj, dt_proj, params, scales, 
         fp32_reciprocal(float(scales.u)),
         WIDTH=conv.weight.shape[1], HAS_BIAS=conv.bias is not None, INT4=int4, BLOCK_M=rows,
         BLOCK_K=block_k, BLOCK_J=_block(n_out, TILE // (rows * block_k)),
-        LIBDEVICE=libdevice_math, num_warps=NUM_WARPS, enable_fp_fusion=False)
+        LIBDEVICE=LIBDEVICE_MATH, num_warps=NUM_WARPS, enable_fp_fusion=False)
 
     block_n = triton.next_power_of_2(d_state)
     block_d = _block(d_inner, min(SCAN_CHANNELS, TILE // (rows * block_n)))
@@ -303,7 +314,7 @@ def _launch(x, z, conv_state, ssm_state, conv, x_proj, dt_proj, params, scales, 
         PER_CHANNEL=xdbl_multipliers is not None, INT8_STATE=int8_state,
         WRITES_CODES=codes is not None, BLOCK_M=rows, BLOCK_D=block_d,
         BLOCK_R=_block(dt_rank, TILE // (rows * block_d)), BLOCK_N=block_n,
-        LIBDEVICE=libdevice_math, num_warps=NUM_WARPS, enable_fp_fusion=False)
+        LIBDEVICE=LIBDEVICE_MATH, num_warps=NUM_WARPS, enable_fp_fusion=False)
     return y
 
 

@@ -69,7 +69,8 @@ def test_other_output_dtypes(out_dtype):
 def test_an_empty_batch_returns_an_empty_output():
     from quamba.ops import fused_decode_kernel
     case = step_case(1, 16, 4, 2, device=DEVICE)
-    empty = {k: (v[:0] if k in ("x", "z", "conv_state", "ssm_state") else v) for k, v in case.items()}
+    batched = ("x", "z", "conv_state", "ssm_state")
+    empty = {k: (v[:0] if k in batched else v) for k, v in case.items()}
     y = fused_decode_kernel.ssm_step(**empty, out_dtype=torch.float16)
     assert y.shape == (0, 16)
 
