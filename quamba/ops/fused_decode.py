@@ -89,8 +89,7 @@ def qmixer_ssm_step(x, z, conv_state, ssm_state, conv: ConvWeights, x_proj, dt_p
     """
     _check(x, z, conv_state, ssm_state, conv, x_proj, dt_proj)
     impl = backend.select(OP, x.device, backend_name,
-                          cuda_lacks=_kernel_lacks(conv, x_proj, dt_proj, conv_state,
-                                                       ssm_state))
+                          cuda_lacks=_kernel_lacks(conv, x_proj, dt_proj, conv_state, ssm_state))
     return impl(x, z, conv_state, ssm_state, conv, x_proj, dt_proj, params, scales, out_dtype)
 
 
@@ -104,12 +103,16 @@ def _check(x, z, conv_state, ssm_state, conv, x_proj, dt_proj) -> None:
     if conv_state.dtype != torch.int8 or conv_state.shape != (batch, d_inner, width - 1):
         raise ValueError(f"{OP}: conv_state must be int8 [batch, d_inner, width - 1], got "
                          f"{conv_state.dtype} {tuple(conv_state.shape)}")
-    if ssm_state.dtype not in (torch.int8, torch.float32) or ssm_state.shape[:2] != x.shape:
+    if (ssm_state.dtype not in (torch.int8, torch.float32) or ssm_state.dim() != 3
+            or ssm_state.shape[:2] != x.shape):
         raise ValueError(f"{OP}: ssm_state must be int8 or fp32 [batch, d_inner, d_state], got "
                          f"{ssm_state.dtype} {tuple(ssm_state.shape)}")
     if not isinstance(x_proj, (W8A8Weight, W4A8Weight)) or not isinstance(dt_proj, W8A8Weight):
         raise ValueError(f"{OP}: x_proj must be a W8A8Weight or W4A8Weight and dt_proj a "
                          f"W8A8Weight, got {type(x_proj).__name__} and {type(dt_proj).__name__}")
+    if conv.weight.shape[0] != d_inner or dt_proj.weight.shape[0] != d_inner:
+        raise ValueError(f"{OP}: the conv weight {tuple(conv.weight.shape)} and dt_proj "
+                         f"{tuple(dt_proj.weight.shape)} must have d_inner = {d_inner} rows")
     dt_rank = dt_proj.weight.shape[1]
     if _x_proj_shape(x_proj) != (dt_rank + 2 * ssm_state.shape[2], d_inner):
         raise ValueError(f"{OP}: x_proj {_x_proj_shape(x_proj)} does not map d_inner {d_inner} to "

@@ -113,6 +113,9 @@ def test_cuda_is_refused_where_the_kernels_cannot_run():
     (lambda c: dict(c, conv_state=c["conv_state"][..., :1]), "conv_state"),
     (lambda c: dict(c, ssm_state=c["ssm_state"].half()), "ssm_state"),
     (lambda c: dict(c, ssm_state=c["ssm_state"][..., :3]), "dt_rank \\+ 2 d_state"),
+    (lambda c: dict(c, ssm_state=c["ssm_state"][..., 0]), "ssm_state"),
+    (lambda c: dict(c, x=c["x"][:, :8], z=c["z"][:, :8], conv_state=c["conv_state"][:, :8],
+                    ssm_state=c["ssm_state"][:, :8]), "d_inner = 8 rows"),
 ])
 def test_inputs_outside_the_op_are_value_errors(change, message):
     with pytest.raises(ValueError, match=message):
