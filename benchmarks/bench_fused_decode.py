@@ -8,7 +8,10 @@ Both are timed as CUDA-graph replays of many layers' steps, each with its own we
 ``us`` is per layer, ``floor_us`` the bytes a layer's step must move (weights, states read and
 written) over the device's copy bandwidth, ``speedup`` the unfused time over the fused one.
 
-    python benchmarks/bench_fused_decode.py [--out results.json] [--quick]
+``--tiles`` also times the fused kernels at other tile choices (channels per conv + x_proj
+program, channels per scan program, warps), W8A8 x_proj and an int8 state.
+
+    python benchmarks/bench_fused_decode.py [--out results.json] [--quick] [--tiles]
 """
 from __future__ import annotations
 
@@ -32,6 +35,9 @@ N_OUT = DT_RANK + 2 * D_STATE
 GROUP = 128
 BATCHES = (1, 8)
 COLUMNS = ("x_proj", "state", "batch", "unfused_us", "fused_us", "speedup", "floor_us")
+# (CONV_CHANNELS, SCAN_CHANNELS, NUM_WARPS) of quamba.ops.fused_decode_kernel tried by --tiles
+TILES = ((64, 64, 8), (128, 32, 4), (128, 64, 4), (256, 64, 8), (128, 128, 8), (64, 32, 4))
+TILE_COLUMNS = ("batch", "conv_channels", "scan_channels", "warps", "fused_us")
 
 
 def codes(*shape, low=-127):
@@ -99,8 +105,30 @@ def bench(x_proj_kind, state_kind, batch, bandwidth, replays) -> dict:
             "speedup": times["unfused"] / times["fused"], "floor_us": nbytes / bandwidth / 1e3}
 
 
+def bench_tiles(replays) -> list[dict]:
+    """The fused step (W8A8 x_proj, int8 state) at each of TILES, batch 1 and 8."""
+    from quamba.ops import fused_decode_kernel as kernel
+    chosen = (kernel.CONV_CHANNELS, kernel.SCAN_CHANNELS, kernel.NUM_WARPS)
+    rows = []
+    try:
+        for batch in BATCHES:
+            for tiles in TILES:
+                kernel.CONV_CHANNELS, kernel.SCAN_CHANNELS, kernel.NUM_WARPS = tiles
+
+                def make(_, batch=batch):
+                    arguments = layer_step("w8a8", "int8", batch)
+                    return lambda: fused_step(**arguments)
+                nbytes = layer_bytes("w8a8", "int8", batch)
+                rows.append(dict(zip(TILE_COLUMNS, (batch, *tiles, 1e3 * common.time_graph_ms(
+                    make, nbytes, replays=replays)))))
+    finally:
+        kernel.CONV_CHANNELS, kernel.SCAN_CHANNELS, kernel.NUM_WARPS = chosen
+    return rows
+
+
 def main():
-    args = common.parse_args(__doc__.split("\n\n")[0])
+    args = common.parse_args(__doc__.split("\n\n")[0], lambda parser: parser.add_argument(
+        "--tiles", action="store_true", help="also time the fused kernels at other tile choices"))
     torch.manual_seed(0)
     bandwidth = common.copy_bandwidth_gbs()
     with backend.recording() as ran:
@@ -110,9 +138,12 @@ def main():
     title = (f"a Mamba-2.8B layer's SSM side at decode on {meta['device']}, per layer (copy "
              f"bandwidth {bandwidth:.0f} GB/s; speedup = unfused / fused)")
     print(common.format_table(rows, COLUMNS, title))
+    tile_rows = bench_tiles(10 if args.quick else 30) if args.tiles else []
+    if tile_rows:
+        print(common.format_table(tile_rows, TILE_COLUMNS, "fused step at other tiles, µs per layer"))
     backends = backend.summary(ran)
     common.write_json(args.out, {"meta": meta, "copy_bandwidth_gbs": bandwidth, "rows": rows,
-                                 "backends": backends})
+                                 "tile_rows": tile_rows, "backends": backends})
     on_reference = backend.on_reference(ran)
     if on_reference:
         print(f"error: these ops ran their torch references, so the times are not the kernels': "

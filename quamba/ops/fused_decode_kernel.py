@@ -46,7 +46,7 @@ MAX_ROWS = 8  # batch rows per program
 # with 4 warps both spilled at batch 8.
 TILE = 8192
 NUM_WARPS = 8
-CONV_CHANNELS = 256  # d_inner channels per conv + x_proj program (x_proj's K slice)
+CONV_CHANNELS = 128  # d_inner channels per conv + x_proj program (x_proj's K slice)
 SCAN_CHANNELS = 64  # d_inner channels per dt_proj + scan program
 
 
@@ -132,8 +132,8 @@ def _int4_weights(packed_ptr, group_multiplier_ptr, j, k, mask, d_inner, group_s
 
 @triton.jit
 def _conv_x_proj_kernel(x_ptr, sx_b, sx_d, conv_state_ptr, conv_weight_ptr, conv_bias_ptr, u_ptr,
-                        x_proj_ptr, group_multiplier_ptr, partial_ptr, batch, d_inner, n_out,
-                        group_size, conv_multiplier, bias_scale, u_inverse,
+                        x_proj_ptr, group_multiplier_ptr, partial_ptr, batch, d_inner,
+                        group_size, conv_multiplier, bias_scale, u_inverse, N_OUT: tl.constexpr,
                         WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, INT4: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_J: tl.constexpr,
                         LIBDEVICE: tl.constexpr):
@@ -145,28 +145,39 @@ def _conv_x_proj_kernel(x_ptr, sx_b, sx_d, conv_state_ptr, conv_weight_ptr, conv
     u = _conv_step(x_ptr, sx_b, sx_d, conv_state_ptr, conv_weight_ptr, conv_bias_ptr, m, k, mask,
                    d_inner, conv_multiplier, bias_scale, u_inverse, WIDTH, HAS_BIAS, LIBDEVICE)
     tl.store(u_ptr + m[:, None] * d_inner + k[None, :], u.to(tl.int8), mask=mask)
-    for j0 in range(0, n_out, BLOCK_J):
+    for j0 in tl.static_range(0, N_OUT, BLOCK_J):  # unrolled: the weight loads go out together
         j = j0 + tl.arange(0, BLOCK_J)
-        w_mask = (j < n_out)[:, None] & (k < d_inner)[None, :]
+        w_mask = (j < N_OUT)[:, None] & (k < d_inner)[None, :]
         if INT4:
             w = _int4_weights(x_proj_ptr, group_multiplier_ptr, j, k, w_mask, d_inner, group_size)
         else:
             w = tl.load(x_proj_ptr + j[:, None] * d_inner + k[None, :], mask=w_mask,
                         other=0).to(tl.int32)
         partial = tl.sum(u[:, None, :] * w[None, :, :], axis=2)
-        tl.store(partial_ptr + (k_block * batch + m[:, None]) * n_out + j[None, :], partial,
-                 mask=row_mask[:, None] & (j < n_out)[None, :])
+        tl.store(partial_ptr + (k_block * batch + m[:, None]) * N_OUT + j[None, :], partial,
+                 mask=row_mask[:, None] & (j < N_OUT)[None, :])
 
 
 @triton.jit
-def _x_dbl_codes(partial_ptr, multipliers_ptr, multiplier, m, j, mask, batch, n_out, k_blocks,
-                 PER_CHANNEL: tl.constexpr):
-    """fp32 codes [rows, outputs j] of x_proj's int8 output (zero outside ``mask``): the partial
-    sums added in K-block order, then the W8A8 epilogue."""
+def _partial_sums(partial_ptr, offsets, mask, k0, batch, n_out, K_BLOCKS: tl.constexpr,
+                  K_CHUNK: tl.constexpr):
+    """int32 sums over K blocks k0 … k0 + K_CHUNK - 1 of the partial sums at ``offsets``."""
+    k_block = k0 + tl.arange(0, K_CHUNK)
+    chunk = tl.load(partial_ptr + k_block[:, None, None] * batch * n_out + offsets[None, :, :],
+                    mask=(k_block < K_BLOCKS)[:, None, None] & mask[None, :, :], other=0)
+    return tl.sum(chunk, axis=0)
+
+
+@triton.jit
+def _x_dbl_codes(partial_ptr, multipliers_ptr, multiplier, m, j, mask, batch, n_out,
+                 K_BLOCKS: tl.constexpr, K_CHUNK: tl.constexpr, PER_CHANNEL: tl.constexpr):
+    """fp32 codes [rows, outputs j] of x_proj's int8 output (zero outside ``mask``): the sum of
+    the K blocks' partial sums (integers: any order gives the same sum), then the W8A8 epilogue.
+    The K blocks are read K_CHUNK at a time in unrolled loads that go out together."""
     offsets = m[:, None] * n_out + j[None, :]
-    acc = tl.load(partial_ptr + offsets, mask=mask, other=0)
-    for k_block in range(1, k_blocks):
-        acc += tl.load(partial_ptr + k_block * batch * n_out + offsets, mask=mask, other=0)
+    acc = _partial_sums(partial_ptr, offsets, mask, 0, batch, n_out, K_BLOCKS, K_CHUNK)
+    for k0 in tl.static_range(K_CHUNK, K_BLOCKS, K_CHUNK):
+        acc += _partial_sums(partial_ptr, offsets, mask, k0, batch, n_out, K_BLOCKS, K_CHUNK)
     if PER_CHANNEL:
         multiplier = tl.load(multipliers_ptr + j, mask=j < n_out, other=0.0)[None, :]
     return _quantize(acc.to(tl.float32), multiplier)
@@ -175,25 +186,28 @@ def _x_dbl_codes(partial_ptr, multipliers_ptr, multiplier, m, j, mask, batch, n_
 @triton.jit
 def _dt_proj_scan_kernel(partial_ptr, xdbl_multipliers_ptr, u_ptr, z_ptr, sz_b, sz_d, dt_proj_ptr,
                          state_ptr, y_ptr, A_log_ptr, D_ptr, dt_bias_ptr, x_dbl_out_ptr,
-                         dt_out_ptr, batch, d_inner, d_state, dt_rank, k_blocks,
+                         dt_out_ptr, batch, d_inner, d_state,
                          xdbl_multiplier, dt_multiplier, u_scale, xdbl_scale, dt_scale, z_scale,
                          state_scale, state_inverse, A_log_scale, D_scale, dt_bias_scale,
                          PER_CHANNEL: tl.constexpr, INT8_STATE: tl.constexpr,
                          WRITES_CODES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-                         BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, LIBDEVICE: tl.constexpr):
+                         BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, DT_RANK: tl.constexpr,
+                         K_BLOCKS: tl.constexpr, K_CHUNK_R: tl.constexpr,
+                         K_CHUNK_N: tl.constexpr, LIBDEVICE: tl.constexpr):
     d = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
     m = (tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    dt_rank = DT_RANK
     n_out = dt_rank + 2 * d_state
     row_mask, d_mask = m < batch, d < d_inner
     mask = row_mask[:, None] & d_mask[None, :]
 
-    # dt_proj over dt_low, a chunk of dt_rank at a time
+    # dt_proj over dt_low, a chunk of dt_rank at a time (unrolled: the loads go out together)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.int32)
-    for r0 in range(0, dt_rank, BLOCK_R):
+    for r0 in tl.static_range(0, DT_RANK, BLOCK_R):
         r = r0 + tl.arange(0, BLOCK_R)
         r_mask = row_mask[:, None] & (r < dt_rank)[None, :]
         dt_low = _x_dbl_codes(partial_ptr, xdbl_multipliers_ptr, xdbl_multiplier, m, r, r_mask,
-                              batch, n_out, k_blocks, PER_CHANNEL)
+                              batch, n_out, K_BLOCKS, K_CHUNK_R, PER_CHANNEL)
         if WRITES_CODES:
             if tl.program_id(0) == 0:  # x_proj's codes: written once
                 tl.store(x_dbl_out_ptr + m[:, None] * n_out + r[None, :], dt_low.to(tl.int8),
@@ -208,9 +222,10 @@ def _dt_proj_scan_kernel(partial_ptr, xdbl_multipliers_ptr, u_ptr, z_ptr, sz_b, 
     n = tl.arange(0, BLOCK_N)
     n_mask = row_mask[:, None] & (n < d_state)[None, :]
     B_codes = _x_dbl_codes(partial_ptr, xdbl_multipliers_ptr, xdbl_multiplier, m, dt_rank + n,
-                           n_mask, batch, n_out, k_blocks, PER_CHANNEL)
+                           n_mask, batch, n_out, K_BLOCKS, K_CHUNK_N, PER_CHANNEL)
     C_codes = _x_dbl_codes(partial_ptr, xdbl_multipliers_ptr, xdbl_multiplier, m,
-                           dt_rank + d_state + n, n_mask, batch, n_out, k_blocks, PER_CHANNEL)
+                           dt_rank + d_state + n, n_mask, batch, n_out, K_BLOCKS, K_CHUNK_N,
+                           PER_CHANNEL)
     if WRITES_CODES:
         if tl.program_id(0) == 0:
             codes_ptrs = x_dbl_out_ptr + m[:, None] * n_out + dt_rank + n[None, :]
@@ -290,9 +305,9 @@ def _launch(x, z, conv_state, ssm_state, conv, x_proj, dt_proj, params, scales, 
         x, x.stride(0), x.stride(1), conv_state, conv.weight.contiguous(),
         conv.weight if conv.bias is None else conv.bias, u,
         x_proj.packed if int4 else x_proj.weight, x_proj.group_multiplier if int4 else partial,
-        partial, batch, d_inner, n_out, x_proj.group_size if int4 else 1,
+        partial, batch, d_inner, x_proj.group_size if int4 else 1,
         _multiplier(scales.xz, conv.weight_scale), fp32_value(float(conv.bias_scale)),
-        fp32_reciprocal(float(scales.u)),
+        fp32_reciprocal(float(scales.u)), N_OUT=n_out,
         WIDTH=conv.weight.shape[1], HAS_BIAS=conv.bias is not None, INT4=int4, BLOCK_M=rows,
         BLOCK_K=block_k, BLOCK_J=_block(n_out, TILE // (rows * block_k)),
         LIBDEVICE=LIBDEVICE_MATH, num_warps=NUM_WARPS, enable_fp_fusion=False)
@@ -302,18 +317,20 @@ def _launch(x, z, conv_state, ssm_state, conv, x_proj, dt_proj, params, scales, 
     int8_state = ssm_state.dtype == torch.int8
     state_scale = fp32_value(float(scales.state)) if int8_state else 1.0
     xdbl_multipliers, xdbl_multiplier = _x_proj_multipliers(x_proj, x.device)
+    block_r = _block(dt_rank, TILE // (rows * block_d))
     _dt_proj_scan_kernel[(triton.cdiv(d_inner, block_d), row_blocks)](
         partial, partial if xdbl_multipliers is None else xdbl_multipliers, u, z, z.stride(0),
         z.stride(1), dt_proj.weight.contiguous(), ssm_state, y, params.A_log, params.D,
         params.dt_bias, u if codes is None else codes[1], u if codes is None else codes[2],
-        batch, d_inner, d_state, dt_rank, k_blocks, xdbl_multiplier,
+        batch, d_inner, d_state, xdbl_multiplier,
         _requant_multiplier(dt_proj.in_scale, dt_proj.weight_scale, dt_proj.out_scale),
         *(fp32_value(float(s)) for s in (scales.u, scales.xdbl, scales.dt, scales.xz)),
         state_scale, fp32_reciprocal(state_scale) if int8_state else 1.0,
         *(fp32_value(float(s)) for s in (params.A_log_scale, params.D_scale, params.dt_bias_scale)),
         PER_CHANNEL=xdbl_multipliers is not None, INT8_STATE=int8_state,
-        WRITES_CODES=codes is not None, BLOCK_M=rows, BLOCK_D=block_d,
-        BLOCK_R=_block(dt_rank, TILE // (rows * block_d)), BLOCK_N=block_n,
+        WRITES_CODES=codes is not None, BLOCK_M=rows, BLOCK_D=block_d, BLOCK_R=block_r,
+        BLOCK_N=block_n, DT_RANK=dt_rank, K_BLOCKS=k_blocks,
+        K_CHUNK_R=_k_chunk(k_blocks, rows * block_r), K_CHUNK_N=_k_chunk(k_blocks, rows * block_n),
         LIBDEVICE=LIBDEVICE_MATH, num_warps=NUM_WARPS, enable_fp_fusion=False)
     return y
 
@@ -321,6 +338,11 @@ def _launch(x, z, conv_state, ssm_state, conv, x_proj, dt_proj, params, scales, 
 def _block(size: int, limit: int) -> int:
     """A power of two covering ``size`` but at most ``limit`` (at least 2)."""
     return max(2, min(triton.next_power_of_2(size), triton.next_power_of_2(limit + 1) // 2))
+
+
+def _k_chunk(k_blocks: int, tile: int) -> int:
+    """K blocks of split-K partial sums read at once by a scan program, for ``tile`` outputs."""
+    return _block(k_blocks, TILE // tile)
 
 
 @functools.lru_cache(maxsize=4096)

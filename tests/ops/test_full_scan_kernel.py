@@ -174,7 +174,10 @@ def test_real_decode_steps_continue_the_prefill(method):
 @pytest.mark.parametrize("method", METHODS)
 def test_a_diagonal_full_a_reproduces_the_diagonal_scan(method):
     inputs = scan_inputs(8, 2, 384, 16, 1024)
-    diagonal = -(0.05 + 7 * torch.rand(384, 16, device=DEVICE))
+    # rk4's |Ā| passes 1 where Δ·a < -2.79 (its stability limit): the states explode and both
+    # scans end in nan. These inputs' largest step is Δ ≈ 3.4, so rk4's a stays above -0.65
+    spread = 0.6 if method == "rk4" else 7
+    diagonal = -(0.05 + spread * torch.rand(384, 16, device=DEVICE))
     y_ref, last_ref = selective_scan(**dict(inputs, A=diagonal), delta_softplus=True,
                                      discretization=method, backend_name="torch")
     y, last = full_selective_scan(**dict(inputs, A=torch.diag_embed(diagonal)),
