@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 from torch.utils.weak import WeakIdKeyDictionary
 from triton.language.extra import libdevice
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.runtime.interpreter import InterpretedFunction
 
 from quamba.ops.fused_decode import W4A8Weight
@@ -49,6 +50,16 @@ NUM_WARPS = 8
 CONV_CHANNELS = 128  # d_inner channels per conv + x_proj program (x_proj's K slice)
 SCAN_CHANNELS = 64  # d_inner channels per dt_proj + scan program
 
+
+
+@triton.jit
+def _dependent_launch(PDL: tl.constexpr):
+    """Under programmatic dependent launch (csrc/pdl.cuh): wait until the kernel before has
+    finished and its writes are visible, then let the next kernel's programs launch, so that
+    each boundary of the decode step costs no launch latency."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 @triton.jit
@@ -136,7 +147,8 @@ def _conv_x_proj_kernel(x_ptr, sx_b, sx_d, conv_state_ptr, conv_weight_ptr, conv
                         group_size, conv_multiplier, bias_scale, u_inverse, N_OUT: tl.constexpr,
                         WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, INT4: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_J: tl.constexpr,
-                        LIBDEVICE: tl.constexpr):
+                        LIBDEVICE: tl.constexpr, PDL: tl.constexpr):
+    _dependent_launch(PDL)
     k_block = tl.program_id(0)
     k = k_block * BLOCK_K + tl.arange(0, BLOCK_K)
     m = (tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -193,7 +205,8 @@ def _dt_proj_scan_kernel(partial_ptr, xdbl_multipliers_ptr, u_ptr, z_ptr, sz_b, 
                          WRITES_CODES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
                          BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, DT_RANK: tl.constexpr,
                          K_BLOCKS: tl.constexpr, K_CHUNK_R: tl.constexpr,
-                         K_CHUNK_N: tl.constexpr, LIBDEVICE: tl.constexpr):
+                         K_CHUNK_N: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr):
+    _dependent_launch(PDL)
     d = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
     m = (tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     dt_rank = DT_RANK
@@ -301,6 +314,7 @@ def _launch(x, z, conv_state, ssm_state, conv, x_proj, dt_proj, params, scales, 
                                                        device=x.device)
     partial = torch.empty(k_blocks, batch, n_out, dtype=torch.int32, device=x.device)
     int4 = isinstance(x_proj, W4A8Weight)
+    launch = _launch_options(x.device)
     _conv_x_proj_kernel[(k_blocks, row_blocks)](
         x, x.stride(0), x.stride(1), conv_state, conv.weight.contiguous(),
         conv.weight if conv.bias is None else conv.bias, u,
@@ -310,7 +324,7 @@ def _launch(x, z, conv_state, ssm_state, conv, x_proj, dt_proj, params, scales, 
         fp32_reciprocal(float(scales.u)), N_OUT=n_out,
         WIDTH=conv.weight.shape[1], HAS_BIAS=conv.bias is not None, INT4=int4, BLOCK_M=rows,
         BLOCK_K=block_k, BLOCK_J=_block(n_out, TILE // (rows * block_k)),
-        LIBDEVICE=LIBDEVICE_MATH, num_warps=NUM_WARPS, enable_fp_fusion=False)
+        LIBDEVICE=LIBDEVICE_MATH, num_warps=NUM_WARPS, enable_fp_fusion=False, **launch)
 
     block_n = triton.next_power_of_2(d_state)
     block_d = _block(d_inner, min(SCAN_CHANNELS, TILE // (rows * block_n)))
@@ -331,8 +345,16 @@ def _launch(x, z, conv_state, ssm_state, conv, x_proj, dt_proj, params, scales, 
         WRITES_CODES=codes is not None, BLOCK_M=rows, BLOCK_D=block_d, BLOCK_R=block_r,
         BLOCK_N=block_n, DT_RANK=dt_rank, K_BLOCKS=k_blocks,
         K_CHUNK_R=_k_chunk(k_blocks, rows * block_r), K_CHUNK_N=_k_chunk(k_blocks, rows * block_n),
-        LIBDEVICE=LIBDEVICE_MATH, num_warps=NUM_WARPS, enable_fp_fusion=False)
+        LIBDEVICE=LIBDEVICE_MATH, num_warps=NUM_WARPS, enable_fp_fusion=False, **launch)
     return y
+
+
+@functools.lru_cache(maxsize=16)
+def _launch_options(device) -> dict:
+    """The kernels' PDL argument and Triton's launch option for it: programmatic dependent
+    launch where they are compiled for a device of compute capability 9 or more."""
+    pdl = LIBDEVICE_MATH and torch.cuda.get_device_capability(device)[0] >= 9
+    return {"PDL": True, "launch_pdl": True} if pdl else {"PDL": False}
 
 
 def _block(size: int, limit: int) -> int:
