@@ -4,7 +4,7 @@ W4A16, at the shapes of a published Mamba size with random weights (no download)
 
     python benchmarks/profile_mamba.py --config 2.8b [--precisions fp16,w8a8,w4a8,w4a16]
         [--batch 1,8,32,64] [--prompt_len 1024] [--gen_len 128] [--repeats 10] [--breakdown]
-        [--state_cache int8|fp32] [--unfused_decode] [--out result.json]
+        [--state_cache int8|fp32] [--fused_decode] [--out result.json]
     python benchmarks/profile_mamba.py --model state-spaces/mamba-130m ...
 
 * TTFT: a prefill of prompt_len tokens that fills the decode cache and returns the last token's
@@ -36,9 +36,9 @@ bandwidth. Every row also records how long a graphed step's launch keeps the GPU
 prefill (torch profiler) for every row, and of the graphed decode step as replayed, with the GPU's
 idle time between its kernels; the profiles run in a child process after the timings.
 Quantized models are calibrated on random tokens: their scales are meaningless, their speed is not.
---unfused_decode adds, after each W8A8 and W4A8 row, the same model with its mixers' decode
-step run op by op ("quamba w8a8 unfused": QuantizedModel.set_fused_decode(False)) instead of as
-one qmixer_ssm_step, so the fused step's gain is measured on the same machine in the same run.
+--fused_decode adds, after each W8A8 and W4A8 row, the same model with its mixers' decode step's
+SSM side run as one qmixer_ssm_step ("quamba w8a8 fused": QuantizedModel.set_fused_decode(True))
+instead of op by op, so the two are compared on the same machine in the same run.
 
 Every quamba row records the backend of each op that ran in it (`backends`, from
 quamba.ops.backend.recording). A quantized op that ran its torch reference on the GPU makes a
@@ -104,9 +104,9 @@ def parse_args(argv=None):
                         help="per-kernel GPU time of one decode step (eager and graphed) and one "
                              "prefill, profiled in a child process after the timings")
     parser.add_argument("--breakdown_only", action="store_true", help=argparse.SUPPRESS)  # the child's run
-    parser.add_argument("--unfused_decode", action="store_true",
-                        help="also time the W8A8 / W4A8 models with the decode step unfused "
-                             "(rows named like 'quamba w8a8 unfused')")
+    parser.add_argument("--fused_decode", action="store_true",
+                        help="also time the W8A8 / W4A8 models with the decode step's SSM side "
+                             "fused (rows named like 'quamba w8a8 fused')")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", help="write the results as JSON to this path")
     args = parser.parse_args(argv)
@@ -375,11 +375,11 @@ def quantized_model(fp_model, precision: str, args):
     return qmodel
 
 
-def unfused_row(precision: str, args) -> bool:
-    """Whether --unfused_decode adds a row of ``precision`` with the decode step unfused (the
-    int8-activation precisions, whose mixers fuse it)."""
+def fused_row(precision: str, args) -> bool:
+    """Whether --fused_decode adds a row of ``precision`` with the decode step fused (the
+    int8-activation precisions, whose mixers can fuse it)."""
     bits = PRECISIONS[precision]
-    return args.unfused_decode and bits is not None and bits[1] == 8
+    return args.fused_decode and bits is not None and bits[1] == 8
 
 
 def release(*objects):
@@ -414,9 +414,9 @@ def run(args) -> dict:
             qmodel = quantized_model(fp_model, precision, args)
         fp_model.to("cpu")
         rows.append(measure_quamba(f"quamba {precision}", qmodel, prompt, args, bandwidth))
-        if unfused_row(precision, args):
-            qmodel.set_fused_decode(False)
-            rows.append(measure_quamba(f"quamba {precision} unfused", qmodel, prompt, args,
+        if fused_row(precision, args):
+            qmodel.set_fused_decode(True)
+            rows.append(measure_quamba(f"quamba {precision} fused", qmodel, prompt, args,
                                        bandwidth))
         del qmodel
         release()

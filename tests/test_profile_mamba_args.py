@@ -28,8 +28,8 @@ def test_cache_memory_is_reported_per_sequence():
     assert memory["cache_bytes"] == memory["ssm_state_bytes"] + memory["conv_state_bytes"]
 
 
-def test_unfused_decode_rows_are_added_for_the_int8_activation_precisions():
-    wanted, unwanted = Namespace(unfused_decode=True), Namespace(unfused_decode=False)
-    added = [p for p in profile_mamba.PRECISIONS if profile_mamba.unfused_row(p, wanted)]
+def test_fused_decode_rows_are_added_for_the_int8_activation_precisions():
+    wanted, unwanted = Namespace(fused_decode=True), Namespace(fused_decode=False)
+    added = [p for p in profile_mamba.PRECISIONS if profile_mamba.fused_row(p, wanted)]
     assert added == ["w8a8", "w4a8"]
-    assert not profile_mamba.unfused_row("w8a8", unwanted)
+    assert not profile_mamba.fused_row("w8a8", unwanted)

@@ -8,9 +8,10 @@ Data flow of the int8 mode (prefill; shapes [batch, seqlen, ·] unless noted):
     QSScan(u, dt, B, C, z; A_log, D, dt_bias int8) → y fp16    ssm state ← int8 (percentile)
     y ─ Hadamard + quantize → int8 ─ out_proj W8A8 → fp16 out
 
-A decode step (one token) runs conv update → x_proj → dt_proj → scan step as one op,
-qmixer_ssm_step (quamba.ops.fused_decode: two Triton kernels on a GPU), where
-:meth:`QMambaMixer.fuses_decode` says it applies; else op by op.
+A decode step (one token) runs conv update → x_proj → dt_proj → scan step op by op, or with
+``fused_decode`` set (off by default: slower on a GPU so far) as one op, qmixer_ssm_step
+(quamba.ops.fused_decode: two Triton kernels on a GPU), where :meth:`QMambaMixer.fuses_decode`
+says it applies.
 """
 from __future__ import annotations
 
@@ -58,10 +59,12 @@ class QMambaMixer(QuantModule):
         self._add_branch("", scales, device)
         self.taps: dict | None = None
         self.state_cache = "int8"  # or "fp32": QuantConfig.state_cache
-        # the int8 decode step's SSM side as one op (qmixer_ssm_step) where it applies
-        # (:meth:`fuses_decode`); False runs the separate ops (the same numbers on the torch
-        # backend). QuantizedModel.set_fused_decode switches every mixer of a model.
-        self.fused_decode = True
+        # True: the int8 decode step's SSM side as one op (qmixer_ssm_step) where it applies
+        # (:meth:`fuses_decode`); the same numbers on the torch backend. Off by default: its two
+        # Triton kernels measured slower than the four CUDA kernels of the separate ops (an
+        # H200: 12.8 against 7.9 µs a layer at batch 1, benchmarks/RESULTS.md).
+        # QuantizedModel.set_fused_decode switches every mixer of a model.
+        self.fused_decode = False
 
     def _linear(self, in_features, out_features, in_scale, out_scale, device, dtype=torch.float16):
         """A linear layer of the recipe's weight bits (int8 out when ``out_scale`` is given)."""

@@ -38,7 +38,7 @@ class QuantizedModel:
     the ``fp16`` mode the unquantized model (kept from quantize(), else loaded from the recorded
     base model). Needs ``quant_config``, ``base_model``, ``ssm_mode`` and ``dtype``."""
 
-    fused_decode = True  # whether the Mamba1 mixers' decode step is fused (set_fused_decode)
+    fused_decode = False  # whether the Mamba1 mixers' decode step is fused (set_fused_decode)
 
     @property
     def weight_only(self) -> bool:
@@ -76,10 +76,10 @@ class QuantizedModel:
         return self
 
     def set_fused_decode(self, enabled: bool):
-        """Run each int8 Mamba1 mixer's decode-step SSM side as one op (qmixer_ssm_step, the
-        default) or op by op (``enabled`` False): the same numbers on the torch backend; on a GPU
-        two Triton kernels instead of four kernels (QMambaMixer.fuses_decode says where it
-        applies)."""
+        """Run each int8 Mamba1 mixer's decode-step SSM side as one op (qmixer_ssm_step) or op
+        by op (``enabled`` False, the default): the same numbers on the torch backend; on a GPU
+        two Triton kernels instead of four CUDA kernels, measured slower so far
+        (QMambaMixer.fuses_decode says where it applies)."""
         for module in self.modules():
             if hasattr(module, "fused_decode"):
                 module.fused_decode = bool(enabled)

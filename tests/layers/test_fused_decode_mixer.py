@@ -78,24 +78,26 @@ def test_the_fused_step_on_the_torch_backend_is_the_unfused_step(request, recipe
             unfused = decode_logits(model.set_fused_decode(False), prompt, 8)
         assert OP not in ran
     finally:
-        model.set_state_cache("int8").set_fused_decode(True)
+        model.set_state_cache("int8").set_fused_decode(False)
     assert torch.equal(fused, unfused)
 
 
 def test_the_switch_and_where_the_step_fuses(w8a8):
-    assert all(m.fuses_decode() for m in mixers(w8a8))
-    w8a8.set_fused_decode(False)
-    assert not any(m.fused_decode or m.fuses_decode() for m in mixers(w8a8))
+    assert not any(m.fused_decode or m.fuses_decode() for m in mixers(w8a8))  # off by default
     w8a8.set_fused_decode(True)
-    mixer = mixers(w8a8)[0]
-    for mode in ("fp32-ssm-input", "fp32-conv", "float-sim-asic-int8"):
-        mixer.set_mode(mode)
-        assert not mixer.fuses_decode(), mode
-    mixer.set_mode("int8")
-    mixer.discretization = "foh"
-    assert not mixer.fuses_decode()
-    mixer.discretization = "zoh"
-    assert mixer.fuses_decode()
+    try:
+        assert all(m.fuses_decode() for m in mixers(w8a8))
+        mixer = mixers(w8a8)[0]
+        for mode in ("fp32-ssm-input", "fp32-conv", "float-sim-asic-int8"):
+            mixer.set_mode(mode)
+            assert not mixer.fuses_decode(), mode
+        mixer.set_mode("int8")
+        mixer.discretization = "foh"
+        assert not mixer.fuses_decode()
+        mixer.discretization = "zoh"
+        assert mixer.fuses_decode()
+    finally:
+        w8a8.set_fused_decode(False)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
@@ -109,8 +111,10 @@ def test_greedy_tokens_of_the_fused_kernels_are_the_unfused_steps(request, recip
     from quamba.ops import fused_decode_kernel
     model = request.getfixturevalue(recipe)
     unfused = decode_logits(model.set_fused_decode(False), prompt, NEW_TOKENS)
-    model.set_fused_decode(True)
     monkeypatch.setitem(backend._IMPLS[OP], "torch", fused_decode_kernel.ssm_step)
-    fused = decode_logits(model, prompt, NEW_TOKENS)
+    try:
+        fused = decode_logits(model.set_fused_decode(True), prompt, NEW_TOKENS)
+    finally:
+        model.set_fused_decode(False)
     assert torch.equal(fused.argmax(-1), unfused.argmax(-1))
     assert (fused - unfused).norm() / unfused.norm() < 1e-3  # equal here, on numpy's exp

@@ -83,9 +83,8 @@ def test_every_quantized_op_runs_on_cuda(fp_model, prompt, precision):
     model = quantized(fp_model, precision)
     with torch.inference_mode(), backend.recording() as ran:
         prefilled_step(model, prompt)()
-    # the decode step's conv, x_proj, dt_proj and scan run as one qmixer_ssm_step (fused_decode)
-    int8_ops = {"rmsnorm_quant", "w8a8_linear", "qconv1d", "qsscan", "qmixer_ssm_step",
-                "hadamard_quant"}
+    int8_ops = {"rmsnorm_quant", "w8a8_linear", "qconv1d", "qconv1d_update", "qsscan",
+                "qsscan_update", "hadamard_quant"}
     expected = {"w8a8": int8_ops, "w4a8": int8_ops | {"w4a8_linear"}, "w4a16": {"w4a16_linear"}}
     assert expected[precision] <= set(ran), sorted(ran)
     assert backend.on_reference(ran) == [], {op: backend.cuda_missing(op, torch.device("cuda"))
