@@ -161,6 +161,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> _Flags:
                    "its output error against the FP block (8-bit activations only)")
     flags.add(group, "--learn_steps", type=int, default=200, metavar="N",
               help="Adam steps per block of --learn_scales (default 200)")
+    flags.add(group, "--learn_weight_clipping", action="store_true",
+              help="with --learn_scales on a W4A8 recipe (round-to-nearest weights), also learn a "
+                   "clipping bound per output channel and group of the 4-bit weights")
     modes = group.add_mutually_exclusive_group()
     flags.add(modes, "--ssm_mode", choices=SSM_MODES, metavar="MODE",
               help=f"SSM dequantization mode, one of {', '.join(SSM_MODES)} (default: int8 for a "
@@ -182,6 +185,16 @@ def check_model_arguments(parser: argparse.ArgumentParser, args: argparse.Namesp
     if args.lm_head == "int8" and args.a_bits == 16:
         parser.error("--lm_head int8 needs 8-bit activations (its input scale is calibrated); "
                      "use --lm_head int4 with --a_bits 16")
+    if args.learn_scales and not args.quantize:
+        parser.error("--learn_scales needs --quantize (it learns the scales of a fresh quantization)")
+    if args.learn_scales and args.a_bits != 8:
+        parser.error("--learn_scales learns activation scales; it needs --a_bits 8")
+    if args.learn_weight_clipping and not (args.learn_scales and args.w_bits == 4):
+        parser.error("--learn_weight_clipping needs --learn_scales and --w_bits 4 (it clips the "
+                     "4-bit weights as the scales are learned)")
+    if args.learn_weight_clipping and (args.apply_gptq or args.mixed_precision is not None):
+        parser.error("--learn_weight_clipping clips round-to-nearest weights; it does not combine "
+                     "with --apply_gptq or --mixed_precision")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -190,10 +203,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     check_model_arguments(parser, args)
     if args.fewshot is not None and not args.eval_few_shot:
         parser.error("--fewshot needs --eval_few_shot")
-    if args.learn_scales and not args.quantize:
-        parser.error("--learn_scales needs --quantize (it learns the scales of a fresh quantization)")
-    if args.learn_scales and args.a_bits != 8:
-        parser.error("--learn_scales learns activation scales; it needs --a_bits 8")
     evaluates = args.eval_zero_shot or args.eval_few_shot or args.eval_ppl or args.eval_image
     if not evaluates and not (args.quantize and args.pretrained_dir):
         parser.error("nothing to do: give --eval_zero_shot, --eval_few_shot, --eval_ppl or "
@@ -210,7 +219,7 @@ def model_request(args: argparse.Namespace) -> ModelRequest:
         ssm_mode=args.ssm_mode, lm_head=args.lm_head, quantize_embedding=args.quantize_embedding,
         state_cache=args.state_cache, percentile_alpha=args.percentile_alpha,
         learn_scales=args.learn_scales, learn_steps=args.learn_steps,
-        calib_source=args.calib_data, calib_num_samples=args.calib_data_num,
+        learn_weight_clipping=args.learn_weight_clipping, calib_source=args.calib_data, calib_num_samples=args.calib_data_num,
         calib_seqlen=args.calib_seqlen, seed=args.seed, pretrained_dir=args.pretrained_dir,
         device=args.device, dtype=args.dtype, tokenizer=args.tokenizer, backend=args.backend)
 

@@ -49,6 +49,7 @@ class ModelRequest:
     percentile_alpha: float | None = 0.9995
     learn_scales: bool = False
     learn_steps: int = 200
+    learn_weight_clipping: bool = False
     calib_source: str | None = None
     calib_num_samples: int = 512
     calib_seqlen: int = 512
@@ -70,6 +71,7 @@ class ModelRequest:
                            hadamard=self.hadamard, mixed_precision=self.mixed_precision,
                            ssm_mode=self.ssm_mode, percentile_alpha=self.percentile_alpha,
                            learn_scales=self.learn_scales, learn_steps=self.learn_steps,
+                           learn_weight_clipping=self.learn_weight_clipping,
                            calib_num_samples=self.calib_num_samples, calib_seqlen=self.calib_seqlen,
                            seed=self.seed, backend=self.backend, lm_head=self.lm_head,
                            quantize_embedding=self.quantize_embedding,
@@ -121,14 +123,15 @@ class PreparedModel:
 
 def saved_model_name(model: str, w_bits: int, a_bits: int, mixed_precision: float | None = None,
                      lm_head: str = "fp16", quantize_embedding: bool = False,
-                     learn_scales: bool = False) -> str:
+                     learn_scales: bool = False, learn_weight_clipping: bool = False) -> str:
     """``quamba-<model basename>-w<W>a<A>`` (``-mixed<fraction>`` for per-layer mixed precision,
     ``-head<format>`` for a quantized lm_head, ``-emb8`` for the int8 embedding, ``-learned`` for
-    learned scales): the name a quantized model is saved under."""
+    learned scales, ``-learned-clip`` with learned weight clipping too): the name a quantized
+    model is saved under."""
     basename = Path(str(model).rstrip("/")).name
     mixed = "" if mixed_precision is None else f"-mixed{mixed_precision:g}"
     ends = ("" if lm_head == "fp16" else f"-head{lm_head}") + ("-emb8" if quantize_embedding else "")
-    learned = "-learned" if learn_scales else ""
+    learned = ("-learned" if learn_scales else "") + ("-clip" if learn_weight_clipping else "")
     return f"quamba-{basename}-w{w_bits}a{a_bits}{mixed}{ends}{learned}"
 
 
@@ -193,9 +196,11 @@ def _quantize_or_reuse(source: str, request: ModelRequest, device: str, backend:
     """Quantize the FP model ``source``, or reuse the copy saved earlier with the same recipe."""
     from quamba import load_model, quantize
     wanted = request.quant_config()
-    target = (Path(request.pretrained_dir) / saved_model_name(
-        source, request.w_bits, request.a_bits, request.mixed_precision, request.lm_head,
-        request.quantize_embedding, request.learn_scales) if request.pretrained_dir else None)
+    target = None
+    if request.pretrained_dir:
+        target = Path(request.pretrained_dir) / saved_model_name(
+            source, request.w_bits, request.a_bits, request.mixed_precision, request.lm_head,
+            request.quantize_embedding, request.learn_scales, request.learn_weight_clipping)
     if target is not None:
         recorded = _recorded_quant_config(target)
         if recorded is not None and recorded.same_recipe(wanted):

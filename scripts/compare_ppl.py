@@ -3,7 +3,8 @@
 Naive W8A8 = absmax observers everywhere and no Hadamard rotation. W4A8 and W4A16 quantize
 in_proj, x_proj and out_proj to 4-bit groups of --group_size with round-to-nearest, and with
 GPTQ too when --gptq_data is given; --learn_scales compares W8A8 and W4A8 RTN with calibrated
-and with learned activation scales (quamba.quantization.learn_scales) instead; --mixed_precision adds W4AX rows (that fraction of the layers
+and with learned activation scales (quamba.quantization.learn_scales), and W4A8 with its 4-bit
+weights' clipping learned too, instead; --mixed_precision adds W4AX rows (that fraction of the layers
 W4A16, chosen by measured sensitivity). Every recipe is calibrated on the same samples (W4A16
 calibrates nothing). Mamba2 models take the same recipes (Quamba2's scales). Example (offline, test model, the README's table):
 
@@ -54,7 +55,8 @@ def parse_args(argv=None):
                         help="add per-layer mixed-precision rows: this fraction of the layers W4A16")
     parser.add_argument("--learn_scales", action="store_true",
                         help="compare calibrated and learned activation scales: rows W8A8 and W4A8 "
-                             "RTN, each with and without --learn_scales (the other rows are left out)")
+                             "RTN, each with and without --learn_scales, and W4A8 with its weight "
+                             "clipping learned too (the other rows are left out)")
     parser.add_argument("--learn_steps", type=int, default=200)
     parser.add_argument("--learn_num_samples", type=int, default=128)
     parser.add_argument("--learn_lr", type=float, default=0.01)
@@ -80,6 +82,8 @@ def _recipes(args) -> dict:
                      learn_num_samples=args.learn_num_samples)
         return {"W4A8 RTN": quamba.QuantConfig(**four_bit),
                 "W4A8 RTN + learned scales": quamba.QuantConfig(**four_bit, **learn),
+                "W4A8 RTN + learned scales and weight clipping": quamba.QuantConfig(
+                    **four_bit, **learn, learn_weight_clipping=True),
                 "W8A8 Quamba recipe": recipes["W8A8 Quamba recipe"],
                 "W8A8 Quamba recipe + learned scales": quamba.QuantConfig(**common, **learn)}
     for a_bits in (8, 16):

@@ -100,6 +100,9 @@ def test_learn_scales_flags_reach_the_recipe():
     config = main.model_request(args).quant_config()
     assert config.learn_scales and config.learn_steps == 7
     assert not main.model_request(main.parse_args(["m", "--quantize", "--eval_ppl"])).learn_scales
+    args = main.parse_args(["m", "--quantize", "--eval_ppl", "--learn_scales", "--w_bits", "4",
+                            "--learn_weight_clipping"])
+    assert main.model_request(args).quant_config().learn_weight_clipping
 
 
 @pytest.mark.parametrize("argv", [
@@ -112,6 +115,10 @@ def test_learn_scales_flags_reach_the_recipe():
     ["m"],  # nothing to do
     ["m", "--eval_ppl", "--learn_scales"],  # nothing quantized to learn scales for
     ["m", "--quantize", "--eval_ppl", "--learn_scales", "--w_bits", "4", "--a_bits", "16"],
+    ["m", "--quantize", "--eval_ppl", "--w_bits", "4", "--learn_weight_clipping"],  # no learning pass
+    ["m", "--quantize", "--eval_ppl", "--learn_scales", "--learn_weight_clipping"],  # 8-bit weights
+    ["m", "--quantize", "--eval_ppl", "--learn_scales", "--w_bits", "4", "--learn_weight_clipping",
+     "--apply_gptq"],
 ])
 def test_bad_arguments_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as exited:

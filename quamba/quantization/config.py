@@ -18,9 +18,10 @@ STATE_CACHE_FORMATS = ("int8", "fp32")
 # Fields of the activation calibration, which weight-only recipes do not run.
 _CALIBRATION_FIELDS = ("percentile_alpha", "observers", "calib_source", "calib_num_samples",
                        "calib_seqlen", "learn_scales", "learn_steps", "learn_lr",
-                       "learn_num_samples", "learn_batch_size")
+                       "learn_num_samples", "learn_batch_size", "learn_weight_clipping")
 # Fields of the learned-scales pass, part of a recipe only when it runs.
-_LEARN_FIELDS = ("learn_steps", "learn_lr", "learn_num_samples", "learn_batch_size")
+_LEARN_FIELDS = ("learn_steps", "learn_lr", "learn_num_samples", "learn_batch_size",
+                 "learn_weight_clipping")
 
 
 @dataclass
@@ -52,6 +53,9 @@ class QuantConfig:
       output error against the FP block (quamba.quantization.learn_scales): Adam with learning
       rate ``learn_lr`` on log(range), ``learn_steps`` minibatches of ``learn_batch_size`` of the
       first ``learn_num_samples`` calibration samples. 8-bit activations only.
+      learn_weight_clipping: with learn_scales, a W4A8 recipe with round-to-nearest weights (no
+      GPTQ, no mixed precision) also learns a clipping bound per output channel and group of its
+      4-bit weights (a fraction of the group's absmax), with the same loss and optimizer.
     """
 
     w_bits: int = 8
@@ -70,6 +74,7 @@ class QuantConfig:
     learn_lr: float = 0.01
     learn_num_samples: int = 128
     learn_batch_size: int = 4
+    learn_weight_clipping: bool = False
     seed: int = 0
     backend: str | None = None
     # GPTQ for 4-bit weights (Quamba2): Hessians from gptq_num_samples × gptq_seqlen tokens
@@ -110,6 +115,7 @@ class QuantConfig:
         if self.learn_scales and self.weight_only:
             raise QuambaError("learn_scales learns activation scales; a W4A16 recipe has none "
                               "(use a_bits=8)")
+        self._check_weight_clipping()
         if not self.learn_lr > 0:
             raise QuambaError(f"learn_lr must be positive, got {self.learn_lr}")
         for kind in ("calib_num_samples", "calib_seqlen", "calib_batch_size", "group_size",
@@ -117,6 +123,19 @@ class QuantConfig:
                      "learn_num_samples", "learn_batch_size"):
             if getattr(self, kind) <= 0:
                 raise QuambaError(f"{kind} must be positive, got {getattr(self, kind)}")
+
+    def _check_weight_clipping(self) -> None:
+        if not self.learn_weight_clipping:
+            return
+        if not self.learn_scales:
+            raise QuambaError("learn_weight_clipping is part of the learned-scales pass; set "
+                              "learn_scales too")
+        if (self.w_bits, self.a_bits) != (4, 8):
+            raise QuambaError("learn_weight_clipping learns the clipping of 4-bit weights; use it "
+                              "with w_bits=4 a_bits=8")
+        if self.apply_gptq or self.mixed_precision is not None:
+            raise QuambaError("learn_weight_clipping clips round-to-nearest W4A8 weights; it does "
+                              "not combine with GPTQ or mixed precision")
 
     def _check_mixed_precision(self) -> None:
         fraction = self.mixed_precision

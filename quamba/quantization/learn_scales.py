@@ -26,6 +26,15 @@ descent on the block's output error against the FP block:
   their loss over all learning samples is below the calibrated ranges' (else the calibrated ones,
   recorded as such).
 
+* weight clipping (``learn_weight_clipping``, W4A8 with round-to-nearest weights): each 4-bit
+  layer's (in_proj, x_proj, out_proj) weights are clamped per group to clip · the group's absmax,
+  clip = sigmoid(logit) learned with the ranges (one per output channel and group, starting at
+  sigmoid(4) ≈ 0.98, as OmniQuant's learnable weight clipping); the forward quantizes the clamped
+  weight exactly as quamba.ops.quant4.quantize_weight_w4a8 does (two-level scales, codes in
+  [-7, 7]), with straight-through rounding. Where a block keeps its learned values, its FP
+  weights are clamped in place, so that the quantized model's round-to-nearest weights are the
+  ones the pass simulated.
+
 Learning samples: the first ``learn_num_samples`` calibration samples. Memory: four fp32 copies
 of their hidden states (samples × seqlen × d_model × 16 bytes).
 """
@@ -42,19 +51,25 @@ from quamba.models.mamba import Block, MambaMixer
 from quamba.ops.causal_conv1d import causal_conv1d
 from quamba.ops.discretization import input_drive
 from quamba.ops.hadamard import hadamard_transform
-from quamba.ops.quant import INT8_MAX, dequantize
+from quamba.layers.qlinear import W4A8Linear
+from quamba.ops.quant import INT8_MAX, SCALE_FLOOR, dequantize
+from quamba.ops.quant4 import INT4_MAX, W4A8_MAX_MULTIPLIER
 from quamba.ops.rms_norm import rms_norm
 from quamba.ops.selective_scan import selective_scan
 
 LEARNED_KINDS = ("in_proj.input", "in_proj.output", "x_proj.input", "x_proj.output",
                  "dt_proj.output", "ssm_state", "out_proj.input")
 INPUTS = "outputs of the quantized blocks before (sequential); target: FP block on FP inputs"
+CLIPPED_LINEARS = ("in_proj", "x_proj", "out_proj")  # the 4-bit weights of W4A8
+CLIP_LOGIT_INIT = 4.0
 
 
 def learn_ranges(fp_model, ranges: dict, tokens: torch.Tensor, config, progress: bool = True):
     """(ranges with each A8 layer's LEARNED_KINDS learned, the record of the pass) for the FP model
     ``fp_model`` (in the quantization basis) and its calibrated ``ranges[layer][kind]``, learned on
-    the calibration ``tokens``. ``ranges`` itself is not modified."""
+    the calibration ``tokens``. ``ranges`` itself is not modified; with
+    ``config.learn_weight_clipping`` the 4-bit weights of ``fp_model`` are clamped in place to
+    their learned bounds (quantize() passes its own copy)."""
     from quamba.quantization.quantize import quantized_block
     check_learnable(fp_model)
     samples = tokens[:config.learn_num_samples]
@@ -68,10 +83,11 @@ def learn_ranges(fp_model, ranges: dict, tokens: torch.Tensor, config, progress:
         fp_stream = _block_outputs(fp_block, *fp_stream, batch)
         if config.bits_of(layer)[1] == 8:
             calibrated_block = quantized_block(fp_block, layer, learned, config, fp_model.config)
-            weights = _BlockWeights(fp_block, calibrated_block)
-            kinds, record["layers"][str(layer)] = _learn_block(weights, q_stream, _target(fp_stream),
-                                                               learned[layer], config, layer, progress)
+            weights = _BlockWeights(fp_block, calibrated_block, config.learn_weight_clipping)
+            kinds, clips, record["layers"][str(layer)] = _learn_block(
+                weights, q_stream, _target(fp_stream), learned[layer], config, layer, progress)
             learned[layer].update(kinds)
+            clip_weights_(fp_block, clips, weights)
         block = quantized_block(fp_block, layer, learned, config, fp_model.config)
         q_stream = _block_outputs(block, *q_stream, batch)
     return learned, record
@@ -108,10 +124,13 @@ def _target(stream) -> torch.Tensor:
 
 def _learn_block(weights: "_BlockWeights", q_stream, target, calibrated: dict, config, layer: int,
                  progress: bool):
-    """(learned ranges of LEARNED_KINDS, or the calibrated ones if those fit better; the record)."""
+    """(learned ranges of LEARNED_KINDS and clip factors of the clipped weights, or none of them
+    if the calibrated ranges and round-to-nearest weights fit better; the record)."""
     log_ranges = {kind: torch.tensor(math.log(calibrated[kind]), requires_grad=True)
                   for kind in LEARNED_KINDS}
-    optimizer = torch.optim.Adam(log_ranges.values(), lr=config.learn_lr)
+    clip_logits = {name: torch.full(weights.clip_shape(name), CLIP_LOGIT_INIT, requires_grad=True)
+                   for name in weights.clipped}
+    optimizer = torch.optim.Adam([*log_ranges.values(), *clip_logits.values()], lr=config.learn_lr)
     generator = torch.Generator().manual_seed(config.seed * 1000 + layer)
     hidden, residual = q_stream
     n = hidden.shape[0]
@@ -120,20 +139,78 @@ def _learn_block(weights: "_BlockWeights", q_stream, target, calibrated: dict, c
     for step in steps:
         idx = torch.randint(n, (config.learn_batch_size,), generator=generator)
         out = weights.forward(hidden[idx], None if residual is None else residual[idx],
-                              _scales(log_ranges))
+                              _scales(log_ranges), _clips(clip_logits))
         loss = F.mse_loss(out, target[idx])
         check_finite(loss, layer, step)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
     learned = {kind: float(torch.exp(value.detach())) for kind, value in log_ranges.items()}
+    clips = {name: _clips(clip_logits)[name].detach() for name in clip_logits}
     before = _full_loss(weights, q_stream, target, calibrated, config.calib_batch_size)
-    after = _full_loss(weights, q_stream, target, learned, config.calib_batch_size)
+    after = _full_loss(weights, q_stream, target, learned, config.calib_batch_size, clips)
     kept = "learned" if after < before else "calibrated"
     record = {"loss_calibrated": before, "loss_learned": after, "kept": kept,
               "calibrated": {kind: calibrated[kind] for kind in LEARNED_KINDS},
               "learned": learned}
-    return (learned if kept == "learned" else {}), record
+    if clips:
+        record["weight_clipping"] = {name: _clip_summary(clip) for name, clip in clips.items()}
+    if kept == "calibrated":
+        return {}, {}, record
+    return learned, clips, record
+
+
+def _clips(clip_logits: dict) -> dict:
+    return {name: torch.sigmoid(logit) for name, logit in clip_logits.items()}
+
+
+def _clip_summary(clip: torch.Tensor) -> dict:
+    """What a layer's learned clip factors did: their mean and minimum, and the fraction of
+    groups clipped by more than 1%."""
+    return {"mean": float(clip.mean()), "min": float(clip.min()),
+            "groups_below_0.99": float((clip < 0.99).float().mean())}
+
+
+def fake_quantize_w4a8_weight(weight: torch.Tensor, clip: torch.Tensor, group_size: int):
+    """fp32 [N, K]: ``weight`` clamped per group to ``clip`` [N, K / G] · the group's absmax,
+    then quantized as quamba.ops.quant4.quantize_weight_w4a8 quantizes that clamped weight (group
+    scale = absmax / 7, two-level channel scale and multiplier in [1, 18], codes in [-7, 7]),
+    with straight-through rounding: differentiable in ``clip`` (through the clamp and the scales,
+    LSQ's gradient) and in ``weight``."""
+    n, k = weight.shape
+    groups = weight.float().view(n, k // group_size, group_size)
+    bound = _clip_bounds(groups, clip, weight.dtype)[..., None]
+    clamped = torch.minimum(torch.maximum(groups, -bound), bound)
+    scales = bound[..., 0].clamp(min=SCALE_FLOOR) / INT4_MAX
+    channel_scale = scales.amax(dim=1).clamp(min=SCALE_FLOOR) / W4A8_MAX_MULTIPLIER
+    multiplier = _ste_round(scales / channel_scale[:, None]).clamp(1, W4A8_MAX_MULTIPLIER)
+    effective = (channel_scale[:, None] * multiplier)[..., None]
+    codes = _ste_round((clamped * torch.reciprocal(effective)).clamp(-INT4_MAX, INT4_MAX))
+    return (codes * effective).view(n, k)
+
+
+def _clip_bounds(groups: torch.Tensor, clip: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 [N, K / G]: clip · each group's absmax (of fp32 ``groups`` [N, K / G, G]) rounded to
+    the weight's ``dtype``, so that the clamped weight stored in that dtype keeps it as its
+    absmax."""
+    return (clip * groups.abs().amax(-1)).to(dtype).float()
+
+
+def _ste_round(x: torch.Tensor) -> torch.Tensor:
+    """round(x) (half to even) with the identity's gradient."""
+    return x + (torch.round(x) - x).detach()
+
+
+@torch.no_grad()
+def clip_weights_(fp_block: Block, clips: dict, weights: "_BlockWeights") -> None:
+    """Clamp the FP weights of ``fp_block`` named in ``clips`` to their groups' learned bounds,
+    in place: round-to-nearest of the result is :func:`fake_quantize_w4a8_weight`'s value."""
+    for name, clip in clips.items():
+        weight = getattr(fp_block.mixer, name).weight
+        n, k = weight.shape
+        groups = weight.float().view(n, k // weights.clipped[name][1], -1)
+        bound = _clip_bounds(groups, clip, weight.dtype)[..., None]
+        weight.copy_(torch.minimum(torch.maximum(groups, -bound), bound).view(n, k))
 
 
 def check_finite(loss: torch.Tensor, layer: int, step: int) -> None:
@@ -143,14 +220,16 @@ def check_finite(loss: torch.Tensor, layer: int, step: int) -> None:
 
 
 @torch.no_grad()
-def _full_loss(weights: "_BlockWeights", q_stream, target, kind_ranges: dict, batch: int) -> float:
-    """MSE over every learning sample with ranges ``kind_ranges`` (float64 sum of per-batch sums)."""
+def _full_loss(weights: "_BlockWeights", q_stream, target, kind_ranges: dict, batch: int,
+               clips: dict | None = None) -> float:
+    """MSE over every learning sample with ranges ``kind_ranges`` and clip factors ``clips`` (None:
+    the round-to-nearest weights), a float64 sum of per-batch sums."""
     scales = {kind: torch.tensor(float(kind_ranges[kind]) / INT8_MAX) for kind in LEARNED_KINDS}
     hidden, residual = q_stream
     total = 0.0
     for i in range(0, hidden.shape[0], batch):
         out = weights.forward(hidden[i:i + batch],
-                              None if residual is None else residual[i:i + batch], scales)
+                              None if residual is None else residual[i:i + batch], scales, clips)
         total += float(F.mse_loss(out, target[i:i + batch], reduction="sum").double())
     return total / target.numel()
 
@@ -168,9 +247,10 @@ def ste_fake_quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 class _BlockWeights:
     """The quantized block's weights, dequantized to fp32 (fixed while the ranges are learned),
-    and its differentiable float-simulated forward."""
+    the FP weights of its 4-bit layers where their clipping is learned (``clipped``: name →
+    (fp32 weight, group size)), and its differentiable float-simulated forward."""
 
-    def __init__(self, fp_block: Block, qblock: Block):
+    def __init__(self, fp_block: Block, qblock: Block, clip_weights: bool = False):
         mixer = qblock.mixer
         norm = fp_block.norm
         self.norm_weight = norm.weight.detach().float()
@@ -182,25 +262,44 @@ class _BlockWeights:
         self.A, self.D, self.dt_bias = mixer.ssm_params.dequantized()
         self.hadamard, self.discretization = mixer.hadamard, mixer.discretization
         self.dt_rank, self.d_state = mixer.dt_rank, mixer.d_state
+        self.clipped = {}
+        for name in CLIPPED_LINEARS if clip_weights else ():
+            linear = getattr(mixer, name)
+            if isinstance(linear, W4A8Linear):
+                weight = getattr(fp_block.mixer, name).weight.detach().clone()
+                self.clipped[name] = (weight, linear.group_size)
 
-    def forward(self, hidden, residual, scales: dict) -> torch.Tensor:
+    def clip_shape(self, name: str) -> tuple[int, int]:
+        """[N, K / G]: one clip factor per output channel and group of a clipped weight."""
+        weight, group_size = self.clipped[name]
+        return weight.shape[0], weight.shape[1] // group_size
+
+    def _weight(self, name: str, clips: dict | None) -> torch.Tensor:
+        if clips is None or name not in clips:
+            return getattr(self, name)
+        weight, group_size = self.clipped[name]
+        return fake_quantize_w4a8_weight(weight, clips[name], group_size)
+
+    def forward(self, hidden, residual, scales: dict, clips: dict | None = None) -> torch.Tensor:
         """The residual stream after the block (fp32 [b, l, d_model]) with activation scales
-        ``scales[kind]`` (0-dim fp32 tensors)."""
+        ``scales[kind]`` (0-dim fp32 tensors) and the clipped 4-bit weights of ``clips[name]``
+        (clip factors; None or a name left out: the round-to-nearest weights)."""
+        in_proj, x_proj, out_proj = (self._weight(name, clips) for name in CLIPPED_LINEARS)
         normed, residual = rms_norm(hidden, residual, self.norm_weight, self.eps,
                                     self.residual_in_fp32, backend_name="torch")
         h = ste_fake_quantize(normed, scales["in_proj.input"])
-        xz = ste_fake_quantize(h @ self.in_proj.t(), scales["in_proj.output"])
+        xz = ste_fake_quantize(h @ in_proj.t(), scales["in_proj.output"])
         x, z = xz.transpose(1, 2).chunk(2, dim=1)
         u = ste_fake_quantize(causal_conv1d(x, self.conv_weight, self.conv_bias, backend_name="torch"),
                               scales["x_proj.input"])
-        x_dbl = ste_fake_quantize(u.transpose(1, 2) @ self.x_proj.t(), scales["x_proj.output"])
+        x_dbl = ste_fake_quantize(u.transpose(1, 2) @ x_proj.t(), scales["x_proj.output"])
         dt_low, B, C = torch.split(x_dbl, [self.dt_rank, self.d_state, self.d_state], dim=-1)
         dt = ste_fake_quantize(dt_low @ self.dt_proj.t(), scales["dt_proj.output"])
         y = self._scan(u, dt.transpose(1, 2), B.transpose(1, 2), C.transpose(1, 2), z,
                        scales["ssm_state"]).transpose(1, 2)
         if self.hadamard:
             y = hadamard_transform(y)
-        out = ste_fake_quantize(y, scales["out_proj.input"]) @ self.out_proj.t()
+        out = ste_fake_quantize(y, scales["out_proj.input"]) @ out_proj.t()
         return out + residual.float()
 
     def _scan(self, u, dt, B, C, z, state_scale):

@@ -36,6 +36,8 @@ def test_saved_model_name():
     assert saved_model_name("state-spaces/mamba-130m", 8, 8) == "quamba-mamba-130m-w8a8"
     assert saved_model_name("/models/mamba-2.8b/", 4, 8) == "quamba-mamba-2.8b-w4a8"
     assert saved_model_name("m", 4, 8, learn_scales=True) == "quamba-m-w4a8-learned"
+    assert saved_model_name("m", 4, 8, learn_scales=True,
+                            learn_weight_clipping=True) == "quamba-m-w4a8-learned-clip"
 
 
 def test_fp_model_loads_with_the_fp_mode_only(model_dir):
