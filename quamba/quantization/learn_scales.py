@@ -47,11 +47,11 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from quamba.errors import QuambaError
+from quamba.layers.qlinear import W4A8Linear
 from quamba.models.mamba import Block, MambaMixer
 from quamba.ops.causal_conv1d import causal_conv1d
 from quamba.ops.discretization import input_drive
 from quamba.ops.hadamard import hadamard_transform
-from quamba.layers.qlinear import W4A8Linear
 from quamba.ops.quant import INT8_MAX, SCALE_FLOOR, dequantize
 from quamba.ops.quant4 import INT4_MAX, W4A8_MAX_MULTIPLIER
 from quamba.ops.rms_norm import rms_norm
@@ -146,7 +146,7 @@ def _learn_block(weights: "_BlockWeights", q_stream, target, calibrated: dict, c
         loss.backward()
         optimizer.step()
     learned = {kind: float(torch.exp(value.detach())) for kind, value in log_ranges.items()}
-    clips = {name: _clips(clip_logits)[name].detach() for name in clip_logits}
+    clips = {name: torch.sigmoid(logit.detach()) for name, logit in clip_logits.items()}
     before = _full_loss(weights, q_stream, target, calibrated, config.calib_batch_size)
     after = _full_loss(weights, q_stream, target, learned, config.calib_batch_size, clips)
     kept = "learned" if after < before else "calibrated"
@@ -248,7 +248,7 @@ def ste_fake_quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 class _BlockWeights:
     """The quantized block's weights, dequantized to fp32 (fixed while the ranges are learned),
     the FP weights of its 4-bit layers where their clipping is learned (``clipped``: name →
-    (fp32 weight, group size)), and its differentiable float-simulated forward."""
+    (weight in the model's dtype, group size)), and its differentiable float-simulated forward."""
 
     def __init__(self, fp_block: Block, qblock: Block, clip_weights: bool = False):
         mixer = qblock.mixer
