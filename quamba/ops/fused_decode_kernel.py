@@ -32,11 +32,11 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from torch.utils.weak import WeakIdKeyDictionary
 from triton.language.extra import libdevice
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.runtime.interpreter import InterpretedFunction
 
+from quamba.ops.constants import cached
 from quamba.ops.fused_decode import W4A8Weight
 from quamba.ops.quant import fp32_reciprocal, fp32_value, requant_multiplier
 
@@ -377,25 +377,12 @@ def _requant_multiplier(in_scale: float, weight_scale: float, out_scale: float) 
     return float(requant_multiplier(float(in_scale), float(weight_scale), float(out_scale)))
 
 
-# W4A8 x_proj's per-channel epilogue multipliers by their channel_scale tensor: computed once per
-# (its version, the activation scales, the device), not in every step (small kernels per layer).
-# Nothing computed while a CUDA graph is captured is kept (its tensors hold values only at replay),
-# nor for an inference tensor (no version counter to key on).
-_CHANNEL_MULTIPLIERS = WeakIdKeyDictionary()
-
-
 def _x_proj_multipliers(x_proj, device) -> tuple[torch.Tensor | None, float]:
-    """(fp32 [N] per-channel multipliers of W4A8, or None; W8A8's one multiplier, or 0.0)."""
+    """(fp32 [N] per-channel multipliers of W4A8, or None; W8A8's one multiplier, or 0.0). W4A8's
+    are kept per version of its channel_scale (quamba.ops.constants), not made in every step."""
     if not isinstance(x_proj, W4A8Weight):
         return None, _requant_multiplier(x_proj.in_scale, x_proj.weight_scale, x_proj.out_scale)
-    anchor = x_proj.channel_scale
-    key = (anchor._version, float(x_proj.in_scale), float(x_proj.out_scale), device)
-    cached = _CHANNEL_MULTIPLIERS.get(anchor) if not anchor.is_inference() else None
-    if cached is not None and cached[0] == key:
-        return cached[1], 0.0
-    multipliers = requant_multiplier(float(x_proj.in_scale), anchor,
-                                     float(x_proj.out_scale)).to(device).contiguous()
-    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    if not anchor.is_inference() and not capturing:
-        _CHANNEL_MULTIPLIERS[anchor] = (key, multipliers)
-    return multipliers, 0.0
+    in_scale, out_scale = float(x_proj.in_scale), float(x_proj.out_scale)
+    def make():
+        return requant_multiplier(in_scale, x_proj.channel_scale, out_scale).to(device).contiguous()
+    return cached(x_proj.channel_scale, (in_scale, out_scale, device), make), 0.0

@@ -23,9 +23,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.utils.weak import WeakIdKeyDictionary
 
 from quamba.ops import backend
+from quamba.ops.constants import cached, keeps_constants
 from quamba.ops.quant import fp32_reciprocal, fp32_value, quantize
 
 # Tiles, chosen on an H100 at Mamba2-2.7B's heads (80 × 64, d_state 128), L 1024-2048, batch 1-8
@@ -263,29 +263,8 @@ def _ssd_step_kernel(state_ptr, state_scale, state_inverse, x_ptr, x_scale_ptr, 
              mask=p_mask)
 
 
-# Per-call constants (scale tables, dequantized SSM parameters) by the tensor they come from:
-# built once per (its version, the view and shape asked), not on every call (small kernels per
-# layer and decode step). Not kept for an inference tensor (no version counter) nor while a CUDA
-# graph is being captured (its kernels run only at replay).
-_CONSTANTS = WeakIdKeyDictionary()
+# The scale tables of float inputs by shape and device (quamba.ops.constants says when one is kept)
 _ONES = {}
-
-
-def _keeps_constants(device: torch.device) -> bool:
-    return not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
-
-
-def _cached(anchor: torch.Tensor, key: tuple, make):
-    """``make()``, kept per (``anchor``, ``key``) until ``anchor`` changes (several views of one
-    buffer each keep theirs)."""
-    if anchor.is_inference() or not _keeps_constants(anchor.device):
-        return make()
-    entries = _CONSTANTS.setdefault(anchor, {})
-    version, value = entries.get(key, (None, None))
-    if version != anchor._version:
-        value = make()
-        entries[key] = (anchor._version, value)
-    return value
 
 
 def _ones(rows: int, cols: int, device: torch.device) -> torch.Tensor:
@@ -293,7 +272,7 @@ def _ones(rows: int, cols: int, device: torch.device) -> torch.Tensor:
     key = (rows, cols, device)
     if key not in _ONES:
         ones = torch.ones(rows, cols, dtype=torch.float32, device=device)
-        if not _keeps_constants(device):
+        if not keeps_constants(device):
             return ones
         _ONES[key] = ones
     return _ONES[key]
@@ -309,7 +288,7 @@ def _scale_table(t, scale, rows: int, cols: int) -> torch.Tensor:
     # the mixer passes views of one [conv_dim] buffer, new objects each call: key on the buffer
     anchor = scale if scale._base is None else scale._base
     view = (scale.storage_offset(), tuple(scale.shape), tuple(scale.stride()))
-    return _cached(anchor, view + (rows, cols, t.device), lambda: scale.to(
+    return cached(anchor, view + (rows, cols, t.device), lambda: scale.to(
         device=t.device, dtype=torch.float32).expand(rows, cols).contiguous())
 
 
@@ -412,9 +391,9 @@ def _params(params, device) -> tuple:
     """(A, D, dt_bias) fp32 [nheads] on ``device`` from the int8 SSM parameters."""
     def dequantized():
         return tuple(p.to(device).contiguous() for p in params.dequantized())
-    return _cached(params.A_log, (params.A_log_scale, params.D._version, params.D_scale,
-                                  params.dt_bias._version, params.dt_bias_scale, device),
-                   dequantized)
+    return cached(params.A_log, (params.A_log_scale, params.D._version, params.D_scale,
+                                 params.dt_bias._version, params.dt_bias_scale, device),
+                  dequantized)
 
 
 @backend.register("qssd_scan", "cuda", kernels=())
