@@ -47,10 +47,11 @@ def outputs_and_grads(scan, inputs, seed):
     return y, last, grads
 
 
-def assert_matches_reference(inputs, method, softplus, chunk, block_d, seed, rtol, atol):
+def assert_matches_reference(inputs, method, softplus, seed, rtol, atol, **tile):
+    """The fused scan with ``tile`` (chunk, block_d, num_warps) against the reference."""
     def fused(**values):
         return triton_scan.selective_scan(**values, delta_softplus=softplus, discretization=method,
-                                          chunk=chunk, block_d=block_d)
+                                          **tile)
 
     def reference(**values):
         return selective_scan(**values, delta_softplus=softplus, discretization=method,
@@ -72,12 +73,13 @@ def assert_matches_reference(inputs, method, softplus, chunk, block_d, seed, rto
 def test_tiny_shapes_match_autograd_through_the_reference(method, d_inner, d_state, seqlen,
                                                           chunk, block_d):
     inputs = scan_inputs(2, d_inner, d_state, seqlen, seed=seqlen + d_state)
-    assert_matches_reference(inputs, method, True, chunk, block_d, seed=1, rtol=1e-4, atol=1e-5)
+    assert_matches_reference(inputs, method, True, seed=1, rtol=1e-4, atol=1e-5, chunk=chunk,
+                             block_d=block_d)
 
 
 def test_without_optional_tensors_or_softplus():
     inputs = scan_inputs(2, 5, 4, 13, seed=3, optional=False)
-    assert_matches_reference(inputs, "zoh", False, 4, 4, seed=2, rtol=1e-4, atol=1e-5)
+    assert_matches_reference(inputs, "zoh", False, seed=2, rtol=1e-4, atol=1e-5, chunk=4, block_d=4)
 
 
 def test_only_some_inputs_need_gradients():
@@ -98,6 +100,8 @@ def test_bad_options_are_one_line_errors():
         triton_scan.selective_scan(**inputs, discretization="foh")
     with pytest.raises(ValueError, match="chunk must be a power of two"):
         triton_scan.selective_scan(**inputs, chunk=12)
+    with pytest.raises(ValueError, match="num_warps must be a power of two"):
+        triton_scan.selective_scan(**inputs, num_warps=3)
 
 
 def test_the_torch_backend_is_the_reference():
@@ -127,18 +131,36 @@ def test_real_shapes_match_autograd_through_the_reference(method, batch, d_inner
     y, last = trainable_selective_scan(**inputs, delta_softplus=True, discretization=method,
                                        backend_name="cuda")
     assert y.is_cuda
-    assert_matches_reference(inputs, method, True, triton_scan.CHUNK, triton_scan.BLOCK_D,
-                             seed=3, rtol=1e-3, atol=1e-4)
+    assert_matches_reference(inputs, method, True, seed=3, rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("method", ["zoh", "bilinear"])
+@pytest.mark.parametrize("chunk,block_d,num_warps", [(32, 2, 4), (32, 4, 4), (32, 8, 8), (16, 4, 2),
+                                                     (64, 4, 4)])
+def test_tiles_match_autograd_through_the_reference(method, chunk, block_d, num_warps):
+    inputs = scan_inputs(3, 200, 16, 517, seed=chunk + block_d)
+    assert_matches_reference(inputs, method, True, seed=4, rtol=1e-3, atol=1e-4, chunk=chunk,
+                             block_d=block_d, num_warps=num_warps)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_half_precision_inputs_compute_in_fp32():
+    """fp16 inputs: y and every gradient in fp16 (the kernels store du, dΔ and dz in it), each
+    within fp16's rounding of autograd through the fp32 reference."""
     inputs = scan_inputs(2, 256, 16, 300, seed=8)
     half = {name: t.detach().half().requires_grad_() for name, t in inputs.items()}
     y, _ = trainable_selective_scan(**half, delta_softplus=True, backend_name="cuda")
-    grads = torch.autograd.grad(y.float().sum(), list(half.values()))
+    gy = torch.randn(y.shape, generator=torch.Generator().manual_seed(9)).to(DEVICE)
+    grads = torch.autograd.grad((y.float() * gy).sum(), list(half.values()))
     assert y.dtype == torch.float16 and all(g.dtype == torch.float16 for g in grads)
-    want = selective_scan(**{k: v.detach().float() for k, v in half.items()}, delta_softplus=True,
-                          backend_name="torch")[0]
-    torch.testing.assert_close(y.float(), want, rtol=1e-2, atol=1e-2)
+    single = {name: t.detach().float().requires_grad_() for name, t in half.items()}
+    want_y = selective_scan(**single, delta_softplus=True, backend_name="torch")[0]
+    want = torch.autograd.grad((want_y * gy).sum(), list(single.values()))
+    torch.testing.assert_close(y.float(), want_y, rtol=1e-2, atol=1e-2)
+    for name, fast, slow in zip(NAMES, grads, want):
+        torch.testing.assert_close(fast.float(), slow, rtol=1e-2,
+                                   atol=1e-2 * max(1.0, slow.abs().max().item()),
+                                   msg=f"gradient of {name}")
