@@ -6,6 +6,10 @@ work split (rows per warp x splits of K), which is how the dispatcher's choices 
 call reads its own copy of the operands (common.time_graph_ms): weights come from device memory.
 
     python benchmarks/bench_gemm.py [--out results.json] [--quick] [--decode_m 1,2,...,8] [--no_prefill]
+                                    [--gemm_m 16,32,64,...]
+
+--gemm_m replaces the prefill sizes (M = 1024, 2048) of the GEMM table: decode past the GEMV (M 9
+to 64, batch 9 to 64) takes the GEMM too.
 """
 from __future__ import annotations
 
@@ -86,7 +90,11 @@ def totals(rows, stage):
 
 
 def main():
-    args = parse_args(__doc__.splitlines()[0], decode_options(DECODE_M))
+    def options(parser):
+        decode_options(DECODE_M)(parser)
+        parser.add_argument("--gemm_m", type=lambda text: [int(m) for m in text.split(",")],
+                            help="row counts of the GEMM table, comma-separated (default: 1024,2048)")
+    args = parse_args(__doc__.splitlines()[0], options)
     try:
         import quamba._C  # noqa: F401
     except ImportError as exc:
@@ -94,6 +102,8 @@ def main():
     meta = run_metadata()
     copy_gbs = copy_bandwidth_gbs()
     prefill_m, decode_m = (PREFILL_M[-1:], args.decode_m[:1]) if args.quick else (PREFILL_M, args.decode_m)
+    if args.gemm_m:
+        prefill_m = args.gemm_m
     if args.no_prefill:
         prefill_m = []
     prefill = [bench_prefill(Layer(name, N, K, dt, M)) for M in prefill_m for name, N, K, dt in LAYERS]

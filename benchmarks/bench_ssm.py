@@ -236,14 +236,19 @@ def bench_norm_hadamard(timer, seqlen):
 
 # ---- decode ----------------------------------------------------------------------------------
 
-def bench_decode(timer, fns):
+DECODE_BATCHES = (1, 8, 32, 64)
+
+
+def bench_decode(timer, fns, batch):
+    """One decode step of the scan and the conv at ``batch`` rows, against mamba-ssm's (fp16); the
+    scan also per lanes-per-channel variant of its kernel (qsscan_update_lanes<N> rows)."""
     params = ssm_params()
-    xz, x_dbl = codes(BATCH, 2 * D_INNER), codes(BATCH, DT_RANK + 2 * D_STATE)
+    xz, x_dbl = codes(batch, 2 * D_INNER), codes(batch, DT_RANK + 2 * D_STATE)
     x, z = xz[:, :D_INNER], xz[:, D_INNER:]
     B, C = x_dbl[:, DT_RANK:DT_RANK + D_STATE], x_dbl[:, DT_RANK + D_STATE:]
-    u, dt = codes(BATCH, D_INNER), codes(BATCH, D_INNER)
-    ssm_state = codes(BATCH, D_INNER, D_STATE)
-    conv_state = codes(BATCH, D_INNER, D_CONV - 1)
+    u, dt = codes(batch, D_INNER), codes(batch, D_INNER)
+    ssm_state = codes(batch, D_INNER, D_STATE)
+    conv_state = codes(batch, D_INNER, D_CONV - 1)
     weight, bias = codes(D_INNER, D_CONV), codes(D_INNER)
     scan_step = lambda: qsscan_update(ssm_state, 0.05, u, 0.03, dt, 0.02, B, 0.02, C, 0.02, z, 0.03,
                                       params, backend_name="cuda")
@@ -252,22 +257,37 @@ def bench_decode(timer, fns):
     base_scan = base_conv = None
     if "selective_state_update" in fns:
         half = dict(dtype=torch.float16, device=DEVICE)
-        state16 = torch.randn(BATCH, D_INNER, D_STATE, **half)
-        x16, dt16, z16 = (torch.randn(BATCH, D_INNER, **half) for _ in range(3))
-        B16, C16 = (torch.randn(BATCH, D_STATE, **half) for _ in range(2))
+        state16 = torch.randn(batch, D_INNER, D_STATE, **half)
+        x16, dt16, z16 = (torch.randn(batch, D_INNER, **half) for _ in range(3))
+        B16, C16 = (torch.randn(batch, D_STATE, **half) for _ in range(2))
         A = -torch.arange(1, D_STATE + 1, device=DEVICE).float().expand(D_INNER, D_STATE)
         D, dt_bias = torch.ones(D_INNER, device=DEVICE), torch.full((D_INNER,), -4.0, device=DEVICE)
         base_scan = timer.us(lambda: fns["selective_state_update"](
             state16, x16, dt16, A, B16, C16, D, z=z16, dt_bias=dt_bias, dt_softplus=True))
     if "causal_conv1d_update" in fns:
-        xc = torch.randn(BATCH, D_INNER, dtype=torch.float16, device=DEVICE)
-        state16 = torch.randn(BATCH, D_INNER, D_CONV - 1, dtype=torch.float16, device=DEVICE)
+        xc = torch.randn(batch, D_INNER, dtype=torch.float16, device=DEVICE)
+        state16 = torch.randn(batch, D_INNER, D_CONV - 1, dtype=torch.float16, device=DEVICE)
         w16, b16 = weight.half() / 127, bias.half() / 127
         base_conv = timer.us(lambda: fns["causal_conv1d_update"](xc, state16, w16, b16, "silu"))
-    scan_step_bytes = BATCH * (D_INNER * (4 + 2 * D_STATE) + 2 * D_STATE)
-    conv_step_bytes = BATCH * D_INNER * (1 + 2 * (D_CONV - 1) + 1)
-    return [timer.row("qsscan_update int8", "decode", 1, scan_step, scan_step_bytes, base_scan),
-            timer.row("qconv1d_update int8", "decode", 1, conv_step, conv_step_bytes, base_conv)]
+    scan_step_bytes = batch * (D_INNER * (4 + 2 * D_STATE) + 2 * D_STATE)
+    conv_step_bytes = batch * D_INNER * (1 + 2 * (D_CONV - 1) + 1)
+    rows = [timer.row("qsscan_update int8", "decode", 1, scan_step, scan_step_bytes, base_scan,
+                      batch=batch),
+            timer.row("qconv1d_update int8", "decode", 1, conv_step, conv_step_bytes, base_conv,
+                      batch=batch)]
+    op_args = _step_op_args(ssm_state, u, dt, B, C, z, params)
+    for lanes in (16, 4, 1):
+        step = lambda: torch.ops.quamba.qsscan_update(*op_args, lanes=lanes)
+        rows.append(timer.row(f"qsscan_update_lanes{lanes}", "decode", 1, step, scan_step_bytes,
+                              base_scan, batch=batch))
+    return rows
+
+
+def _step_op_args(state, u, dt, B, C, z, params):
+    """torch.ops.quamba.qsscan_update's arguments for bench_decode's step (its scales)."""
+    return (state, 0.05, u, 0.03, dt, 0.02, B, 0.02, C, 0.02, z, 0.03, params.A_log,
+            params.A_log_scale, params.D, params.D_scale, params.dt_bias, params.dt_bias_scale,
+            torch.float16)
 
 
 def add_options(parser):
@@ -293,7 +313,8 @@ def main():
     for seqlen in SEQLENS:
         rows += bench_conv(timer, baselines["fns"], seqlen)
         rows += bench_norm_hadamard(timer, seqlen)
-    rows += bench_decode(timer, baselines["fns"])
+    for batch in DECODE_BATCHES[:1] if args.quick else DECODE_BATCHES:
+        rows += bench_decode(timer, baselines["fns"], batch)
     meta = common.run_metadata()
     title = (f"SSM kernels on {meta['device']} (d_inner {D_INNER}, d_state "
              f"{D_STATE}; copy bandwidth {bandwidth:.0f} GB/s; speedup = mamba-ssm fp16 / ours)")

@@ -15,13 +15,18 @@ void run_bf16(const GemmArgs& args, int config);
 
 namespace {
 
-// Chosen by measurement on the H200 and H100 (benchmarks/RESULTS.md): 128x64 tiles for narrow N,
-// where stream-K was no faster; for a long K, larger tiles where 128x128 ones would make fewer
-// than two full waves (one wave of 128x192) or at least eight (256x128, cooperative); else
+// Chosen by measurement on the H200 and H100 (benchmarks/RESULTS.md). Decode past the GEMV (M up
+// to kStreamKMaxM rows): 128x64 stream-K, which spreads the weight's read over every SM (a
+// 2.8B layer's out_proj has 14 tiles of 128x192, x_proj 3 of 128x64). Prefill: 128x64 tiles for
+// narrow N, where stream-K was no faster; for a long K, larger tiles where 128x128 ones would make
+// fewer than two full waves (one wave of 128x192) or at least eight (256x128, cooperative); else
 // 128x128 pingpong.
+constexpr int kStreamKMaxM = 64;
+
 int choose_config(int M, int N, int K) {
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const int64_t tiles = static_cast<int64_t>((M + 127) / 128) * ((N + 127) / 128);
+  if (M <= kStreamKMaxM) return 3;
   if (N <= 256) return 1;
   if (K >= 1024 && tiles < 2 * sms) return 4;
   if (K >= 1024 && tiles >= 8 * sms) return 5;

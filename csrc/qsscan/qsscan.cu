@@ -812,104 +812,228 @@ struct StepArgs {
   void* y;  // contiguous [batch, dim]
   int batch, dim, dstate;
   float* drive;  // foh: contiguous fp32 [batch, dim, dstate], v_{t-1} in, v_t out
+  // state and A_log 16-byte aligned and dstate a multiple of 16: a lane's states are whole rows
+  bool rows_aligned;
 };
 
 constexpr int kStepThreads = 128;
 
-// Steps state n of (b, d) in place and returns its term C_n · h_n of y. The arithmetic follows
-// selective_state_update operation by operation: decay · h + (Δ u) · B for zoh, else
-// decay · h + (gain · v_t + previous gain · v_{t-1}), v = u · B, each operation rounded.
-template <Discretization kMethod>
-__device__ __forceinline__ float step_state(const StepArgs& a, int b, int d, int n, int group,
-                                            float u) {
+// Δ of channel d of row b: softplus(dt + dt_bias), once per lane.
+__device__ __forceinline__ float step_delta(const StepArgs& a, int b, int d) {
   const float dt = a.dt.load(b * a.dt_st[0] + d * a.dt_st[1]);
-  const float delta = softplus(__fadd_rn(dt, dequantize(a.dt_bias[d], a.dt_bias_scale)));
-  const int64_t offset = static_cast<int64_t>(group) * a.dstate + n;
-  const float h = a.state_int8 ? dequantize(static_cast<int8_t*>(a.state)[offset], a.state_scale)
-                               : static_cast<float*>(a.state)[offset];
-  const float A = -expf(dequantize(a.A_log[d * a.dstate + n], a.A_log_scale));
-  const float z = __fmul_rn(delta, A);
+  return softplus(__fadd_rn(dt, dequantize(a.dt_bias[d], a.dt_bias_scale)));
+}
+
+// What the step of one state reads besides its state: A_n, B_n, C_n (and foh's drive v_{t-1}).
+struct StateInputs {
+  float A, B, C, drive;
+};
+
+// The widest load of a row of kBytes bytes (a multiple of its size).
+template <int kBytes>
+using RowChunk = std::conditional_t<
+    kBytes % 16 == 0, int4,
+    std::conditional_t<kBytes % 8 == 0, int2, std::conditional_t<kBytes % 4 == 0, int, char>>>;
+
+// kCount consecutive values at p (aligned to 16 bytes or to the row's size) in RowChunk pieces.
+template <int kCount, typename T>
+__device__ __forceinline__ void load_row(const T* p, T (&out)[kCount]) {
+  using Chunk = RowChunk<kCount * sizeof(T)>;
+#pragma unroll
+  for (int i = 0; i < static_cast<int>(kCount * sizeof(T) / sizeof(Chunk)); ++i) {
+    const Chunk chunk = reinterpret_cast<const Chunk*>(p)[i];
+    memcpy(reinterpret_cast<char*>(out) + sizeof(Chunk) * i, &chunk, sizeof(Chunk));
+  }
+}
+
+template <int kCount, typename T>
+__device__ __forceinline__ void store_row(T* p, const T (&values)[kCount]) {
+  using Chunk = RowChunk<kCount * sizeof(T)>;
+#pragma unroll
+  for (int i = 0; i < static_cast<int>(kCount * sizeof(T) / sizeof(Chunk)); ++i) {
+    Chunk chunk;
+    memcpy(&chunk, reinterpret_cast<const char*>(values) + sizeof(Chunk) * i, sizeof(Chunk));
+    reinterpret_cast<Chunk*>(p)[i] = chunk;
+  }
+}
+
+// The new state h_new of one state from its old state h, and its term C_n · h_new of y. The
+// arithmetic follows selective_state_update operation by operation: decay · h + (Δ u) · B for
+// zoh, else decay · h + (gain · v_t + previous gain · v_{t-1}), v = u · B, each operation
+// rounded. foh writes v_t to its drive at ``offset``.
+template <Discretization kMethod>
+__device__ __forceinline__ float step_state(const StepArgs& a, const StateInputs& in, float h,
+                                            float u, float delta, int64_t offset, float& term) {
+  const float z = __fmul_rn(delta, in.A);
   StepCoefficients c{};  // zoh uses the decay only
   if constexpr (kMethod == Discretization::kZoh) {
     c.decay = expf(z);
   } else {
     c = exact_coefficients<kMethod>(delta, z);
   }
-  const float B = a.B.load(b * a.B_st[0] + n * a.B_st[1]);
-  const float C = a.C.load(b * a.C_st[0] + n * a.C_st[1]);
   float step_input;
   if constexpr (kMethod == Discretization::kZoh) {
-    step_input = __fmul_rn(__fmul_rn(delta, u), B);
+    step_input = __fmul_rn(__fmul_rn(delta, u), in.B);
   } else {
-    const float v = __fmul_rn(u, B);
+    const float v = __fmul_rn(u, in.B);
     step_input = __fmul_rn(c.gain, v);
     if constexpr (kMethod == Discretization::kFoh) {
-      step_input = __fadd_rn(step_input, __fmul_rn(c.previous_gain, a.drive[offset]));
+      step_input = __fadd_rn(step_input, __fmul_rn(c.previous_gain, in.drive));
       a.drive[offset] = v;
     }
   }
   const float h_new = __fadd_rn(__fmul_rn(c.decay, h), step_input);
-  if (a.state_int8) {
-    static_cast<int8_t*>(a.state)[offset] = quantize_rn(h_new, a.state_inv_scale);
-  } else {
-    static_cast<float*>(a.state)[offset] = h_new;
-  }
-  return __fmul_rn(h_new, C);
+  term = __fmul_rn(h_new, in.C);
+  return h_new;
 }
 
-// One group of kGroup lanes per (batch, channel): lane n of the group steps state n, and the
-// group sums C · h with shuffles.
-template <Discretization kMethod, int kGroup, typename Out>
+// Steps ``count`` (at most kStates) states of (b, d) from state index ``first`` (at ``offset``
+// in the state) and returns the sum of their terms of y in order. State is int8 codes or fp32;
+// a whole lane's states (and A_log codes) are read and written as rows where they are aligned.
+template <Discretization kMethod, int kStates, typename State>
+__device__ __forceinline__ float step_lane(const StepArgs& a, int b, int d, int first, int count,
+                                           int64_t offset, float u, float delta) {
+  State* state = static_cast<State*>(a.state) + offset;
+  const int8_t* A_log = a.A_log + d * a.dstate + first;
+  const bool rows = count == kStates && a.rows_aligned;
+  State old_state[kStates];
+  int8_t A_log_codes[kStates];
+  if (rows) {
+    load_row<kStates>(state, old_state);
+    load_row<kStates>(A_log, A_log_codes);
+  } else {
+#pragma unroll
+    for (int s = 0; s < kStates; ++s) {
+      if (s < count) {
+        old_state[s] = state[s];
+        A_log_codes[s] = A_log[s];
+      }
+    }
+  }
+  float B[kStates], C[kStates];
+  a.B.load_row(b * a.B_st[0] + first * a.B_st[1], a.B_st[1], count, B);
+  a.C.load_row(b * a.C_st[0] + first * a.C_st[1], a.C_st[1], count, C);
+  State new_state[kStates];
+  float sum = 0.f;
+#pragma unroll
+  for (int s = 0; s < kStates; ++s) {
+    if (s < count) {
+      const StateInputs in{-expf(dequantize(A_log_codes[s], a.A_log_scale)), B[s], C[s],
+                           a.drive != nullptr ? a.drive[offset + s] : 0.f};
+      float h, term;
+      if constexpr (std::is_same_v<State, int8_t>) {
+        h = dequantize(old_state[s], a.state_scale);
+      } else {
+        h = old_state[s];
+      }
+      const float h_new = step_state<kMethod>(a, in, h, u, delta, offset + s, term);
+      if constexpr (std::is_same_v<State, int8_t>) {
+        new_state[s] = quantize_rn(h_new, a.state_inv_scale);
+      } else {
+        new_state[s] = h_new;
+      }
+      sum = __fadd_rn(sum, term);
+    }
+  }
+  if (rows) {
+    store_row<kStates>(state, new_state);
+  } else {
+#pragma unroll
+    for (int s = 0; s < kStates; ++s) {
+      if (s < count) state[s] = new_state[s];
+    }
+  }
+  return sum;
+}
+
+// One group of kLanes lanes per (batch, channel): lane l steps states l·kStates ...
+// (l+1)·kStates − 1 (those below dstate), sums its terms of C · h in order, and the group adds
+// the lanes' sums with shuffles. Many lanes a channel suit few channels (a batch-1 step: 5120 of
+// them, a lane a state); at large batch fewer lanes a channel compute Δ once for several states
+// and read and write their states as whole rows.
+template <Discretization kMethod, int kLanes, int kStates, typename Out>
 __global__ void __launch_bounds__(kStepThreads) qsscan_update_kernel(const StepArgs a) {
   quamba::pdl_launch_dependents();  // the Hadamard kernel after it may launch (pdl.cuh)
-  const int group = (blockIdx.x * kStepThreads + threadIdx.x) / kGroup;
-  const int n = threadIdx.x % kGroup;
+  const int group = (blockIdx.x * kStepThreads + threadIdx.x) / kLanes;
+  const int lane = threadIdx.x % kLanes;
   // Lanes past the end stay for the shuffles below (they need the whole warp).
   const bool valid_group = group < a.batch * a.dim;
   const int b = valid_group ? group / a.dim : 0, d = valid_group ? group % a.dim : 0;
+  const int first = lane * kStates;
   float contribution = 0.f, u = 0.f;
   if (valid_group) {
     u = a.u.load(b * a.u_st[0] + d * a.u_st[1]);
-    if (n < a.dstate) contribution = step_state<kMethod>(a, b, d, n, group, u);
+    if (first < a.dstate) {
+      const float delta = step_delta(a, b, d);
+      const int64_t offset = static_cast<int64_t>(group) * a.dstate + first;
+      const int count = min(kStates, a.dstate - first);
+      contribution =
+          a.state_int8 ? step_lane<kMethod, kStates, int8_t>(a, b, d, first, count, offset, u, delta)
+                       : step_lane<kMethod, kStates, float>(a, b, d, first, count, offset, u, delta);
+    }
   }
 #pragma unroll
-  for (int offset = kGroup / 2; offset > 0; offset /= 2) {
-    contribution += __shfl_xor_sync(kFullMask, contribution, offset, kGroup);
+  for (int offset = kLanes / 2; offset > 0; offset /= 2) {
+    contribution += __shfl_xor_sync(kFullMask, contribution, offset, kLanes);
   }
-  if (valid_group && n == 0) {
+  if (valid_group && lane == 0) {
     float y = __fadd_rn(contribution, __fmul_rn(u, dequantize(a.D[d], a.D_scale)));
     if (a.z.data != nullptr) y = __fmul_rn(y, silu_rn(a.z.load(b * a.z_st[0] + d * a.z_st[1])));
     static_cast<Out*>(a.y)[group] = from_float<Out>(y);
   }
 }
 
-template <Discretization kMethod, int kGroup, typename Out>
+template <Discretization kMethod, int kLanes, int kStates, typename Out>
 void launch_step_group(const StepArgs& args) {
-  auto kernel = qsscan_update_kernel<kMethod, kGroup, Out>;
+  auto kernel = qsscan_update_kernel<kMethod, kLanes, kStates, Out>;
   check_kernel_image(kernel, "qsscan_update");
-  const int64_t threads = int64_t{args.batch} * args.dim * kGroup;
+  const int64_t threads = int64_t{args.batch} * args.dim * kLanes;
   kernel<<<ceil_div(threads, kStepThreads), kStepThreads, 0,
            current_stream()>>>(args);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// Channels (batch · dim) from which a step takes 4 lanes a channel (fewer take one lane a state,
+// to keep enough threads in flight). Measured on the H200 (benchmarks/RESULTS.md): at Mamba-2.8B's
+// 5120 channels, 4 lanes were faster than 16 from batch 8 and than 1 up to batch 64 at least.
+constexpr int64_t kFourLaneChannels = 16384;
+
+// The lanes per channel of a step: ``lanes`` if given (0: chosen from the shape). dstate <= 16
+// takes one lane a state (8 or 16), 4 or 1; a larger dstate one lane a state (32).
+int step_lanes(const StepArgs& args, int64_t lanes) {
+  const int state_lanes = args.dstate <= 8 ? 8 : args.dstate <= 16 ? 16 : 32;
+  const bool grouped = args.dstate <= 16;
+  if (lanes == 0) {
+    const int64_t channels = int64_t{args.batch} * args.dim;
+    return grouped && channels >= kFourLaneChannels ? 4 : state_lanes;
+  }
+  TORCH_CHECK(lanes == state_lanes || (grouped && (lanes == 1 || lanes == 4)),
+              "qsscan_update: lanes must be 0 (chosen), ", state_lanes,
+              grouped ? ", 4 or 1" : "", " for dstate ", text(args.dstate), ", got ", text(lanes));
+  return static_cast<int>(lanes);
+}
+
 template <Discretization kMethod, typename Out>
-void launch_step_method(const StepArgs& args) {
-  if (args.dstate <= 8) return launch_step_group<kMethod, 8, Out>(args);
-  if (args.dstate <= 16) return launch_step_group<kMethod, 16, Out>(args);
-  return launch_step_group<kMethod, 32, Out>(args);
+void launch_step_method(const StepArgs& args, int lanes) {
+  switch (lanes) {
+    case 1: return launch_step_group<kMethod, 1, 16, Out>(args);
+    case 4: return launch_step_group<kMethod, 4, 4, Out>(args);
+    case 8: return launch_step_group<kMethod, 8, 1, Out>(args);
+    case 16: return launch_step_group<kMethod, 16, 1, Out>(args);
+    default: return launch_step_group<kMethod, 32, 1, Out>(args);
+  }
 }
 
 template <typename Out>
-void launch_step(const StepArgs& args, Discretization method) {
+void launch_step(const StepArgs& args, Discretization method, int lanes) {
   switch (method) {
-    case Discretization::kZoh: return launch_step_method<Discretization::kZoh, Out>(args);
+    case Discretization::kZoh: return launch_step_method<Discretization::kZoh, Out>(args, lanes);
     case Discretization::kZohExact:
-      return launch_step_method<Discretization::kZohExact, Out>(args);
+      return launch_step_method<Discretization::kZohExact, Out>(args, lanes);
     case Discretization::kBilinear:
-      return launch_step_method<Discretization::kBilinear, Out>(args);
-    case Discretization::kFoh: return launch_step_method<Discretization::kFoh, Out>(args);
-    default: return launch_step_method<Discretization::kRk4, Out>(args);
+      return launch_step_method<Discretization::kBilinear, Out>(args, lanes);
+    case Discretization::kFoh: return launch_step_method<Discretization::kFoh, Out>(args, lanes);
+    default: return launch_step_method<Discretization::kRk4, Out>(args, lanes);
   }
 }
 
@@ -938,7 +1062,7 @@ void fill_step_input(const at::Tensor& t, double scale, const char* name, const 
 // place; u, dt, z: [batch, dim]; B, C: [batch, dstate]; any strides. Returns contiguous y.
 // discretization: a method of quamba.ops.discretization; foh reads the previous step's drive
 // v = u ⊗ B from ``drive`` (contiguous fp32 [batch, dim, dstate]) and overwrites it with this
-// step's; the other methods take none.
+// step's; the other methods take none. lanes: lanes per channel (step_lanes; 0 chooses).
 at::Tensor qsscan_update(at::Tensor& state, double state_scale, const at::Tensor& u,
                          double u_scale, const at::Tensor& dt, double dt_scale,
                          const at::Tensor& B, double B_scale, const at::Tensor& C,
@@ -946,7 +1070,7 @@ at::Tensor qsscan_update(at::Tensor& state, double state_scale, const at::Tensor
                          const at::Tensor& A_log, double A_log_scale, const at::Tensor& D,
                          double D_scale, const at::Tensor& dt_bias, double dt_bias_scale,
                          at::ScalarType out_dtype, const c10::optional<at::Tensor>& drive,
-                         c10::string_view discretization) {
+                         c10::string_view discretization, int64_t lanes) {
   check_cuda(u, "u");
   TORCH_CHECK(u.dim() == 2, "u must be [batch, dim], got ", text(u.sizes()));
   const int64_t batch = u.size(0), dim = u.size(1);
@@ -1000,10 +1124,13 @@ at::Tensor qsscan_update(at::Tensor& state, double state_scale, const at::Tensor
   args.batch = batch;
   args.dim = dim;
   args.dstate = dstate;
+  args.rows_aligned = dstate % 16 == 0 && reinterpret_cast<uintptr_t>(args.state) % 16 == 0 &&
+                      reinterpret_cast<uintptr_t>(args.A_log) % 16 == 0;
+  const int step_lane_count = step_lanes(args, lanes);
   switch (out_dtype) {
-    case at::kHalf: launch_step<__half>(args, method); break;
-    case at::kBFloat16: launch_step<__nv_bfloat16>(args, method); break;
-    default: launch_step<float>(args, method); break;
+    case at::kHalf: launch_step<__half>(args, method, step_lane_count); break;
+    case at::kBFloat16: launch_step<__nv_bfloat16>(args, method, step_lane_count); break;
+    default: launch_step<float>(args, method, step_lane_count); break;
   }
   return y;
 }
@@ -1023,7 +1150,7 @@ TORCH_LIBRARY_FRAGMENT(quamba, m) {
       "float dt_scale, Tensor B, float B_scale, Tensor C, float C_scale, Tensor? z, "
       "float z_scale, Tensor A_log, float A_log_scale, Tensor D, float D_scale, "
       "Tensor dt_bias, float dt_bias_scale, ScalarType out_dtype, Tensor(b!)? drive=None, "
-      "str discretization='zoh') -> Tensor");
+      "str discretization='zoh', int lanes=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(quamba, CUDA, m) {

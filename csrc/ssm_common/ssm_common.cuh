@@ -151,6 +151,29 @@ struct FloatSource {
       default: return dequantize(static_cast<const float*>(data)[offset], scale);
     }
   }
+
+  // The values at offset, offset + stride, ... (the first ``count`` of kCount): one switch on the
+  // kind for the whole row, so that its loads issue together.
+  template <int kCount>
+  __device__ __forceinline__ void load_row(int64_t offset, int64_t stride, int count,
+                                           float (&out)[kCount]) const {
+    switch (kind) {
+      case InKind::kInt8: return load_row_of<int8_t>(offset, stride, count, out);
+      case InKind::kHalf: return load_row_of<__half>(offset, stride, count, out);
+      case InKind::kBFloat16: return load_row_of<__nv_bfloat16>(offset, stride, count, out);
+      default: return load_row_of<float>(offset, stride, count, out);
+    }
+  }
+
+ private:
+  template <typename T, int kCount>
+  __device__ __forceinline__ void load_row_of(int64_t offset, int64_t stride, int count,
+                                              float (&out)[kCount]) const {
+#pragma unroll
+    for (int i = 0; i < kCount; ++i) {
+      if (i < count) out[i] = dequantize(static_cast<const T*>(data)[offset + i * stride], scale);
+    }
+  }
 };
 
 using quamba::from_float;

@@ -150,7 +150,7 @@ def test_gemm_mma_matches_reference(M, N, K, out_dtype):
 @pytest.mark.parametrize("config", range(SM90_CONFIGS))
 @pytest.mark.parametrize("out_dtype", OUT_DTYPES, ids=str)
 @pytest.mark.parametrize("N,K", MAMBA_2_8B + MAMBA_130M)
-@pytest.mark.parametrize("M", [9, 100, 1000, 2048, 4096])
+@pytest.mark.parametrize("M", [9, 32, 64, 100, 1000, 2048, 4096])
 def test_gemm_sm90_matches_reference(M, N, K, out_dtype, config):
     seed_for("sm90", M, N, K, out_dtype, config)
     check_path(lambda case, out: run_sm90(case, out, config), M, N, K, out_dtype)

@@ -489,6 +489,42 @@ def test_small_qsscan_update_int8_state_matches_reference(batch, dim, out_dtype)
         assert_codes_close(state, state_ref)
 
 
+@pytest.mark.parametrize("method", [DEFAULT, "bilinear"])
+@pytest.mark.parametrize("lanes", [0, 16, 4, 1])
+@pytest.mark.parametrize("batch,dim", [(8, 1536), (3, 40), (32, 2560)])
+def test_small_qsscan_update_lanes_match_reference(lanes, method, batch, dim):
+    """Each lanes-per-channel variant of the step (0: the one the shape picks) against the torch
+    step, int8 state: codes within one step, y within the float bound."""
+    from quamba.ops.cuda_backend.ssm import _input_scale, _param_args
+
+    seed_for("scan-update-lanes", lanes, method, batch, dim)
+    inputs, params = scan_inputs(batch, dim, 4, "module", method=method), ssm_params(dim)
+    _, h_last = run_scan(inputs, params, None, torch.float32, "torch", method)
+    state_scale = float(scale_from_range(float(h_last.abs().max())))
+    state = quantize(h_last, state_scale)
+    state_ref = state.clone()
+    step, s = step_inputs(inputs, 3), scales_for(method)
+    y = torch.ops.quamba.qsscan_update(
+        state, _input_scale(state, state_scale), *(
+            value for name in ("u", "dt", "B", "C", "z")
+            for value in (step[name], _input_scale(step[name], s[f"{name}_scale"]))),
+        *_param_args(params), torch.float16, discretization=method, lanes=lanes)
+    y_ref = run_step(state_ref, state_scale, step, params, torch.float16, "torch", method)
+    assert_close_to(y, y_ref)
+    assert_codes_close(state, state_ref)
+
+
+def test_small_qsscan_update_rejects_unknown_lanes():
+    inputs, params = scan_inputs(1, 64, 1, "module"), ssm_params(64)
+    step, s = step_inputs(inputs, 0), SCALES
+    args = (torch.zeros(1, 64, D_STATE, device=DEVICE), 1.0, step["u"], s["u_scale"], step["dt"],
+            s["dt_scale"], step["B"], s["B_scale"], step["C"], s["C_scale"], step["z"],
+            s["z_scale"], params.A_log, params.A_log_scale, params.D, params.D_scale,
+            params.dt_bias, params.dt_bias_scale, torch.float16)
+    with pytest.raises(RuntimeError, match="lanes must be 0 \\(chosen\\), 16, 4 or 1"):
+        torch.ops.quamba.qsscan_update(*args, lanes=2)
+
+
 # ---- discretizations -------------------------------------------------------------------------
 # The methods other than zoh (zoh is every test above), with the same contract: QSScan computes
 # their coefficients in fp32 with ex2.approx / rcp.approx (within a few ulps of the reference's),
