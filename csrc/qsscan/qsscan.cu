@@ -993,10 +993,11 @@ void launch_step_group(const StepArgs& args) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// Channels (batch · dim) from which a step takes 4 lanes a channel (fewer take one lane a state,
-// to keep enough threads in flight). Measured on the H200 (benchmarks/RESULTS.md): at Mamba-2.8B's
-// 5120 channels, 4 lanes were faster than 16 from batch 8 and than 1 up to batch 64 at least.
-constexpr int64_t kFourLaneChannels = 16384;
+// Channels (batch · dim) from which a step takes 4 lanes a channel, and 1 lane; fewer take one
+// lane a state, to keep enough threads in flight. Measured on the H200 at Mamba-2.8B's 5120
+// channels (benchmarks/RESULTS.md, µs): batch 1 7.8 / 8.5 / 9.4 (16 / 4 / 1 lanes), batch 8
+// 13.8 / 9.1 / 10.5, batch 16 21.2 / 13.4 / 11.8, batch 64 63.5 / 31.9 / 29.5.
+constexpr int64_t kFourLaneChannels = 16384, kOneLaneChannels = 65536;
 
 // The lanes per channel of a step: ``lanes`` if given (0: chosen from the shape). dstate <= 16
 // takes one lane a state (8 or 16), 4 or 1; a larger dstate one lane a state (32).
@@ -1005,7 +1006,8 @@ int step_lanes(const StepArgs& args, int64_t lanes) {
   const bool grouped = args.dstate <= 16;
   if (lanes == 0) {
     const int64_t channels = int64_t{args.batch} * args.dim;
-    return grouped && channels >= kFourLaneChannels ? 4 : state_lanes;
+    if (!grouped || channels < kFourLaneChannels) return state_lanes;
+    return channels < kOneLaneChannels ? 4 : 1;
   }
   TORCH_CHECK(lanes == state_lanes || (grouped && (lanes == 1 || lanes == 4)),
               "qsscan_update: lanes must be 0 (chosen), ", state_lanes,

@@ -33,6 +33,9 @@ CHUNK = 32
 # (channels per program, warps per program) of each pass when the caller names none
 FORWARD_TILE = (2, 2)
 BACKWARD_TILE = (2, 2)
+# Bytes the backward's per-channel-block partial sums of dB and dC may take together; a larger
+# problem gets wider channel blocks (fewer partials) than its tile asks for.
+PARTIAL_BYTES = 2 << 30
 
 
 @triton.jit
@@ -339,7 +342,8 @@ class _SelectiveScan(torch.autograd.Function):
     def backward(ctx, dy, dlast_state):
         u, delta, A, B, C, D, z, delta_bias, checkpoint = ctx.saved_tensors
         delta_softplus, method, chunk, backward_tile = ctx.options
-        grid, sizes = _launch_options(u, A, chunk, backward_tile)
+        grid, sizes = _launch_options(u, A, chunk, partial_capped(backward_tile, *u.shape,
+                                                                  A.shape[1]))
         batch, d_inner, seqlen = u.shape
         d_state = A.shape[1]
         dy = torch.zeros_like(u) if dy is None else dy.contiguous()
@@ -359,6 +363,16 @@ class _SelectiveScan(torch.autograd.Function):
                  None if D is None else dD.sum(0).to(D.dtype), dz,
                  None if delta_bias is None else dbias.sum(0).to(delta_bias.dtype))
         return grads + (None, None, None, None, None)
+
+
+def partial_capped(tile, batch, d_inner, seqlen, d_state):
+    """``tile`` (block_d, num_warps) with block_d doubled until the backward's fp32 partial sums of
+    dB and dC, [2, d_inner / block_d, batch, d_state, seqlen], fit PARTIAL_BYTES."""
+    block_d, num_warps = tile
+    while (block_d < d_inner
+           and 2 * triton.cdiv(d_inner, block_d) * batch * d_state * seqlen * 4 > PARTIAL_BYTES):
+        block_d *= 2
+    return block_d, num_warps
 
 
 def _or(t, placeholder):
