@@ -1,6 +1,12 @@
 """The Mamba2 int8 ops (quamba.ops.qssd) against the ops they generalise."""
+import copy
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
+
+from quamba.ops import backend
 
 from quamba.ops.qconv1d import qconv1d
 from quamba.ops.qsscan import SSMParams
@@ -105,3 +111,53 @@ def test_qssd_update_on_floats_is_the_ssd_step():
     expected = ssd_state_update(expected_state, x, dt, A, B, C, D, dt_bias)
     y = qssd_state_update(state, None, x, None, dt, None, B, None, C, None, params, torch.float32)
     assert torch.equal(y, expected) and torch.equal(state, expected_state)
+
+
+def ssd_kernels(monkeypatch):
+    """quamba/ops/cuda_backend/ssd.py loaded on its own (the package also loads quamba._C, absent
+    on a CPU machine), its backend registrations undone after the test."""
+    pytest.importorskip("triton")
+    for name in ("_IMPLS", "_REQUIREMENTS", "_KERNELS"):
+        monkeypatch.setattr(backend, name, copy.deepcopy(getattr(backend, name)))
+    monkeypatch.setattr(backend, "_OPTIONAL", set(backend._OPTIONAL))
+    path = Path(backend.__file__).parent / "cuda_backend" / "ssd.py"
+    spec = importlib.util.spec_from_file_location("ssd_kernels_under_test", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.int8])
+@pytest.mark.parametrize("heads,headdim,groups,d_state", [(4, 6, 2, 8), (3, 20, 1, 40)])
+def test_step_kernel_matches_the_torch_step(state_dtype, heads, headdim, groups, d_state,
+                                            monkeypatch):
+    """The cuda backend's SSD step kernel (under TRITON_INTERPRET=1 on a CPU), which dequantizes
+    A_log, D and dt_bias itself, against the torch step: int8 state codes within one step, y
+    within fp32 rounding. The FP path (fp32 parameters) is checked too."""
+    kernels = ssd_kernels(monkeypatch)
+
+    inputs, params = ssd_case(2, 1, heads, headdim, groups, d_state,
+                              torch.Generator().manual_seed(d_state))
+    step = {name: value[:, 0] if name in ("x", "dt", "B", "C") else value
+            for name, value in inputs.items()}
+    if state_dtype == torch.int8:
+        state = int8(2, heads, headdim, d_state, generator=torch.Generator().manual_seed(3))
+    else:
+        state = torch.randn(2, heads, headdim, d_state)
+    reference_state = state.clone()
+    y = kernels._qssd_state_update_cuda(state, 0.05, *step.values(), params, torch.float32)
+    y_ref = qssd_state_update(reference_state, 0.05, **step, params=params,
+                              out_dtype=torch.float32, backend_name="torch")
+    torch.testing.assert_close(y, y_ref, rtol=1e-4, atol=1e-4 * float(y_ref.abs().max()))
+    if state_dtype == torch.int8:
+        assert int((state.int() - reference_state.int()).abs().max()) <= 1
+    else:
+        torch.testing.assert_close(state, reference_state, rtol=1e-5, atol=1e-5)
+    x, dt, B, C = (t[:, 0] for t in dequantized(inputs))
+    float_state = torch.randn(2, heads, headdim, d_state)
+    expected_state = float_state.clone()
+    A, D, dt_bias = params.dequantized()
+    expected = ssd_state_update(expected_state, x, dt, A, B, C, D, dt_bias)
+    y_fp = kernels._ssd_state_update_cuda(float_state, x, dt, A, B, C, D, dt_bias)
+    torch.testing.assert_close(y_fp, expected, rtol=1e-4, atol=1e-4 * float(expected.abs().max()))
+    torch.testing.assert_close(float_state, expected_state, rtol=1e-5, atol=1e-5)

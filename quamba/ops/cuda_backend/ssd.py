@@ -226,13 +226,17 @@ def _chunk_scan_kernel(x_ptr, x_scale_ptr, scores_ptr, C_ptr, C_scale_ptr, D_ptr
 
 @triton.jit
 def _ssd_step_kernel(state_ptr, state_scale, state_inverse, x_ptr, x_scale_ptr, dt_ptr, dt_scale,
-                     B_ptr, B_scale_ptr, C_ptr, C_scale_ptr, A_ptr, D_ptr, dt_bias_ptr, y_ptr,
-                     headdim, d_state, heads_per_group,
+                     B_ptr, B_scale_ptr, C_ptr, C_scale_ptr, A_ptr, A_scale, D_ptr, D_scale,
+                     dt_bias_ptr, dt_bias_scale, y_ptr, headdim, d_state, heads_per_group,
                      sx_b, sx_h, sx_p, sdt_b, sdt_h, sB_b, sB_g, sB_n, sC_b, sC_g, sC_n,
-                     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, INT8_STATE: tl.constexpr):
+                     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, INT8_STATE: tl.constexpr,
+                     INT8_PARAMS: tl.constexpr):
     """One decode step in place; an int8 state (INT8_STATE) is dequantized on load and
     requantized on store by quamba.ops.quant's rule (fp32 ``state_inverse`` = fp32(1/scale),
-    round half to even, ±127), y being read off the fp32 state as the reference does."""
+    round half to even, ±127), y being read off the fp32 state as the reference does.
+    INT8_PARAMS: A, D, dt_bias are the int8 codes of A_log, D, dt_bias (A = -exp(A_log), each
+    code times its scale), dequantized here rather than by torch kernels before every step; else
+    fp32 values."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -240,8 +244,15 @@ def _ssd_step_kernel(state_ptr, state_scale, state_inverse, x_ptr, x_scale_ptr, 
     g = h // heads_per_group
     p_mask, n_mask = p < headdim, n < d_state
     mask = p_mask[:, None] & n_mask[None, :]
+    A = tl.load(A_ptr + h).to(tl.float32)
+    D = tl.load(D_ptr + h).to(tl.float32)
+    dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
+    if INT8_PARAMS:
+        A = -tl.exp(A * A_scale)
+        D = D * D_scale
+        dt_bias = dt_bias * dt_bias_scale
     dt = tl.load(dt_ptr + b * sdt_b + h * sdt_h).to(tl.float32)
-    dt = _softplus(dt * dt_scale + tl.load(dt_bias_ptr + h))
+    dt = _softplus(dt * dt_scale + dt_bias)
     x = tl.load(x_ptr + b * sx_b + h * sx_h + p * sx_p, mask=p_mask, other=0).to(tl.float32)
     x = x * tl.load(x_scale_ptr + h * headdim + p, mask=p_mask, other=0.0)
     B = tl.load(B_ptr + b * sB_b + g * sB_g + n * sB_n, mask=n_mask, other=0).to(tl.float32)
@@ -252,13 +263,13 @@ def _ssd_step_kernel(state_ptr, state_scale, state_inverse, x_ptr, x_scale_ptr, 
     state = tl.load(state_ptr + offsets, mask=mask, other=0).to(tl.float32)
     if INT8_STATE:
         state = state * state_scale
-    state = state * tl.exp(dt * tl.load(A_ptr + h)) + (dt * x)[:, None] * B[None, :]
+    state = state * tl.exp(dt * A) + (dt * x)[:, None] * B[None, :]
     if INT8_STATE:
         codes = _round_half_even(tl.clamp(state * state_inverse, -128.0, 128.0))
         tl.store(state_ptr + offsets, tl.clamp(codes, -127.0, 127.0).to(tl.int8), mask=mask)
     else:
         tl.store(state_ptr + offsets, state, mask=mask)
-    y = tl.sum(state * C[None, :], axis=1) + tl.load(D_ptr + h) * x
+    y = tl.sum(state * C[None, :], axis=1) + D * x
     tl.store(y_ptr + (b * tl.num_programs(1) + h) * headdim + p, y.to(y_ptr.dtype.element_ty),
              mask=p_mask)
 
@@ -365,9 +376,10 @@ def _launch_scan(x, x_table, dt, dt_scale, B, B_table, C, C_table, A, D, dt_bias
 
 
 def _launch_step(state, x, x_table, dt, dt_scale, B, B_table, C, C_table, A, D, dt_bias, out_dtype,
-                 state_scale=None):
+                 state_scale=None, param_scales=None):
     """y [batch, nheads, headdim] in out_dtype of one decode step; ``state`` (contiguous fp32, or
-    int8 codes of ``state_scale``) stepped in place."""
+    int8 codes of ``state_scale``) stepped in place. A, D, dt_bias: fp32 [nheads], or with
+    ``param_scales`` (three floats) the int8 codes of A_log, D and dt_bias."""
     batch, nheads, headdim = x.shape
     ngroups, d_state = B.shape[1], B.shape[2]
     int8_state = state.dtype == torch.int8
@@ -379,11 +391,13 @@ def _launch_step(state, x, x_table, dt, dt_scale, B, B_table, C, C_table, A, D, 
     y = torch.empty(batch, nheads, headdim, dtype=out_dtype, device=x.device)
     block_p = min(_block(headdim), 64)
     grid = (batch, nheads, triton.cdiv(headdim, block_p))
+    A_scale, D_scale, dt_bias_scale = (fp32_value(float(s)) for s in param_scales or (1.0,) * 3)
     _ssd_step_kernel[grid](
         state, scale, fp32_reciprocal(scale) if int8_state else 1.0, x, x_table, dt, dt_scale, B,
-        B_table, C, C_table, A, D, dt_bias, y, headdim, d_state, nheads // ngroups,
-        *x.stride(), *dt.stride(), *B.stride(), *C.stride(),
-        BLOCK_P=block_p, BLOCK_N=_block(d_state), INT8_STATE=int8_state)
+        B_table, C, C_table, A, A_scale, D, D_scale, dt_bias, dt_bias_scale, y, headdim, d_state,
+        nheads // ngroups, *x.stride(), *dt.stride(), *B.stride(), *C.stride(),
+        BLOCK_P=block_p, BLOCK_N=_block(d_state), INT8_STATE=int8_state,
+        INT8_PARAMS=param_scales is not None)
     return y
 
 
@@ -411,8 +425,10 @@ def _qssd_scan_cuda(x, x_scale, dt, dt_scale, B, B_scale, C, C_scale, params, ch
 def _qssd_state_update_cuda(state, state_scale, x, x_scale, dt, dt_scale, B, B_scale, C, C_scale,
                             params, out_dtype):
     x_table, B_table, C_table = _scale_tables(x, x_scale, B, B_scale, C, C_scale)
+    codes = (params.A_log, params.D, params.dt_bias)
     return _launch_step(state, x, x_table, dt, _scalar_scale(dt, dt_scale), B, B_table, C, C_table,
-                        *_params(params, x.device), out_dtype, state_scale)
+                        *(t.to(x.device).contiguous() for t in codes), out_dtype, state_scale,
+                        param_scales=(params.A_log_scale, params.D_scale, params.dt_bias_scale))
 
 
 def _fp32(*tensors):
