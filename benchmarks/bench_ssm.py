@@ -3,8 +3,9 @@ vs ``causal_conv1d_fn`` (+SiLU), and the decode steps vs ``selective_state_updat
 ``causal_conv1d_update``; rmsnorm_quant and hadamard_quant are timed too (no baseline).
 
 Shapes: d_inner 5120, d_state 16 (Mamba-2.8B); the scans at batch 1 and 8 over 1024 and 2048
-tokens and at batch 1 over 4096 and 8192 (``--quick``: the first two), the other ops at batch 1,
-seqlen 1024 and 2048. The int8 ops are timed in the module's layout (channel-last views of the
+tokens and at batch 1 over 4096 and 8192 (``--quick``: the first two), the other prefill ops at
+batch 1, seqlen 1024 and 2048, the decode steps at batch 1, 8, 32 and 64 (``--quick``: 1), the
+scan's step also per lanes-per-channel variant of its kernel. The int8 ops are timed in the module's layout (channel-last views of the
 GEMM outputs, ``layout=module``) and channel-first (``layout=contiguous``, the layout mamba-ssm is
 given). GB/s counts each input read once and each output written once (y, and the last state);
 ``floor_us`` is those bytes over the device's measured copy bandwidth. The baseline columns are left empty, with a note,

@@ -4,8 +4,9 @@ backward, the cuda backend of :func:`quamba.ops.trainable_scan.trainable_selecti
 Forward: one program per (batch, block of ``block_d`` channels) walks the sequence in chunks of
 ``chunk`` steps. Inside a chunk the states h_t = Ā_t ⊙ h_{t-1} + B̄u_t of every channel and state
 are one associative scan over time ([block_d, d_state, chunk] tiles; with time the last axis,
-Triton lays a chunk's steps across a warp's lanes), started from the state carried in; y_t = C_t · h_t (+ D u_t, ⊙ SiLU(z_t)) is written, and the state entering each chunk
-is kept in a checkpoint tensor [batch, chunks, d_inner, d_state] (not all seqlen states).
+Triton lays a chunk's steps across a warp's lanes), started from the state carried in;
+y_t = C_t · h_t (+ D u_t, ⊙ SiLU(z_t)) is written, and the state entering each chunk is kept in
+a checkpoint tensor [batch, chunks, d_inner, d_state] (not all seqlen states).
 
 Backward: the same programs walk the chunks from the last to the first. Each recomputes its
 chunk's states from the checkpoint, then the adjoint g_t = ∂L/∂h_t = C_t dy_t + Ā_{t+1} g_{t+1} as
@@ -294,9 +295,10 @@ def _scan_backward_kernel(u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, b
                      (dout * y * gate_slope).to(dz_ptr.dtype.element_ty), mask=mask)
         ddelta = ddt * dt_slope
         dbias += tl.sum(tl.where(mask, ddelta, 0.0), axis=1)
-        tl.store(du_ptr + channel_row[:, None] + t[None, :], du.to(du_ptr.dtype.element_ty), mask=mask)
-        tl.store(ddelta_ptr + channel_row[:, None] + t[None, :], ddelta.to(ddelta_ptr.dtype.element_ty),
+        tl.store(du_ptr + channel_row[:, None] + t[None, :], du.to(du_ptr.dtype.element_ty),
                  mask=mask)
+        tl.store(ddelta_ptr + channel_row[:, None] + t[None, :],
+                 ddelta.to(ddelta_ptr.dtype.element_ty), mask=mask)
     tl.store(dA_ptr + state_offsets, dA, mask=state_mask)
     tl.store(dD_ptr + b * d_inner + d, dD, mask=d_mask)
     tl.store(dbias_ptr + b * d_inner + d, dbias, mask=d_mask)
