@@ -489,8 +489,9 @@ qsscan_kernel(const ScanArgs a) {
 
   for (int e = threadIdx.x; e < kChannels * a.dstate; e += kThreads) {
     const int d = d0 + e / a.dstate;
-    const float A_log =
-        d < a.dim ? dequantize(a.A_log[d * a.dstate + e % a.dstate], a.A_log_scale) : 0.f;
+    const float A_log = d < a.dim ? dequantize(a.params.A_log[d * a.dstate + e % a.dstate],
+                                               a.params.A_log_scale)
+                                  : 0.f;
     if constexpr (kMethod == Discretization::kZoh) {
       A_tile[e] = d < a.dim ? __fmul_rn(-expf(A_log), kLog2e) : 0.f;
     } else {
@@ -500,8 +501,8 @@ qsscan_kernel(const ScanArgs a) {
     if constexpr (kMethod == Discretization::kFoh) drive_tiles[e] = 0.f;  // v_{-1} = 0
   }
   const int d = d0 + row;
-  const float bias = d < a.dim ? dequantize(a.dt_bias[d], a.dt_bias_scale) : 0.f;
-  const float skip = d < a.dim ? dequantize(a.D[d], a.D_scale) : 0.f;
+  const float bias = d < a.dim ? a.params.bias(d) : 0.f;
+  const float skip = d < a.dim ? a.params.skip(d) : 0.f;
 
   for (int chunk = 0; chunk < a.chunks; ++chunk) {
     const int t0 = chunk * Row::kLen;
@@ -607,17 +608,8 @@ void launch_scan_method(const ScanArgs& args, const at::Tensor& u, int64_t confi
 template <typename Out>
 void launch_scan(const ScanArgs& args, const at::Tensor& u, int64_t config,
                  Discretization method) {
-  switch (method) {
-    case Discretization::kZoh:
-      return launch_scan_method<Discretization::kZoh, Out>(args, u, config);
-    case Discretization::kZohExact:
-      return launch_scan_method<Discretization::kZohExact, Out>(args, u, config);
-    case Discretization::kBilinear:
-      return launch_scan_method<Discretization::kBilinear, Out>(args, u, config);
-    case Discretization::kFoh:
-      return launch_scan_method<Discretization::kFoh, Out>(args, u, config);
-    default: return launch_scan_method<Discretization::kRk4, Out>(args, u, config);
-  }
+  with_method(method,
+              [&](auto m) { launch_scan_method<decltype(m)::value, Out>(args, u, config); });
 }
 
 FloatSource float_source(const at::Tensor& t, double scale, const char* name,
@@ -648,16 +640,11 @@ void check_ssm_params(const at::Tensor& ref, const at::Tensor& A_log, double A_l
   check_positive_scale(dt_bias_scale, "dt_bias_scale");
 }
 
-// The int8 SSM parameters and their fp32 scales, into the arguments of either kernel.
-template <typename Args>
-void set_ssm_params(Args& args, const at::Tensor& A_log, double A_log_scale, const at::Tensor& D,
-                    double D_scale, const at::Tensor& dt_bias, double dt_bias_scale) {
-  args.A_log = A_log.data_ptr<int8_t>();
-  args.A_log_scale = to_fp32(A_log_scale);
-  args.D = D.data_ptr<int8_t>();
-  args.D_scale = to_fp32(D_scale);
-  args.dt_bias = dt_bias.data_ptr<int8_t>();
-  args.dt_bias_scale = to_fp32(dt_bias_scale);
+// The int8 SSM parameters and their fp32 scales, for the arguments of either kernel.
+SsmParams ssm_params(const at::Tensor& A_log, double A_log_scale, const at::Tensor& D,
+                     double D_scale, const at::Tensor& dt_bias, double dt_bias_scale) {
+  return {A_log.data_ptr<int8_t>(), to_fp32(A_log_scale), D.data_ptr<int8_t>(), to_fp32(D_scale),
+          dt_bias.data_ptr<int8_t>(), to_fp32(dt_bias_scale)};
 }
 
 void check_out_dtype(at::ScalarType out_dtype) {
@@ -767,7 +754,7 @@ std::tuple<at::Tensor, at::Tensor> qsscan(
   args.B_st = strides3(B);
   args.C_st = strides3(C);
   args.z_st = z.has_value() ? strides3(*z) : Strides3{0, 0, 0};
-  set_ssm_params(args, A_log, A_log_scale, D, D_scale, dt_bias, dt_bias_scale);
+  args.params = ssm_params(A_log, A_log_scale, D, D_scale, dt_bias, dt_bias_scale);
   args.y = y.data_ptr();
   args.y_st = strides3(y);
   args.state = state.data_ptr();
@@ -800,12 +787,7 @@ std::tuple<at::Tensor, at::Tensor> qsscan(
 struct StepArgs {
   FloatSource u, dt, z, B, C;  // z.data == nullptr: no gate
   int64_t u_st[2], dt_st[2], z_st[2], B_st[2], C_st[2];  // (batch, element) strides
-  const int8_t* A_log;
-  float A_log_scale;
-  const int8_t* D;
-  float D_scale;
-  const int8_t* dt_bias;
-  float dt_bias_scale;
+  SsmParams params;
   void* state;  // contiguous [batch, dim, dstate], int8 (with state_scale) or fp32, in place
   bool state_int8;
   float state_scale, state_inv_scale;
@@ -821,7 +803,7 @@ constexpr int kStepThreads = 128;
 // Δ of channel d of row b: softplus(dt + dt_bias), once per lane.
 __device__ __forceinline__ float step_delta(const StepArgs& a, int b, int d) {
   const float dt = a.dt.load(b * a.dt_st[0] + d * a.dt_st[1]);
-  return softplus(__fadd_rn(dt, dequantize(a.dt_bias[d], a.dt_bias_scale)));
+  return softplus(__fadd_rn(dt, a.params.bias(d)));
 }
 
 // What the step of one state reads besides its state: A_n, B_n, C_n (and foh's drive v_{t-1}).
@@ -894,7 +876,7 @@ template <Discretization kMethod, int kStates, typename State>
 __device__ __forceinline__ float step_lane(const StepArgs& a, int b, int d, int first, int count,
                                            int64_t offset, float u, float delta) {
   State* state = static_cast<State*>(a.state) + offset;
-  const int8_t* A_log = a.A_log + d * a.dstate + first;
+  const int8_t* A_log = a.params.A_log + d * a.dstate + first;
   const bool rows = count == kStates && a.rows_aligned;
   State old_state[kStates];
   int8_t A_log_codes[kStates];
@@ -918,7 +900,7 @@ __device__ __forceinline__ float step_lane(const StepArgs& a, int b, int d, int 
 #pragma unroll
   for (int s = 0; s < kStates; ++s) {
     if (s < count) {
-      const StateInputs in{-expf(dequantize(A_log_codes[s], a.A_log_scale)), B[s], C[s],
+      const StateInputs in{-expf(dequantize(A_log_codes[s], a.params.A_log_scale)), B[s], C[s],
                            a.drive != nullptr ? a.drive[offset + s] : 0.f};
       float h, term;
       if constexpr (std::is_same_v<State, int8_t>) {
@@ -977,7 +959,7 @@ __global__ void __launch_bounds__(kStepThreads) qsscan_update_kernel(const StepA
     contribution += __shfl_xor_sync(kFullMask, contribution, offset, kLanes);
   }
   if (valid_group && lane == 0) {
-    float y = __fadd_rn(contribution, __fmul_rn(u, dequantize(a.D[d], a.D_scale)));
+    float y = __fadd_rn(contribution, __fmul_rn(u, a.params.skip(d)));
     if (a.z.data != nullptr) y = __fmul_rn(y, silu_rn(a.z.load(b * a.z_st[0] + d * a.z_st[1])));
     static_cast<Out*>(a.y)[group] = from_float<Out>(y);
   }
@@ -1028,15 +1010,7 @@ void launch_step_method(const StepArgs& args, int lanes) {
 
 template <typename Out>
 void launch_step(const StepArgs& args, Discretization method, int lanes) {
-  switch (method) {
-    case Discretization::kZoh: return launch_step_method<Discretization::kZoh, Out>(args, lanes);
-    case Discretization::kZohExact:
-      return launch_step_method<Discretization::kZohExact, Out>(args, lanes);
-    case Discretization::kBilinear:
-      return launch_step_method<Discretization::kBilinear, Out>(args, lanes);
-    case Discretization::kFoh: return launch_step_method<Discretization::kFoh, Out>(args, lanes);
-    default: return launch_step_method<Discretization::kRk4, Out>(args, lanes);
-  }
+  with_method(method, [&](auto m) { launch_step_method<decltype(m)::value, Out>(args, lanes); });
 }
 
 // foh's drive: contiguous fp32 [batch, dim, dstate] beside u; the other methods take none.
@@ -1116,7 +1090,7 @@ at::Tensor qsscan_update(at::Tensor& state, double state_scale, const at::Tensor
   } else {
     args.z = FloatSource{nullptr, InKind::kFloat, 1.f};
   }
-  set_ssm_params(args, A_log, A_log_scale, D, D_scale, dt_bias, dt_bias_scale);
+  args.params = ssm_params(A_log, A_log_scale, D, D_scale, dt_bias, dt_bias_scale);
   args.state = state.data_ptr();
   args.state_int8 = state.scalar_type() == at::kChar;
   args.state_scale = to_fp32(state_scale);
@@ -1127,7 +1101,7 @@ at::Tensor qsscan_update(at::Tensor& state, double state_scale, const at::Tensor
   args.dim = dim;
   args.dstate = dstate;
   args.rows_aligned = dstate % 16 == 0 && reinterpret_cast<uintptr_t>(args.state) % 16 == 0 &&
-                      reinterpret_cast<uintptr_t>(args.A_log) % 16 == 0;
+                      reinterpret_cast<uintptr_t>(args.params.A_log) % 16 == 0;
   const int step_lane_count = step_lanes(args, lanes);
   switch (out_dtype) {
     case at::kHalf: launch_step<__half>(args, method, step_lane_count); break;

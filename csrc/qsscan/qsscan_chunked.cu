@@ -299,7 +299,9 @@ chunked_scan_kernel(const ScanArgs a, const ChunkPlan p) {
   float A[kState], h[kState];
 #pragma unroll
   for (int n = 0; n < kState; ++n) {
-    A[n] = valid && n < a.dstate ? state_a<kMethod>(a.A_log[d * a.dstate + n], a.A_log_scale) : 0.f;
+    A[n] = valid && n < a.dstate
+               ? state_a<kMethod>(a.params.A_log[d * a.dstate + n], a.params.A_log_scale)
+               : 0.f;
     h[n] = 0.f;
   }
   if (kFinal && p.chunks > 1) {
@@ -307,8 +309,8 @@ chunked_scan_kernel(const ScanArgs a, const ChunkPlan p) {
 #pragma unroll
     for (int n = 0; n < kState; ++n) h[n] = start[n * kGroup];
   }
-  const float bias = valid ? dequantize(a.dt_bias[d], a.dt_bias_scale) : 0.f;
-  const float skip = valid ? dequantize(a.D[d], a.D_scale) : 0.f;
+  const float bias = valid ? a.params.bias(d) : 0.f;
+  const float skip = valid ? a.params.skip(d) : 0.f;
   const int t_begin = chunk * p.chunk_len, t_end = min(t_begin + p.chunk_len, a.seqlen);
 
   // foh: the drives v = u B of the step before (zero before the sequence).
@@ -465,15 +467,7 @@ void launch_states(const ScanArgs& args, const ChunkPlan& plan) {
 
 template <typename Out>
 void launch_method(const ScanArgs& args, const ChunkPlan& plan, Discretization method) {
-  switch (method) {
-    case Discretization::kZoh: return launch_states<Discretization::kZoh, Out>(args, plan);
-    case Discretization::kZohExact:
-      return launch_states<Discretization::kZohExact, Out>(args, plan);
-    case Discretization::kBilinear:
-      return launch_states<Discretization::kBilinear, Out>(args, plan);
-    case Discretization::kFoh: return launch_states<Discretization::kFoh, Out>(args, plan);
-    default: return launch_states<Discretization::kRk4, Out>(args, plan);
-  }
+  with_method(method, [&](auto m) { launch_states<decltype(m)::value, Out>(args, plan); });
 }
 
 

@@ -6,16 +6,24 @@
 
 namespace quamba_ssm {
 
+// The int8 SSM parameters of a channel's scan or step, with their scales.
+struct SsmParams {
+  const int8_t* A_log;  // [dim, dstate]
+  float A_log_scale;
+  const int8_t* D;  // [dim]
+  float D_scale;
+  const int8_t* dt_bias;  // [dim]
+  float dt_bias_scale;
+
+  __device__ __forceinline__ float skip(int d) const { return dequantize(D[d], D_scale); }
+  __device__ __forceinline__ float bias(int d) const { return dequantize(dt_bias[d], dt_bias_scale); }
+};
+
 struct ScanArgs {
   FloatSource u, dt, z, B, C;  // z.data == nullptr: no gate
   Strides3 u_st, dt_st, z_st, B_st, C_st;
   float* bc;  // the prepared B, C tiles: [batch, chunks, 2, dstate, chunk length]
-  const int8_t* A_log;
-  float A_log_scale;
-  const int8_t* D;
-  float D_scale;
-  const int8_t* dt_bias;
-  float dt_bias_scale;
+  SsmParams params;
   void* y;  // out dtype, [batch, dim, seqlen] with strides y_st
   Strides3 y_st;
   void* state;           // contiguous [batch, dim, dstate]: int8 when state_int8, else fp32

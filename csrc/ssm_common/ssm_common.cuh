@@ -42,6 +42,20 @@ __device__ __forceinline__ float softplus(float x) {
 // zoh's code is the kernel it always was.
 enum class Discretization : int { kZoh = 0, kZohExact = 1, kBilinear = 2, kFoh = 3, kRk4 = 4 };
 
+// Calls launch(std::integral_constant<Discretization, method>{}): a launcher templated on the
+// method, picked at run time.
+template <typename Launch>
+void with_method(Discretization method, Launch&& launch) {
+  using D = Discretization;
+  switch (method) {
+    case D::kZoh: return launch(std::integral_constant<D, D::kZoh>{});
+    case D::kZohExact: return launch(std::integral_constant<D, D::kZohExact>{});
+    case D::kBilinear: return launch(std::integral_constant<D, D::kBilinear>{});
+    case D::kFoh: return launch(std::integral_constant<D, D::kFoh>{});
+    default: return launch(std::integral_constant<D, D::kRk4>{});
+  }
+}
+
 // One step's Ā and the gains B̄ applies to this step's drive v_t = u_t B_t and (foh) the previous
 // step's v_{t-1}; methods other than zoh only (zoh's kernels keep their own arithmetic).
 struct StepCoefficients {
