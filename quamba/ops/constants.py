@@ -1,16 +1,32 @@
-"""Per-call constants of the kernel launchers (scale tables, dequantized parameters, per-channel
-multipliers), built once per version of the tensor they come from instead of in every call
-(small kernels per layer and decode step). Not kept for an inference tensor (no version counter)
-nor while a CUDA graph is being captured (its kernels run only at replay, so a tensor made then
-holds its values only while that graph replays)."""
+"""Per-call constants of the kernel launchers (scale tables, per-channel multipliers, dequantized
+parameters), built once per version of the tensor they come from instead of in every call (small
+kernels per layer and decode step). Not kept for an inference tensor (no version counter).
+
+During a CUDA-graph capture a constant kept from before is served as it is, so the graph reads it
+instead of replaying the kernels that made it (a Mamba2 decode step otherwise replays several such
+kernels per layer). One made during a capture is not kept: its kernels run only at replay, so it
+holds its values only while that graph replays. A graph bakes the scales its launchers passed as
+numbers into its kernels anyway, so after an in-place change of a scale it is stale either way and
+must be captured again; until then the constants it read stay alive."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 _CONSTANTS = WeakIdKeyDictionary()
+# Constants that a CUDA-graph capture read and that their cache has since replaced: the graph's
+# kernels still read their memory at every replay.
+_READ_BY_GRAPHS: list = []
+
+
+@dataclass
+class _Entry:
+    version: int
+    value: object
+    captured: bool = False
 
 
 def keeps_constants(device: torch.device) -> bool:
@@ -21,11 +37,18 @@ def keeps_constants(device: torch.device) -> bool:
 def cached(anchor: torch.Tensor, key: tuple, make: Callable[[], object]):
     """``make()``, kept per (``anchor``, ``key``) until ``anchor`` changes (several views of one
     buffer each keep theirs)."""
-    if anchor.is_inference() or not keeps_constants(anchor.device):
+    if anchor.is_inference():
         return make()
     entries = _CONSTANTS.setdefault(anchor, {})
-    version, value = entries.get(key, (None, None))
-    if version != anchor._version:
-        value = make()
-        entries[key] = (anchor._version, value)
+    entry = entries.get(key)
+    capturing = not keeps_constants(anchor.device)
+    if entry is not None and entry.version == anchor._version:
+        entry.captured |= capturing
+        return entry.value
+    value = make()
+    if capturing:
+        return value
+    if entry is not None and entry.captured:
+        _READ_BY_GRAPHS.append(entry.value)
+    entries[key] = _Entry(anchor._version, value)
     return value

@@ -1,7 +1,9 @@
 """quamba.ops.constants: a launcher's constant is made once per version of its tensor and key,
-and never kept for an inference tensor."""
+never kept for an inference tensor, served as kept to a CUDA-graph capture and never made during
+one kept."""
 import torch
 
+from quamba.ops import constants
 from quamba.ops.constants import cached
 
 
@@ -31,3 +33,45 @@ def test_an_inference_tensor_remakes_its_constant_every_call():
     cached(anchor, ("a",), make)
     cached(anchor, ("a",), make)
     assert len(calls) == 2
+
+
+def capturing(monkeypatch, active: bool):
+    """Make ``cached`` see a CUDA-graph capture under way (or none)."""
+    monkeypatch.setattr(constants, "keeps_constants", lambda device: not active)
+
+
+def test_a_capture_reads_the_constant_kept_before_it(monkeypatch):
+    """A graph captured after a warm-up reads the kept constant: none of its making kernels are
+    captured to replay on every step."""
+    anchor, calls = torch.ones(3), []
+    make = counting_maker(calls)
+    kept = cached(anchor, ("a",), make)
+    capturing(monkeypatch, True)
+    assert cached(anchor, ("a",), make) is kept and len(calls) == 1
+
+
+def test_a_constant_made_during_a_capture_is_not_kept(monkeypatch):
+    anchor, calls = torch.ones(3), []
+    make = counting_maker(calls)
+    capturing(monkeypatch, True)
+    cached(anchor, ("a",), make)
+    capturing(monkeypatch, False)
+    cached(anchor, ("a",), make)
+    assert len(calls) == 2
+
+
+def test_a_constant_a_graph_read_outlives_its_replacement(monkeypatch):
+    """After the anchor changes, the cache makes a new constant; the one a captured graph reads
+    stays alive (its memory is not handed to another tensor), those no graph read do not."""
+    anchor, calls = torch.ones(3), []
+    make = counting_maker(calls)
+    read_by_graph = cached(anchor, ("a",), make)
+    never_captured = cached(anchor, ("b",), make)
+    capturing(monkeypatch, True)
+    cached(anchor, ("a",), make)
+    capturing(monkeypatch, False)
+    anchor.add_(1)
+    assert cached(anchor, ("a",), make) is not read_by_graph
+    cached(anchor, ("b",), make)
+    held = [id(value) for value in constants._READ_BY_GRAPHS]
+    assert id(read_by_graph) in held and id(never_captured) not in held

@@ -9,10 +9,10 @@ from __future__ import annotations
 import functools
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 import quamba._C  # noqa: F401  loads torch.ops.quamba.*
 from quamba.ops import backend
+from quamba.ops.constants import cached
 from quamba.ops.quant import requant_multiplier
 
 K_ALIGN = 16  # the GEMM and GEMV kernels read K in 16-byte steps
@@ -51,44 +51,28 @@ def _pad_k(t: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(t, (0, -t.shape[-1] % K_ALIGN)).contiguous()
 
 
-# Per-channel multipliers (W4A8's channel scales, Quamba2's per-channel output scales) by the
-# scale tensor they come from: computed once per (the tensors' versions, the float scales), not in
-# every call (three small kernels per linear).
-_CHANNEL_MULTIPLIERS = WeakIdKeyDictionary()
-
-
 def _epilogue_multiplier(x_scale, weight_scale, out_scale, weight):
-    """(scalar, None) for one multiplier, (0.0, fp32 [N] on the weight's device) per channel."""
+    """(scalar, None) for one multiplier, (0.0, fp32 [N] on the weight's device) per channel (W4A8's
+    channel scales, Quamba2's per-channel output scales), kept per version of the scale tensors
+    (quamba.ops.constants) unless x_scale is a tensor or one of them an inference tensor."""
     scales = (x_scale, weight_scale, out_scale)
     if all(s is None or isinstance(s, (int, float)) for s in scales):
-        return _scalar_multiplier(x_scale, weight_scale, out_scale), None
-    key, anchor = _multiplier_key(scales, weight.device)
-    if key is not None:
-        cached = _CHANNEL_MULTIPLIERS.get(anchor)
-        if cached is not None and cached[0] == key:
-            return 0.0, cached[1]
-    multiplier = requant_multiplier(x_scale, weight_scale, out_scale)
-    if not isinstance(multiplier, torch.Tensor):
-        return float(multiplier), None
-    per_channel = multiplier.to(device=weight.device, dtype=torch.float32).reshape(-1)
-    if per_channel.numel() == 1:  # a 0-d scale tensor: broadcast on the device, no host sync
-        per_channel = per_channel.expand(weight.shape[0])
-    per_channel = per_channel.contiguous()
-    if key is not None:
-        _CHANNEL_MULTIPLIERS[anchor] = (key, per_channel)
-    return 0.0, per_channel
+        return _scalar_multiplier(*scales), None
 
-
-def _multiplier_key(scales: tuple, device):
-    """(cache key, the tensor it is stored under) of a per-channel multiplier, or (None, None)
-    where one of its tensors is an inference tensor (made under torch.inference_mode: no version
-    counter to key on) or x_scale is a tensor."""
-    x_scale, weight_scale, out_scale = scales
-    tensors = [s for s in (weight_scale, out_scale) if isinstance(s, torch.Tensor)]
+    def make():
+        multiplier = requant_multiplier(*scales)
+        if not isinstance(multiplier, torch.Tensor):
+            return float(multiplier)
+        # a 0-d scale tensor broadcasts on the device (no host sync)
+        multiplier = multiplier.to(device=weight.device, dtype=torch.float32).reshape(-1)
+        return multiplier.expand(weight.shape[0]).contiguous()
+    tensors = [s for s in scales if isinstance(s, torch.Tensor)]
     if isinstance(x_scale, torch.Tensor) or any(s.is_inference() for s in tensors):
-        return None, None
-    key = tuple((id(s), s._version) if isinstance(s, torch.Tensor) else s for s in scales) + (device,)
-    return key, tensors[0]
+        multiplier = make()
+    else:
+        key = tuple((id(s), s._version) if isinstance(s, torch.Tensor) else s for s in scales)
+        multiplier = cached(tensors[0], key + (weight.device,), make)
+    return (multiplier, None) if isinstance(multiplier, float) else (0.0, multiplier)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -20,10 +20,10 @@ import functools
 import math
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 import quamba._C  # noqa: F401  loads torch.ops.quamba.*
 from quamba.ops import backend
+from quamba.ops.constants import cached
 from quamba.ops.discretization import DEFAULT
 from quamba.ops.hadamard import hadamard_factors, hadamard_sign_matrix
 from quamba.ops.quant import fp32_reciprocal, fp32_value, reciprocal, requant_multiplier
@@ -73,27 +73,17 @@ def _qconv1d_update_cuda(x, conv_state, x_scale, weight, weight_scale, bias, bia
                                            out_inv, silu)
 
 
-# Per-channel constants of qconv1d_channelwise by its x_scale tensor: computed once per (the
-# scale tensors' versions, weight_scale), not in every call (a few small kernels per layer).
-_CHANNEL_CONSTANTS = WeakIdKeyDictionary()
-
-
 def _channel_conv_constants(x_scale, weight_scale, out_scale, device):
     """(multipliers fp32 [dim], out_inv_scales fp32 [dim] or None) on ``device``, computed by the
-    reference's functions. Every key's constants stay cached (an SSM mode switch changes the
-    key): a CUDA graph captured with them keeps reading those tensors. Nothing computed during a
-    capture is cached: such tensors hold values only while that graph replays."""
-    tensors = [s for s in (x_scale, out_scale) if s is not None]
-    cacheable = not any(s.is_inference() for s in tensors)
-    key = tuple((id(s), s._version) for s in tensors) + (float(weight_scale), device)
-    entries = _CHANNEL_CONSTANTS.get(x_scale, {}) if cacheable else {}
-    if key in entries:
-        return entries[key]
-    multipliers = requant_multiplier(x_scale.float(), weight_scale).to(device).contiguous()
-    out_inv = None if out_scale is None else reciprocal(out_scale).to(device).contiguous()
-    if cacheable and not torch.cuda.is_current_stream_capturing():
-        _CHANNEL_CONSTANTS.setdefault(x_scale, {})[key] = (multipliers, out_inv)
-    return multipliers, out_inv
+    reference's functions, kept per version of the scale tensors (quamba.ops.constants)."""
+    def make():
+        multipliers = requant_multiplier(x_scale.float(), weight_scale).to(device).contiguous()
+        out_inv = None if out_scale is None else reciprocal(out_scale).to(device).contiguous()
+        return multipliers, out_inv
+    if out_scale is not None and out_scale.is_inference():
+        return make()
+    out_key = None if out_scale is None else (id(out_scale), out_scale._version)
+    return cached(x_scale, (out_key, float(weight_scale), device), make)
 
 
 @backend.register("qconv1d_channelwise", "cuda")
