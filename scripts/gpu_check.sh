@@ -82,7 +82,8 @@ build_extension() {
 # datasets and lm_eval included, which this offline --no-deps install does not bring.)
 run_tests() {
   "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/*/test_cuda_*.py \
-    tests/ops/test_trainable_scan.py tests/ops/test_full_scan_kernel.py
+    tests/ops/test_trainable_scan.py tests/ops/test_full_scan_kernel.py tests/ops/test_qssd.py \
+    tests/ops/test_gated_norm.py
 }
 
 # sanitize TOOL TESTS SELECTION: runs the selected tests under compute-sanitizer's TOOL; any error

@@ -159,7 +159,7 @@ class QMamba2Mixer(QuantModule):
         out_proj."""
         if self.simulate:
             return out_projection(self, self.norm(y.float(), z.float(), backend_name="torch"))
-        return out_projection(self, self.norm(y.float(), z, self.scales["z_scale"],
+        return out_projection(self, self.norm(y, z, self.scales["z_scale"], out_dtype=torch.float32,
                                               backend_name=self.backend))
 
     def _scan_inputs(self, xbc, dt) -> list:

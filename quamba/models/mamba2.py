@@ -25,17 +25,17 @@ from quamba.ops.ssd import ssd_scan, ssd_state_update
 
 class GatedRMSNorm(nn.Module):
     """weight · g / rms(g) with g = y · SiLU(z), the RMS taken over groups of ``group_size``
-    channels; computed in fp32, returned in y's dtype."""
+    channels; computed in fp32, returned in ``out_dtype`` (default y's dtype)."""
 
     def __init__(self, dim: int, group_size: int, eps: float = 1e-5, device=None, dtype=None):
         super().__init__()
         self.group_size, self.eps = group_size, eps
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
 
-    def forward(self, y, z, z_scale=None, backend_name=None):
+    def forward(self, y, z, z_scale=None, out_dtype=None, backend_name=None):
         """z float, or int8 codes of ``z_scale`` (quamba.ops.gated_norm.gated_rms_norm)."""
         return gated_rms_norm(y, z, self.weight, self.group_size, self.eps, z_scale=z_scale,
-                              backend_name=backend_name)
+                              out_dtype=out_dtype, backend_name=backend_name)
 
 
 class Mamba2Mixer(nn.Module):

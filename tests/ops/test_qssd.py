@@ -1,12 +1,6 @@
 """The Mamba2 int8 ops (quamba.ops.qssd) against the ops they generalise."""
-import copy
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
-
-from quamba.ops import backend
 
 from quamba.ops.qconv1d import qconv1d
 from quamba.ops.qsscan import SSMParams
@@ -14,6 +8,8 @@ from quamba.ops.qssd import (qconv1d_channelwise, qconv1d_channelwise_update, qs
                              qssd_state_update)
 from quamba.ops.quant import dequantize, quantize, quantize_weight
 from quamba.ops.ssd import ssd_scan, ssd_state_update
+from tests.ops.standalone_backend import DEVICE, load_backend_file
+
 
 def int8(*shape, generator):
     return torch.randint(-127, 128, shape, dtype=torch.int8, generator=generator)
@@ -113,28 +109,19 @@ def test_qssd_update_on_floats_is_the_ssd_step():
     assert torch.equal(y, expected) and torch.equal(state, expected_state)
 
 
-def ssd_kernels(monkeypatch):
-    """quamba/ops/cuda_backend/ssd.py loaded on its own (the package also loads quamba._C, absent
-    on a CPU machine), its backend registrations undone after the test."""
-    pytest.importorskip("triton")
-    for name in ("_IMPLS", "_REQUIREMENTS", "_KERNELS"):
-        monkeypatch.setattr(backend, name, copy.deepcopy(getattr(backend, name)))
-    monkeypatch.setattr(backend, "_OPTIONAL", set(backend._OPTIONAL))
-    path = Path(backend.__file__).parent / "cuda_backend" / "ssd.py"
-    spec = importlib.util.spec_from_file_location("ssd_kernels_under_test", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def on_device(values) -> list:
+    """The tensors among ``values`` on the kernels' device (DEVICE), the rest as they are."""
+    return [v.to(DEVICE) if isinstance(v, torch.Tensor) else v for v in values]
 
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.int8])
 @pytest.mark.parametrize("heads,headdim,groups,d_state", [(4, 6, 2, 8), (3, 20, 1, 40)])
 def test_step_kernel_matches_the_torch_step(state_dtype, heads, headdim, groups, d_state,
                                             monkeypatch):
-    """The cuda backend's SSD step kernel (under TRITON_INTERPRET=1 on a CPU), which dequantizes
-    A_log, D and dt_bias itself, against the torch step: int8 state codes within one step, y
-    within fp32 rounding. The FP path (fp32 parameters) is checked too."""
-    kernels = ssd_kernels(monkeypatch)
+    """The cuda backend's SSD step kernel (compiled on a GPU, under Triton's interpreter on a CPU),
+    which dequantizes A_log, D and dt_bias itself, against the torch step: int8 state codes within
+    one step, y within fp32 rounding. The FP path (fp32 parameters) is checked too."""
+    kernels = load_backend_file(monkeypatch, "ssd.py")
 
     inputs, params = ssd_case(2, 1, heads, headdim, groups, d_state,
                               torch.Generator().manual_seed(d_state))
@@ -144,20 +131,24 @@ def test_step_kernel_matches_the_torch_step(state_dtype, heads, headdim, groups,
         state = int8(2, heads, headdim, d_state, generator=torch.Generator().manual_seed(3))
     else:
         state = torch.randn(2, heads, headdim, d_state)
-    reference_state = state.clone()
-    y = kernels._qssd_state_update_cuda(state, 0.05, *step.values(), params, torch.float32)
+    reference_state, state = state.clone(), state.to(DEVICE)
+    y = kernels._qssd_state_update_cuda(state, 0.05, *on_device(step.values()), params,
+                                        torch.float32).cpu()
     y_ref = qssd_state_update(reference_state, 0.05, **step, params=params,
                               out_dtype=torch.float32, backend_name="torch")
     torch.testing.assert_close(y, y_ref, rtol=1e-4, atol=1e-4 * float(y_ref.abs().max()))
+    state = state.cpu()
     if state_dtype == torch.int8:
         assert int((state.int() - reference_state.int()).abs().max()) <= 1
     else:
         torch.testing.assert_close(state, reference_state, rtol=1e-5, atol=1e-5)
     x, dt, B, C = (t[:, 0] for t in dequantized(inputs))
     float_state = torch.randn(2, heads, headdim, d_state)
-    expected_state = float_state.clone()
+    expected_state, float_state = float_state.clone(), float_state.to(DEVICE)
     A, D, dt_bias = params.dequantized()
     expected = ssd_state_update(expected_state, x, dt, A, B, C, D, dt_bias)
-    y_fp = kernels._ssd_state_update_cuda(float_state, x, dt, A, B, C, D, dt_bias)
-    torch.testing.assert_close(y_fp, expected, rtol=1e-4, atol=1e-4 * float(expected.abs().max()))
+    y_fp = kernels._ssd_state_update_cuda(float_state, *on_device((x, dt, A, B, C, D, dt_bias)))
+    float_state = float_state.cpu()
+    torch.testing.assert_close(y_fp.cpu(), expected, rtol=1e-4,
+                               atol=1e-4 * float(expected.abs().max()))
     torch.testing.assert_close(float_state, expected_state, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,28 @@
+"""A Triton file of quamba/ops/cuda_backend loaded on its own, for tests of its kernels on any
+machine: compiled on a GPU, under Triton's interpreter on CPU tensors elsewhere (tests/conftest.py
+sets TRITON_INTERPRET=1 there). The package's ``__init__`` also loads quamba._C, which a CPU
+machine lacks."""
+import copy
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from quamba.ops import backend
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def load_backend_file(monkeypatch, filename: str):
+    """quamba/ops/cuda_backend/``filename`` as a fresh module; its backend registrations are undone
+    after the test."""
+    pytest.importorskip("triton")
+    for name in ("_IMPLS", "_REQUIREMENTS", "_KERNELS"):
+        monkeypatch.setattr(backend, name, copy.deepcopy(getattr(backend, name)))
+    monkeypatch.setattr(backend, "_OPTIONAL", set(backend._OPTIONAL))
+    path = Path(backend.__file__).parent / "cuda_backend" / filename
+    spec = importlib.util.spec_from_file_location(f"{path.stem}_kernels_under_test", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
