@@ -9,7 +9,9 @@ call reads its own copy of the operands (common.time_graph_ms): weights come fro
                                     [--gemm_m 16,32,64,...]
 
 --gemm_m replaces the prefill sizes (M = 1024, 2048) of the GEMM table: decode past the GEMV (M 9
-to 64, batch 9 to 64) takes the GEMM too.
+to 64, batch 9 to 64) takes the GEMM too. The table's int_mm_us column times cuBLASLt's int8 GEMM
+(torch._int_mm, int32 out, no epilogue: a lower bound for routing these sizes through cuBLAS; empty
+where torch refuses the shape).
 """
 from __future__ import annotations
 
@@ -52,6 +54,20 @@ class Layer:
             return lambda: op(x, w, self.multiplier, None, None, out, *extra)
         return 1e3 * time_graph_ms(make, self.int8_bytes)
 
+    def int_mm_us(self):
+        """torch._int_mm (cuBLASLt int8 x int8 -> int32) on the same operands, or None where torch
+        refuses the shape."""
+        M, N, K = self.M, self.N, self.K
+
+        def make(_):
+            x = torch.randint(-127, 128, (M, K), dtype=torch.int8, device="cuda")
+            w = torch.randint(-127, 128, (N, K), dtype=torch.int8, device="cuda")
+            return lambda: torch._int_mm(x, w.t())
+        try:
+            return 1e3 * time_graph_ms(make, N * K + M * K + 4 * M * N)
+        except RuntimeError:
+            return None
+
     def row(self):
         return {"layer": self.name, "M": self.M, "N": self.N, "K": self.K,
                 "out": str(self.out_dtype).replace("torch.", "")}
@@ -65,6 +81,7 @@ def bench_prefill(layer):
     for config in range(torch.ops.quamba.w8a8_gemm_sm90_configs()):
         row[f"sm90_c{config}_us"] = layer.w8a8_us(torch.ops.quamba.w8a8_gemm_sm90_out, config)
     row["mma_us"] = layer.w8a8_us(torch.ops.quamba.w8a8_gemm_mma_out)
+    row["int_mm_us"] = layer.int_mm_us()
     return row
 
 
@@ -112,7 +129,8 @@ def main():
 
     print(f"{meta['device']} (sm {meta['capability']}), torch {meta['torch']}, commit {meta['commit']}, "
           f"{meta['date']}; copy bandwidth {copy_gbs:.0f} GB/s (read + write)")
-    sweep_cols = [f"sm90_c{c}_us" for c in range(torch.ops.quamba.w8a8_gemm_sm90_configs())] + ["mma_us"]
+    sweep_cols = ([f"sm90_c{c}_us" for c in range(torch.ops.quamba.w8a8_gemm_sm90_configs())]
+                  + ["mma_us", "int_mm_us"])
     print(format_table(prefill, ["layer", "M", "N", "K", "out", "fp16_us", "w8a8_us", "speedup", "w8a8_TOPS",
                                  "fp16_TFLOPS"] + sweep_cols, "\nW8A8 GEMM (prefill) vs fp16 F.linear"))
     print(format_table(decode, ["layer", "M", "N", "K", "fp16_us", "w8a8_us", "speedup", "w8a8_GBps", "of_copy_bw",

@@ -87,19 +87,83 @@ __device__ __forceinline__ bool wide_loads_fit(const In* x) {
   return reinterpret_cast<uintptr_t>(x) % sizeof(LoadChunk<V, In>) == 0;
 }
 
+// Mamba2's gated RMSNorm before the transform (quamba/ops/gated_norm.py, one kernel instead of two
+// at every decode step): the transform's input is then weight · g / rms(g), g = x · SiLU(z ·
+// z_scale), the RMS taken over each group of group_size channels.
+struct Gate {
+  const int8_t* z = nullptr;      // rows of n codes, z_row_stride apart
+  const float* weight = nullptr;  // [n], or none (ones)
+  int64_t z_row_stride = 0;
+  float z_scale = 1.f, eps = 0.f;
+  int group_size = 0;
+};
+
+constexpr int kMaxGateGroups = 64;
+
+// One row of the transform's input: x's values, or (kGated) x gated and normalized by the
+// inverse RMS of each group (inv_rms, filled by gate_inverse_rms first).
+template <typename In, bool kGated>
+struct RowInput {
+  const In* __restrict__ x;
+  const int8_t* __restrict__ z;
+  const Gate& gate;
+  const float* inv_rms;
+  bool aligned;  // load_values' wide loads fit x
+
+  // g = x · SiLU(z), each operation rounded as the reference's
+  __device__ __forceinline__ float gated(int i) const {
+    return __fmul_rn(to_float(x[i]), silu_rn(dequantize(z[i], gate.z_scale)));
+  }
+
+  __device__ __forceinline__ float at(int i) const {
+    if constexpr (kGated) {
+      const float normed = __fmul_rn(gated(i), inv_rms[i / gate.group_size]);
+      return gate.weight != nullptr ? __fmul_rn(normed, gate.weight[i]) : normed;
+    } else {
+      return to_float(x[i]);
+    }
+  }
+
+  template <int V>
+  __device__ __forceinline__ void load(int base, float (&v)[V]) const {
+    if constexpr (kGated) {
+#pragma unroll
+      for (int r = 0; r < V; ++r) v[r] = at(base + r);
+    } else {
+      load_values<V>(x + base, aligned, v);
+    }
+  }
+};
+
+// inv_rms[group] = 1 / sqrt(mean(g²) + eps) over each group of the row: a block sum per group.
+template <typename In>
+__device__ void gate_inverse_rms(const RowInput<In, true>& input, int n, float* inv_rms) {
+  const int group_size = input.gate.group_size;
+  for (int start = 0; start < n; start += group_size) {
+    float sum_sq = 0.f;
+    for (int i = start + threadIdx.x; i < start + group_size; i += blockDim.x) {
+      const float g = input.gated(i);
+      sum_sq = fmaf(g, g, sum_sq);
+    }
+    const float mean_sq = __fdiv_rn(block_sum(sum_sq), static_cast<float>(group_size));
+    if (threadIdx.x == 0) inv_rms[start / group_size] = __frsqrt_rn(__fadd_rn(mean_sq, input.gate.eps));
+  }
+  __syncthreads();
+}
+
 // The Walsh–Hadamard butterflies of the reference (_walsh_hadamard): stage `half` maps each pair
 // (first, second) = (v[i], v[i + half]) to (first + second, first - second), for half = 1, 2, ...,
 // p / 2. Stages below 32 · V run in registers, a warp holding segments of 32 · V values (V per
 // lane, contiguous): in-lane pairs for half < V, then lane pairs through shuffles. The pairing
 // and each addition are the reference's, so the result is bit-identical however it is spread.
-template <int V, typename In>
-__device__ void walsh_hadamard_segments(const In* __restrict__ x, bool aligned, float* buf, int n) {
+template <int V, typename Input>
+__device__ void walsh_hadamard_segments(const Input& input, float* buf, int n) {
   constexpr int kSegment = 32 * V;
   const int lane = threadIdx.x % 32;
   for (int segment = threadIdx.x / 32; segment < n / kSegment; segment += blockDim.x / 32) {
     const int base = segment * kSegment + lane * V;
     float v[V];
-    load_values<V>(x + base, aligned, v);
+    input.template load<V>(base, v);
 #pragma unroll
     for (int half = 1; half < V; half *= 2)
 #pragma unroll
@@ -210,20 +274,24 @@ __device__ __forceinline__ void signed_sums_by_quads(const float* buf, int8_t* _
 // shared out among up to blockDim / (p / slices) threads. At decode a row is split into slices
 // (gridDim.y) so that more SMs issue its signed sums; each repeats the row's butterflies, which
 // cost less. V = 0: p < 32, every stage in shared memory.
-template <int M, int V, typename In>
+template <int M, int V, typename In, bool kGated>
 __global__ void __launch_bounds__(1024)
-hadamard_quant_kernel(const In* __restrict__ x, int8_t* __restrict__ q, int n, int p, float norm,
-                      float out_inv_scale) {
+hadamard_quant_kernel(const In* __restrict__ x, const Gate gate, int8_t* __restrict__ q, int n,
+                      int p, float norm, float out_inv_scale) {
   quamba::pdl_launch_dependents();  // the next GEMV may start loading its weights (pdl.cuh)
   quamba::pdl_wait();                // x comes from the kernel before
   extern __shared__ float buf[];
+  __shared__ float inv_rms[kGated ? kMaxGateGroups : 1];
   const int64_t row = static_cast<int64_t>(blockIdx.x) * n;
+  const RowInput<In, kGated> input{x + row, kGated ? gate.z + blockIdx.x * gate.z_row_stride : nullptr,
+                                   gate, inv_rms, V > 0 && wide_loads_fit<(V > 0 ? V : 1)>(x)};
+  if constexpr (kGated) gate_inverse_rms(input, n, inv_rms);
   int first_half = 1;
   if constexpr (V > 0) {
-    walsh_hadamard_segments<V>(x + row, wide_loads_fit<V>(x), buf, n);
+    walsh_hadamard_segments<V>(input, buf, n);
     first_half = 32 * V;
   } else {
-    for (int i = threadIdx.x; i < n; i += blockDim.x) buf[i] = to_float(x[row + i]);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) buf[i] = input.at(i);
   }
   walsh_hadamard_shared(buf, n, p, first_half);
   const int positions = p / gridDim.y, first_position = blockIdx.y * positions;
@@ -265,38 +333,39 @@ int slices_for(int64_t rows, int p) {
 }
 
 template <int M, int V, typename In>
-void launch_hadamard(const at::Tensor& x, at::Tensor& q, int64_t rows, int n, int p,
-                     float norm, float out_inv_scale) {
-  auto kernel = hadamard_quant_kernel<M, V, In>;
+void launch_hadamard(const at::Tensor& x, const Gate& gate, at::Tensor& q, int64_t rows, int n,
+                     int p, float norm, float out_inv_scale) {
+  auto kernel = gate.z != nullptr ? hadamard_quant_kernel<M, V, In, true>
+                                  : hadamard_quant_kernel<M, V, In, false>;
   check_kernel_image(kernel, "hadamard_quant");
   const int smem = n * sizeof(float);
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const dim3 grid(static_cast<unsigned>(rows), slices_for(rows, p));
   quamba::launch_with_pdl(kernel, grid, threads_for(rows, p), smem, current_stream(),
-                          static_cast<const In*>(x.data_ptr()), q.data_ptr<int8_t>(), n, p, norm,
-                          out_inv_scale);
+                          static_cast<const In*>(x.data_ptr()), gate, q.data_ptr<int8_t>(), n, p,
+                          norm, out_inv_scale);
 }
 
 template <int M, typename In>
-void dispatch_segment(const at::Tensor& x, at::Tensor& q, int64_t rows, int n, int p,
-                      float norm, float out_inv_scale) {
+void dispatch_segment(const at::Tensor& x, const Gate& gate, at::Tensor& q, int64_t rows, int n,
+                      int p, float norm, float out_inv_scale) {
   switch (segment_values(p)) {
-    case 0: return launch_hadamard<M, 0, In>(x, q, rows, n, p, norm, out_inv_scale);
-    case 1: return launch_hadamard<M, 1, In>(x, q, rows, n, p, norm, out_inv_scale);
-    case 2: return launch_hadamard<M, 2, In>(x, q, rows, n, p, norm, out_inv_scale);
-    case 4: return launch_hadamard<M, 4, In>(x, q, rows, n, p, norm, out_inv_scale);
-    default: return launch_hadamard<M, kSegmentValues, In>(x, q, rows, n, p, norm, out_inv_scale);
+    case 0: return launch_hadamard<M, 0, In>(x, gate, q, rows, n, p, norm, out_inv_scale);
+    case 1: return launch_hadamard<M, 1, In>(x, gate, q, rows, n, p, norm, out_inv_scale);
+    case 2: return launch_hadamard<M, 2, In>(x, gate, q, rows, n, p, norm, out_inv_scale);
+    case 4: return launch_hadamard<M, 4, In>(x, gate, q, rows, n, p, norm, out_inv_scale);
+    default: return launch_hadamard<M, kSegmentValues, In>(x, gate, q, rows, n, p, norm, out_inv_scale);
   }
 }
 
 template <typename In>
-void dispatch_base_order(int m, const at::Tensor& x, at::Tensor& q, int64_t rows, int n, int p,
-                         float norm, float out_inv_scale) {
+void dispatch_base_order(int m, const at::Tensor& x, const Gate& gate, at::Tensor& q, int64_t rows,
+                         int n, int p, float norm, float out_inv_scale) {
   switch (m) {
-    case 1: return dispatch_segment<1, In>(x, q, rows, n, p, norm, out_inv_scale);
-    case 12: return dispatch_segment<12, In>(x, q, rows, n, p, norm, out_inv_scale);
-    case 20: return dispatch_segment<20, In>(x, q, rows, n, p, norm, out_inv_scale);
-    default: return dispatch_segment<28, In>(x, q, rows, n, p, norm, out_inv_scale);
+    case 1: return dispatch_segment<1, In>(x, gate, q, rows, n, p, norm, out_inv_scale);
+    case 12: return dispatch_segment<12, In>(x, gate, q, rows, n, p, norm, out_inv_scale);
+    case 20: return dispatch_segment<20, In>(x, gate, q, rows, n, p, norm, out_inv_scale);
+    default: return dispatch_segment<28, In>(x, gate, q, rows, n, p, norm, out_inv_scale);
   }
 }
 
@@ -322,12 +391,60 @@ int max_shared_floats(const at::Tensor& x) {
   return optin / static_cast<int>(sizeof(float));
 }
 
+// The row stride of z [..., n] taken as rows of n contiguous codes (its leading dimensions must
+// collapse into one, as a slice of a wider contiguous tensor's last dimension does).
+int64_t gate_row_stride(const at::Tensor& z) {
+  const int64_t dims = z.dim();
+  TORCH_CHECK(z.stride(dims - 1) == 1, "z: channels must be contiguous");
+  for (int64_t d = 0; d + 2 < dims; ++d) {
+    TORCH_CHECK(z.size(d) == 1 || z.stride(d) == z.stride(d + 1) * z.size(d + 1),
+                "z: its leading dimensions must collapse into rows of one stride");
+  }
+  return dims >= 2 ? z.stride(dims - 2) : z.size(0);
+}
+
+// The gate of hadamard_quant (none without z), its inputs checked against x [..., n].
+Gate make_gate(const at::Tensor& x, const c10::optional<at::Tensor>& z, double z_scale,
+               const c10::optional<at::Tensor>& weight, int64_t group_size, double eps) {
+  Gate gate;
+  if (!z.has_value()) {
+    TORCH_CHECK(!weight.has_value(), "a gate weight needs z");
+    return gate;
+  }
+  const int64_t n = x.size(-1);
+  check_cuda(*z, "z");
+  TORCH_CHECK(z->scalar_type() == at::kChar, "z must be int8 codes, got ", z->scalar_type());
+  TORCH_CHECK(z->sizes() == x.sizes(), "z must have x's shape ", x.sizes(), ", got ", z->sizes());
+  TORCH_CHECK(z->get_device() == x.get_device(), "z must be on x's device");
+  TORCH_CHECK(group_size > 0 && n % group_size == 0 && n / group_size <= kMaxGateGroups,
+              "group_size must divide n = ", text(n), " into at most ", text(kMaxGateGroups),
+              " groups, got ", text(group_size));
+  check_positive_scale(z_scale, "z_scale");
+  TORCH_CHECK(eps >= 0, "eps must be >= 0, got ", eps);
+  if (weight.has_value()) {
+    check_cuda(*weight, "weight");
+    TORCH_CHECK(weight->scalar_type() == at::kFloat && weight->is_contiguous() && weight->dim() == 1 &&
+                    weight->size(0) == n && weight->get_device() == x.get_device(),
+                "weight must be a contiguous float32 [", text(n), "] on x's device");
+    gate.weight = weight->data_ptr<float>();
+  }
+  gate.z = z->data_ptr<int8_t>();
+  gate.z_row_stride = gate_row_stride(*z);
+  gate.z_scale = to_fp32(z_scale);
+  gate.eps = to_fp32(eps);
+  gate.group_size = static_cast<int>(group_size);
+  return gate;
+}
+
 // x: contiguous [..., n] float with n = m · p (quamba.ops.hadamard.hadamard_factors);
 // sign_columns: the m column masks of S_m (bit c of entry a set where S_m[c, a] = -1), which
 // must be base_column<m>'s;
-// norm: fp32(1 / sqrt(n)). Returns int8 [..., n].
+// norm: fp32(1 / sqrt(n)). With z (int8 [..., n], rows of contiguous codes), the transform's
+// input is Mamba2's gated RMSNorm of x first (Gate). Returns int8 [..., n].
 at::Tensor hadamard_quant(const at::Tensor& x, int64_t m, int64_t p, at::IntArrayRef sign_columns,
-                          double norm, double out_inv_scale) {
+                          double norm, double out_inv_scale, const c10::optional<at::Tensor>& z,
+                          double z_scale, const c10::optional<at::Tensor>& weight,
+                          int64_t group_size, double eps) {
   check_cuda(x, "x");
   TORCH_CHECK(x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16 ||
                   x.scalar_type() == at::kFloat,
@@ -346,6 +463,7 @@ at::Tensor hadamard_quant(const at::Tensor& x, int64_t m, int64_t p, at::IntArra
               "m = ", text(m), " base matrix of quamba.ops.hadamard (the kernel has them built in)");
   check_positive_scale(norm, "norm");
   check_positive_scale(out_inv_scale, "out_inv_scale");
+  const Gate gate = make_gate(x, z, z_scale, weight, group_size, eps);
   const int64_t rows = x.numel() / std::max<int64_t>(n, 1);
   TORCH_CHECK(rows < (int64_t{1} << 31), "x has too many rows");
   const c10::cuda::CUDAGuard guard(x.device());
@@ -355,13 +473,13 @@ at::Tensor hadamard_quant(const at::Tensor& x, int64_t m, int64_t p, at::IntArra
   const float norm32 = to_fp32(norm), inv32 = to_fp32(out_inv_scale);
   switch (x.scalar_type()) {
     case at::kHalf:
-      dispatch_base_order<__half>(m, x, q, rows, n, p, norm32, inv32);
+      dispatch_base_order<__half>(m, x, gate, q, rows, n, p, norm32, inv32);
       break;
     case at::kBFloat16:
-      dispatch_base_order<__nv_bfloat16>(m, x, q, rows, n, p, norm32, inv32);
+      dispatch_base_order<__nv_bfloat16>(m, x, gate, q, rows, n, p, norm32, inv32);
       break;
     default:
-      dispatch_base_order<float>(m, x, q, rows, n, p, norm32, inv32);
+      dispatch_base_order<float>(m, x, gate, q, rows, n, p, norm32, inv32);
       break;
   }
   return q;
@@ -373,7 +491,8 @@ at::Tensor hadamard_quant(const at::Tensor& x, int64_t m, int64_t p, at::IntArra
 TORCH_LIBRARY_FRAGMENT(quamba, m) {
   m.def(
       "hadamard_quant(Tensor x, int m, int p, int[] sign_columns, float norm, "
-      "float out_inv_scale) -> Tensor");
+      "float out_inv_scale, Tensor? z=None, float z_scale=1.0, Tensor? weight=None, "
+      "int group_size=0, float eps=0.0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(quamba, CUDA, m) { m.impl("hadamard_quant", &quamba_ssm::hadamard_quant); }

@@ -9,23 +9,6 @@ namespace {
 
 constexpr int kNormThreads = 256;
 
-// Sum over the block; every thread gets the total.
-__device__ float block_sum(float v) {
-  __shared__ float warp_sums[kNormThreads / 32];
-  __shared__ float total;
-  for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (lane == 0) warp_sums[warp] = v;
-  __syncthreads();
-  if (warp == 0) {
-    v = lane < kNormThreads / 32 ? warp_sums[lane] : 0.f;
-    for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
-    if (lane == 0) total = v;
-  }
-  __syncthreads();
-  return total;
-}
-
 // One block per row. r = x + residual is formed twice (for the sum of squares, then for the
 // output) instead of being kept: the second read hits the cache and no dimension is too large.
 template <typename In, typename Res, typename ResOut, typename W>

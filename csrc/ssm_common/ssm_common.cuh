@@ -26,6 +26,24 @@ __device__ __forceinline__ int8_t quantize_rn(float x, float inv_scale) {
   return static_cast<int8_t>(fminf(fmaxf(q, -kInt8Max), kInt8Max));
 }
 
+// Sum over a block of whole warps (up to 1024 threads); every thread gets the total. Consecutive
+// calls may share the shared memory: each thread reads the total before the next call's barrier.
+__device__ __forceinline__ float block_sum(float v) {
+  __shared__ float warp_sums[32];
+  __shared__ float total;
+  for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) warp_sums[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    v = lane < static_cast<int>(blockDim.x / 32) ? warp_sums[lane] : 0.f;
+    for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
+    if (lane == 0) total = v;
+  }
+  __syncthreads();
+  return total;
+}
+
 // SiLU as every quamba backend computes it: y / (1 + exp(-y)), each operation rounded.
 __device__ __forceinline__ float silu_rn(float y) {
   return __fdiv_rn(y, __fadd_rn(1.f, expf(-y)));

@@ -325,7 +325,13 @@ def out_projection(mixer: QuantModule, y):
         y_q = hadamard_quant(y, s["y_scale"], backend_name=mixer.backend)
     else:
         y_q = quantize(y, s["y_scale"])
-    mixer._tap("out_proj.input", y_q, s["y_scale"])
+    return project_codes(mixer, y_q)
+
+
+def project_codes(mixer: QuantModule, y_q):
+    """out_proj of the int8 codes (or fake-quantized values) ``y_q`` of a quantized mixer's y.
+    Taps out_proj.input and out."""
+    mixer._tap("out_proj.input", y_q, mixer.scales["y_scale"])
     out = mixer.out_proj(y_q)
     mixer._tap("out", out)
     return out

@@ -16,12 +16,13 @@ import torch
 
 from quamba.layers.base import QuantModule
 from quamba.layers.qlinear import W4A8Linear, W8A8Linear
-from quamba.layers.qmixer import out_projection
+from quamba.layers.qmixer import out_projection, project_codes
 from quamba.models.config import MambaConfig
 from quamba.models.mamba2 import GatedRMSNorm, Mamba2Mixer
 from quamba.models.state import MixerState
 from quamba.ops.causal_conv1d import causal_conv1d, causal_conv1d_update, conv_state_from_prefill
 from quamba.ops.qsscan import SSMParams
+from quamba.ops.qhadamard import gated_norm_hadamard_quant
 from quamba.ops.qssd import (qconv1d_channelwise, qconv1d_channelwise_update, qssd_scan,
                              qssd_state_update)
 from quamba.ops.quant import dequantize, fake_quantize, quantize_weight
@@ -156,9 +157,14 @@ class QMamba2Mixer(QuantModule):
 
     def _out(self, y, z):
         """SSD output y [..., d_inner] and in_proj's z → gated RMSNorm → (Hadamard) → int8 →
-        out_proj."""
+        out_proj; with the Hadamard, the norm, the transform and the int8 codes are one op."""
         if self.simulate:
             return out_projection(self, self.norm(y.float(), z.float(), backend_name="torch"))
+        if self.hadamard:
+            norm = self.norm
+            return project_codes(self, gated_norm_hadamard_quant(
+                y, z, self.scales["z_scale"], norm.weight, norm.group_size, norm.eps,
+                self.scales["y_scale"], backend_name=self.backend))
         return out_projection(self, self.norm(y, z, self.scales["z_scale"], out_dtype=torch.float32,
                                               backend_name=self.backend))
 

@@ -34,7 +34,7 @@ import torch
 
 from quamba.ops import backend
 from quamba.ops.qconv1d import qconv1d, qconv1d_update
-from quamba.ops.qhadamard import hadamard_quant
+from quamba.ops.qhadamard import gated_norm_hadamard_quant, hadamard_quant
 from quamba.ops.qnorm import rmsnorm_quant
 from quamba.ops.discretization import DEFAULT, METHODS
 from quamba.ops.qsscan import SSMParams, qsscan, qsscan_last_drive, qsscan_update
@@ -749,6 +749,45 @@ def test_small_hadamard_quant_rejects_other_sign_matrices():
     torch.ops.quamba.hadamard_quant(x, m, p, masks, norm, 10.0)
     with pytest.raises(RuntimeError, match="sign_columns must be the column masks of S_m"):
         torch.ops.quamba.hadamard_quant(x, m, p, [masks[1]] + masks[1:], norm, 10.0)
+
+
+# Mamba2's gated RMSNorm before the transform (one kernel): (n, group_size) of Mamba2 sizes, one
+# group (the published models) and several (Codestral's 8), odd and power-of-two transforms.
+GATED_SIZES = [(5120, 5120), (5120, 640), (1536, 1536), (2560, 320), (4096, 4096), (40, 20)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("rows", [1, 3, 300])
+@pytest.mark.parametrize("n,group_size", GATED_SIZES)
+def test_gated_norm_hadamard_quant_matches_the_chain(n, group_size, rows, dtype):
+    """Against the torch chain gated_rms_norm → hadamard_quant, z a slice of wider int8 rows (as
+    in_proj's output), with and without a norm weight: codes within one step."""
+    seed_for("gated-hadamard", n, group_size, rows, dtype)
+    y = torch.randn(rows, n, device=DEVICE).to(dtype)
+    z = codes(rows, n + 48)[:, 16:16 + n]
+    for weight in (None, torch.rand(n, device=DEVICE) + 0.5):
+        args = (y, z, 0.03, weight, group_size, 1e-5, 0.02)
+        prime_allocator((y.numel(), torch.int8))
+        q = gated_norm_hadamard_quant(*args, backend_name="cuda")
+        assert_codes_close(q, gated_norm_hadamard_quant(*args, backend_name="torch"))
+
+
+def test_small_gated_norm_hadamard_quant_batched_rows_and_checks():
+    """[batch, seqlen, n] rows (a prefill's); z whose rows have no one stride, a float z and too
+    many groups are refused with the argument named."""
+    seed_for("gated-hadamard-3d")
+    y = torch.randn(2, 5, 1536, device=DEVICE, dtype=torch.float16)
+    z = codes(2, 5, 1600)[..., :1536]
+    args = (0.03, None, 768, 1e-5, 0.02)
+    q = gated_norm_hadamard_quant(y, z, *args, backend_name="cuda")
+    assert q.shape == y.shape
+    assert_codes_close(q, gated_norm_hadamard_quant(y, z, *args, backend_name="torch"))
+    with pytest.raises(RuntimeError, match="z: its leading dimensions"):
+        gated_norm_hadamard_quant(y, codes(5, 2, 1536).transpose(0, 1), *args, backend_name="cuda")
+    with pytest.raises(ValueError, match="z must be int8"):
+        gated_norm_hadamard_quant(y, z.half(), *args, backend_name="cuda")
+    with pytest.raises(RuntimeError, match="group_size must divide"):
+        gated_norm_hadamard_quant(y, z, 0.03, None, 16, 1e-5, 0.02, backend_name="cuda")
 
 
 # ---- input checks ----------------------------------------------------------------------------

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from quamba.ops.gated_norm import gated_rms_norm
+from quamba.ops.qhadamard import gated_norm_hadamard_quant, hadamard_quant
 from tests.ops.standalone_backend import DEVICE, load_backend_file
 
 
@@ -42,3 +43,17 @@ def test_kernel_matches_the_reference_on_strided_rows(rows, dim, group_size, int
         tolerance = 1e-5 if out_dtype == torch.float32 else 1e-3
         torch.testing.assert_close(got.cpu().float(), expected.float(), rtol=tolerance,
                                    atol=tolerance)
+
+
+def test_gated_norm_hadamard_quant_is_the_chain():
+    """The one-op form of Quamba2's out_proj input is, in the torch reference, exactly the gated
+    norm in fp32 followed by hadamard_quant; z must be int8 codes of y's shape."""
+    g = torch.Generator().manual_seed(1)
+    y = torch.randn(3, 40, generator=g).half()
+    z = torch.randint(-127, 128, (3, 40), generator=g, dtype=torch.int8)
+    weight = torch.rand(40, generator=g) + 0.5
+    normed = gated_rms_norm(y, z, weight, 20, 1e-5, 0.03, torch.float32)
+    expected = hadamard_quant(normed, 0.02)
+    assert torch.equal(gated_norm_hadamard_quant(y, z, 0.03, weight, 20, 1e-5, 0.02), expected)
+    with pytest.raises(ValueError, match="z must be int8 codes"):
+        gated_norm_hadamard_quant(y, z.float(), 0.03, weight, 20, 1e-5, 0.02)

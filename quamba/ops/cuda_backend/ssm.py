@@ -169,3 +169,14 @@ def _hadamard_quant_cuda(x, out_scale):
     m, p, masks, norm = _hadamard_plan(x.shape[-1])
     return torch.ops.quamba.hadamard_quant(x.contiguous(), m, p, masks, norm,
                                            fp32_reciprocal(_scale(out_scale)))
+
+
+@backend.register("gated_norm_hadamard_quant", "cuda", kernels=("hadamard_quant",))
+def _gated_norm_hadamard_quant_cuda(y, z, z_scale, weight, group_size, eps, out_scale):
+    m, p, masks, norm = _hadamard_plan(y.shape[-1])
+    if weight is not None:
+        weight = cached(weight, ("fp32", y.device),
+                        lambda: weight.to(device=y.device, dtype=torch.float32).contiguous())
+    return torch.ops.quamba.hadamard_quant(y.contiguous(), m, p, masks, norm,
+                                           fp32_reciprocal(_scale(out_scale)), z,
+                                           fp32_value(_scale(z_scale)), weight, group_size, eps)
