@@ -5,7 +5,11 @@ reference for scale. GPU time per call from CUDA-graph replays (no host time: ma
 Python wrapper alone outlasts its kernels at batch 1). Shapes: Mamba2-2.7B's heads (80 heads of
 64, one group, d_state 128), batch 1 and 8, L 1024 and 2048.
 
-    python benchmarks/bench_ssd.py --out results_ssd.json [--quick]
+    python benchmarks/bench_ssd.py --out results_ssd.json [--quick] [--step]
+
+--step adds the decode step (``qssd_state_update``, int8 state) at batch 1 to 64 for each number of
+a head's channels per program (STEP_BLOCK_P of quamba.ops.cuda_backend.ssd), against mamba-ssm's
+``selective_state_update`` (Triton) on an fp32 state, the layout its Mamba2 step passes.
 """
 from __future__ import annotations
 
@@ -49,8 +53,63 @@ def mamba_ssm_scan():
     return mamba_chunk_scan_combined, None
 
 
+STEP_BATCHES = [1, 8, 32, 64]
+STEP_BLOCKS = [8, 16, 32, 64]
+
+
+def step_inputs(batch):
+    """A decode step's int8 inputs and state as the Quamba2 mixer passes them, and the fp32 ones
+    of mamba-ssm's step (its Mamba2 layout: per-head values repeated over channels and states)."""
+    int8, fp16 = inputs(batch, 1)
+    step = {k: v[:, 0] if k in ("x", "dt", "B", "C") else v for k, v in int8.items()
+            if k != "chunk_size"}
+    state = torch.randint(-127, 128, (batch, NHEADS, HEADDIM, D_STATE), dtype=torch.int8,
+                          device=DEVICE)
+    A, D, dt_bias = fp16["A"], fp16["D"], fp16["dt_bias"]
+    baseline = dict(state=torch.randn(batch, NHEADS, HEADDIM, D_STATE, device=DEVICE),
+                    x=fp16["x"][:, 0], dt=fp16["dt"][:, 0, :, None].expand(-1, -1, HEADDIM),
+                    A=A[:, None, None].expand(-1, HEADDIM, D_STATE), B=fp16["B"][:, 0],
+                    C=fp16["C"][:, 0], D=D[:, None].expand(-1, HEADDIM),
+                    dt_bias=dt_bias[:, None].expand(-1, HEADDIM), dt_softplus=True)
+    return step, state, baseline
+
+
+def step_rows(replays: int) -> list[dict]:
+    from quamba.ops.cuda_backend import ssd
+    from quamba.ops.qssd import qssd_state_update
+    try:
+        from mamba_ssm.ops.triton.selective_state_update import selective_state_update
+    except ImportError:
+        selective_state_update = None
+    rows, default = [], ssd.STEP_BLOCK_P
+    for batch in STEP_BATCHES:
+        step, state, baseline = step_inputs(batch)
+        state_bytes = 2 * state.numel()
+        row = {"batch": batch}
+        def int8_step(_):  # each call its own state, as each layer has
+            own = state.clone()
+            return lambda: qssd_state_update(own, 0.05, **step, out_dtype=torch.float16,
+                                             backend_name="cuda")
+
+        def baseline_step(_):
+            own = dict(baseline, state=baseline["state"].clone())
+            return lambda: selective_state_update(**own)
+        for block_p in STEP_BLOCKS:
+            ssd.STEP_BLOCK_P = block_p
+            row[f"int8_p{block_p}_us"] = 1e3 * common.time_graph_ms(int8_step, state_bytes,
+                                                                    replays=replays)
+        ssd.STEP_BLOCK_P = default
+        if selective_state_update is not None:
+            row["mamba_ssm_us"] = 1e3 * common.time_graph_ms(baseline_step, 8 * state.numel(),
+                                                             replays=replays)
+        rows.append(row)
+    return rows
+
+
 def main():
-    args = common.parse_args(__doc__.splitlines()[0])
+    def options(parser):
+        parser.add_argument("--step", action="store_true", help="also time the decode step")
+    args = common.parse_args(__doc__.splitlines()[0], options)
     torch.manual_seed(0)
     baseline, note = mamba_ssm_scan()
     rows = []
@@ -79,7 +138,12 @@ def main():
     print(common.format_table(rows, COLUMNS, title))
     if note:
         print("note:", note)
-    common.write_json(args.out, {"meta": meta, "rows": rows, "notes": [note] if note else []})
+    steps = step_rows(5 if args.quick else 30) if args.step else []
+    if steps:
+        print(common.format_table(steps, ["batch"] + [f"int8_p{p}_us" for p in STEP_BLOCKS]
+                                  + ["mamba_ssm_us"], "\nMamba2 decode step, µs per call"))
+    common.write_json(args.out, {"meta": meta, "rows": rows, "step_rows": steps,
+                                 "notes": [note] if note else []})
 
 
 if __name__ == "__main__":

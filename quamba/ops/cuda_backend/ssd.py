@@ -38,6 +38,7 @@ STATE_BLOCK_N = 128  # states per program of pass 1
 STATE_WARPS = 4  # warps per program of pass 1
 PASSING_BLOCK = 1024  # state entries per program of pass 2
 DOT_PRECISION = "tf32"  # fp32 inputs' products
+STEP_BLOCK_P = 64  # most channels of a head per program of the decode step (bench_ssd.py --step)
 
 
 def _block(size: int) -> int:
@@ -389,7 +390,7 @@ def _launch_step(state, x, x_table, dt, dt_scale, B, B_table, C, C_table, A, D, 
         raise ValueError("an int8 SSD state needs its state_scale")
     scale = fp32_value(float(state_scale)) if int8_state else 1.0
     y = torch.empty(batch, nheads, headdim, dtype=out_dtype, device=x.device)
-    block_p = min(_block(headdim), 64)
+    block_p = min(_block(headdim), STEP_BLOCK_P)
     grid = (batch, nheads, triton.cdiv(headdim, block_p))
     A_scale, D_scale, dt_bias_scale = (fp32_value(float(s)) for s in param_scales or (1.0,) * 3)
     _ssd_step_kernel[grid](
