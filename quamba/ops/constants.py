@@ -3,8 +3,8 @@ parameters), built once per version of the tensor they come from instead of in e
 kernels per layer and decode step). Not kept for an inference tensor (no version counter).
 
 During a CUDA-graph capture a constant kept from before is served as it is, so the graph reads it
-instead of replaying the kernels that made it (a Mamba2 decode step otherwise replays several such
-kernels per layer). One made during a capture is not kept: its kernels run only at replay, so it
+instead of replaying the kernels that made it (a Mamba2 prefill graph otherwise replays several
+such kernels per layer). One made during a capture is not kept: its kernels run only at replay, so it
 holds its values only while that graph replays. A graph bakes the scales its launchers passed as
 numbers into its kernels anyway, so after an in-place change of a scale it is stale either way and
 must be captured again; until then the constants it read stay alive."""
