@@ -20,6 +20,8 @@ requantized on store (one kernel per step).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -231,13 +233,18 @@ def _ssd_step_kernel(state_ptr, state_scale, state_inverse, x_ptr, x_scale_ptr, 
                      dt_bias_ptr, dt_bias_scale, y_ptr, headdim, d_state, heads_per_group,
                      sx_b, sx_h, sx_p, sdt_b, sdt_h, sB_b, sB_g, sB_n, sC_b, sC_g, sC_n,
                      BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, INT8_STATE: tl.constexpr,
-                     INT8_PARAMS: tl.constexpr):
+                     INT8_PARAMS: tl.constexpr, USE_PDL: tl.constexpr):
     """One decode step in place; an int8 state (INT8_STATE) is dequantized on load and
     requantized on store by quamba.ops.quant's rule (fp32 ``state_inverse`` = fp32(1/scale),
     round half to even, ±127), y being read off the fp32 state as the reference does.
     INT8_PARAMS: A, D, dt_bias are the int8 codes of A_log, D, dt_bias (A = -exp(A_log), each
     code times its scale), dequantized here rather than by torch kernels before every step; else
-    fp32 values."""
+    fp32 values. USE_PDL: launched programmatically dependent (sm_90+): it waits for the kernel
+    before it (the conv update, which lets it launch at once) before any load, and lets the next
+    kernel launch at once (the Hadamard → int8, which waits for it in turn)."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     h = tl.program_id(1)
     p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -392,14 +399,21 @@ def _launch_step(state, x, x_table, dt, dt_scale, B, B_table, C, C_table, A, D, 
     y = torch.empty(batch, nheads, headdim, dtype=out_dtype, device=x.device)
     block_p = min(_block(headdim), STEP_BLOCK_P)
     grid = (batch, nheads, triton.cdiv(headdim, block_p))
+    pdl = _has_pdl(x.device)
     A_scale, D_scale, dt_bias_scale = (fp32_value(float(s)) for s in param_scales or (1.0,) * 3)
     _ssd_step_kernel[grid](
         state, scale, fp32_reciprocal(scale) if int8_state else 1.0, x, x_table, dt, dt_scale, B,
         B_table, C, C_table, A, A_scale, D, D_scale, dt_bias, dt_bias_scale, y, headdim, d_state,
         nheads // ngroups, *x.stride(), *dt.stride(), *B.stride(), *C.stride(),
         BLOCK_P=block_p, BLOCK_N=_block(d_state), INT8_STATE=int8_state,
-        INT8_PARAMS=param_scales is not None)
+        INT8_PARAMS=param_scales is not None, USE_PDL=pdl, launch_pdl=pdl)
     return y
+
+
+@functools.lru_cache(maxsize=None)
+def _has_pdl(device: torch.device) -> bool:
+    """Whether kernels on ``device`` can launch programmatically dependent (sm_90+)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def _params(params, device) -> tuple:
