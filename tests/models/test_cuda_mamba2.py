@@ -69,7 +69,7 @@ def test_every_quantized_op_runs_on_cuda(qmodel):
     assert backend.on_reference(ran) == [], backend.summary(ran)
     on_cuda = {op for op, used in ran.items() if "cuda" in used}
     linear = "w4a8_linear" if qmodel.quant_config.w_bits == 4 else "w8a8_linear"
-    assert {linear, "rmsnorm_quant", "hadamard_quant", "qconv1d_channelwise",
+    assert {linear, "rmsnorm_quant", "gated_norm_hadamard_quant", "qconv1d_channelwise",
             "qconv1d_channelwise_update", "qssd_scan", "qssd_state_update"} <= on_cuda
 
 
