@@ -100,24 +100,59 @@ struct Gate {
 
 constexpr int kMaxGateGroups = 64;
 
-// One row of the transform's input: x's values, or (kGated) x gated and normalized by the
-// inverse RMS of each group (inv_rms, filled by gate_inverse_rms first).
+constexpr int kGateChunk = 8;  // values a thread gates per wide load (16 bytes of fp16 x, 8 of z)
+
+// g = x · SiLU(z · z_scale), each operation rounded as the reference's.
+__device__ __forceinline__ float gated(float x, int8_t z, float z_scale) {
+  return __fmul_rn(x, silu_rn(dequantize(z, z_scale)));
+}
+
+// The gate's first pass over a row: g of every channel into buf (wide loads of x and z where the
+// row allows them), then inv_rms[group] = 1 / sqrt(mean(g²) + eps) of each group, a block sum each.
+template <typename In>
+__device__ void gate_row(const In* __restrict__ x, const int8_t* __restrict__ z, const Gate& gate,
+                         float* buf, int n, float* inv_rms) {
+  const bool wide = n % kGateChunk == 0 && wide_loads_fit<kGateChunk>(x) &&
+                    reinterpret_cast<uintptr_t>(z) % sizeof(uint2) == 0;
+  if (wide) {
+    for (int base = threadIdx.x * kGateChunk; base < n; base += blockDim.x * kGateChunk) {
+      float values[kGateChunk];
+      load_values<kGateChunk>(x + base, true, values);
+      int8_t codes[kGateChunk];
+      const uint2 packed = __ldg(reinterpret_cast<const uint2*>(z + base));
+      memcpy(codes, &packed, sizeof(codes));
+#pragma unroll
+      for (int r = 0; r < kGateChunk; ++r) buf[base + r] = gated(values[r], codes[r], gate.z_scale);
+    }
+  } else {
+    for (int i = threadIdx.x; i < n; i += blockDim.x) buf[i] = gated(to_float(x[i]), z[i], gate.z_scale);
+  }
+  __syncthreads();
+  for (int start = 0; start < n; start += gate.group_size) {
+    float sum_sq = 0.f;
+    for (int i = start + threadIdx.x; i < start + gate.group_size; i += blockDim.x) sum_sq = fmaf(buf[i], buf[i], sum_sq);
+    const float mean_sq = __fdiv_rn(block_sum(sum_sq), static_cast<float>(gate.group_size));
+    if (threadIdx.x == 0) inv_rms[start / gate.group_size] = __frsqrt_rn(__fadd_rn(mean_sq, gate.eps));
+  }
+  __syncthreads();
+}
+
+// One row of the transform's input: x's values, or (kGated) the gated values in buf (gate_row)
+// times their group's inverse RMS and the norm weight. Read in place: each thread reads the
+// values it then overwrites with its butterflies' results.
 template <typename In, bool kGated>
 struct RowInput {
   const In* __restrict__ x;
-  const int8_t* __restrict__ z;
+  const float* buf;
   const Gate& gate;
   const float* inv_rms;
+  int n;
   bool aligned;  // load_values' wide loads fit x
-
-  // g = x · SiLU(z), each operation rounded as the reference's
-  __device__ __forceinline__ float gated(int i) const {
-    return __fmul_rn(to_float(x[i]), silu_rn(dequantize(z[i], gate.z_scale)));
-  }
 
   __device__ __forceinline__ float at(int i) const {
     if constexpr (kGated) {
-      const float normed = __fmul_rn(gated(i), inv_rms[i / gate.group_size]);
+      const float inverse = inv_rms[gate.group_size >= n ? 0 : i / gate.group_size];
+      const float normed = __fmul_rn(buf[i], inverse);
       return gate.weight != nullptr ? __fmul_rn(normed, gate.weight[i]) : normed;
     } else {
       return to_float(x[i]);
@@ -134,22 +169,6 @@ struct RowInput {
     }
   }
 };
-
-// inv_rms[group] = 1 / sqrt(mean(g²) + eps) over each group of the row: a block sum per group.
-template <typename In>
-__device__ void gate_inverse_rms(const RowInput<In, true>& input, int n, float* inv_rms) {
-  const int group_size = input.gate.group_size;
-  for (int start = 0; start < n; start += group_size) {
-    float sum_sq = 0.f;
-    for (int i = start + threadIdx.x; i < start + group_size; i += blockDim.x) {
-      const float g = input.gated(i);
-      sum_sq = fmaf(g, g, sum_sq);
-    }
-    const float mean_sq = __fdiv_rn(block_sum(sum_sq), static_cast<float>(group_size));
-    if (threadIdx.x == 0) inv_rms[start / group_size] = __frsqrt_rn(__fadd_rn(mean_sq, input.gate.eps));
-  }
-  __syncthreads();
-}
 
 // The Walsh–Hadamard butterflies of the reference (_walsh_hadamard): stage `half` maps each pair
 // (first, second) = (v[i], v[i + half]) to (first + second, first - second), for half = 1, 2, ...,
@@ -283,9 +302,9 @@ hadamard_quant_kernel(const In* __restrict__ x, const Gate gate, int8_t* __restr
   extern __shared__ float buf[];
   __shared__ float inv_rms[kGated ? kMaxGateGroups : 1];
   const int64_t row = static_cast<int64_t>(blockIdx.x) * n;
-  const RowInput<In, kGated> input{x + row, kGated ? gate.z + blockIdx.x * gate.z_row_stride : nullptr,
-                                   gate, inv_rms, V > 0 && wide_loads_fit<(V > 0 ? V : 1)>(x)};
-  if constexpr (kGated) gate_inverse_rms(input, n, inv_rms);
+  if constexpr (kGated) gate_row(x + row, gate.z + blockIdx.x * gate.z_row_stride, gate, buf, n, inv_rms);
+  const RowInput<In, kGated> input{x + row, buf, gate, inv_rms, n,
+                                   V > 0 && wide_loads_fit<(V > 0 ? V : 1)>(x)};
   int first_half = 1;
   if constexpr (V > 0) {
     walsh_hadamard_segments<V>(input, buf, n);

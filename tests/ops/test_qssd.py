@@ -116,12 +116,12 @@ def on_device(values) -> list:
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.int8])
 @pytest.mark.parametrize("heads,headdim,groups,d_state", [(4, 6, 2, 8), (3, 20, 1, 40)])
-@pytest.mark.parametrize("block_p", [8, 64])
+@pytest.mark.parametrize("block_p", [None, 8, 64])
 def test_step_kernel_matches_the_torch_step(state_dtype, heads, headdim, groups, d_state, block_p,
                                             monkeypatch):
     """The cuda backend's SSD step kernel (compiled on a GPU, under Triton's interpreter on a CPU),
     which dequantizes A_log, D and dt_bias itself, against the torch step: int8 state codes within
-    one step, y within fp32 rounding, with a head's channels in one program or in blocks of 8. The
+    one step, y within fp32 rounding, with a head's channels in blocks of 8, 16 (chosen) or 64. The
     FP path (fp32 parameters) is checked too."""
     kernels = load_backend_file(monkeypatch, "ssd.py")
     monkeypatch.setattr(kernels, "STEP_BLOCK_P", block_p)

@@ -40,7 +40,12 @@ STATE_BLOCK_N = 128  # states per program of pass 1
 STATE_WARPS = 4  # warps per program of pass 1
 PASSING_BLOCK = 1024  # state entries per program of pass 2
 DOT_PRECISION = "tf32"  # fp32 inputs' products
-STEP_BLOCK_P = 64  # most channels of a head per program of the decode step (bench_ssd.py --step)
+# A head's channels per program of the decode step: 16 while it has few heads to spread (batch ·
+# nheads under 256), else 64. H200, Mamba2-2.7B's 80 heads of 64 (bench_ssd.py --step, which sets
+# STEP_BLOCK_P to sweep them): batch 1 2.91 µs at 16 against 3.72 at 64, batch 8 7.04 at 64
+# against 7.70 at 16.
+STEP_BLOCK_P = None
+STEP_FEW_HEADS = 256
 
 
 def _block(size: int) -> int:
@@ -397,7 +402,8 @@ def _launch_step(state, x, x_table, dt, dt_scale, B, B_table, C, C_table, A, D, 
         raise ValueError("an int8 SSD state needs its state_scale")
     scale = fp32_value(float(state_scale)) if int8_state else 1.0
     y = torch.empty(batch, nheads, headdim, dtype=out_dtype, device=x.device)
-    block_p = min(_block(headdim), STEP_BLOCK_P)
+    block_p = min(_block(headdim),
+                  STEP_BLOCK_P or (16 if batch * nheads < STEP_FEW_HEADS else 64))
     grid = (batch, nheads, triton.cdiv(headdim, block_p))
     pdl = _has_pdl(x.device)
     A_scale, D_scale, dt_bias_scale = (fp32_value(float(s)) for s in param_scales or (1.0,) * 3)
