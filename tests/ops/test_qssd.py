@@ -155,3 +155,20 @@ def test_step_kernel_matches_the_torch_step(state_dtype, heads, headdim, groups,
     torch.testing.assert_close(y_fp.cpu(), expected, rtol=1e-4,
                                atol=1e-4 * float(expected.abs().max()))
     torch.testing.assert_close(float_state, expected_state, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("seqlen", [0, 37])
+def test_prefill_kernels_write_the_int8_last_state(seqlen, monkeypatch):
+    """The cuda backend's SSD prefill (compiled on a GPU, under Triton's interpreter on a CPU)
+    writes the decode cache's int8 last state in its state-passing pass: exactly ``quantize`` of
+    the fp32 last state the same kernels give, with the same y."""
+    kernels = load_backend_file(monkeypatch, "ssd.py")
+    inputs, params = ssd_case(2, seqlen, 3, 8, 1, 16, torch.Generator().manual_seed(seqlen))
+    args = dict(zip(inputs, on_device(inputs.values())))
+    y, state = kernels._qssd_scan_cuda(**args, params=params, chunk_size=256, state_scale=None,
+                                       out_dtype=torch.float32)
+    y8, codes = kernels._qssd_scan_cuda(**args, params=params, chunk_size=256, state_scale=0.003,
+                                        out_dtype=torch.float32)
+    assert codes.dtype == torch.int8 and torch.equal(y8, y)
+    assert torch.equal(codes.cpu(), quantize(state.cpu(), 0.003))
+    assert seqlen == 0 or int(codes.abs().max()) > 10  # the scale leaves codes to compare

@@ -155,12 +155,13 @@ def _chunk_state_kernel(x_ptr, x_scale_ptr, dt_ptr, dt_scale, B_ptr, B_scale_ptr
 
 @triton.jit
 def _state_passing_kernel(states_ptr, log_decay_ptr, initial_state_ptr, carried_ptr,
-                          final_state_ptr, nchunks, state_size, padded_len,
+                          final_state_ptr, final_inverse, nchunks, state_size, padded_len,
                           CHUNK_SIZE: tl.constexpr, BLOCK: tl.constexpr,
-                          HAS_INITIAL_STATE: tl.constexpr):
+                          HAS_INITIAL_STATE: tl.constexpr, INT8_FINAL: tl.constexpr):
     """Pass 2, one program per (batch × head, block of state entries): walks the chunks in order
     and writes the state carried into each (``carried``, in pass 3's dot dtype) and the state
-    after the last one (fp32)."""
+    after the last one: fp32, or (INT8_FINAL) its int8 codes by quamba.ops.quant's rule
+    (``final_inverse`` = fp32(1/scale), round half to even, ±127), the decode cache's format."""
     bh = tl.program_id(0)
     e = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = e < state_size
@@ -174,7 +175,12 @@ def _state_passing_kernel(states_ptr, log_decay_ptr, initial_state_ptr, carried_
         tl.store(carried_ptr + offsets, state.to(carried_ptr.dtype.element_ty), mask=mask)
         chunk_decay = tl.load(log_decay_ptr + bh * padded_len + c * CHUNK_SIZE + CHUNK_SIZE - 1)
         state = state * tl.exp(chunk_decay) + own
-    tl.store(final_state_ptr + bh * state_size + e, state, mask=mask)
+    if INT8_FINAL:
+        codes = _round_half_even(tl.clamp(state * final_inverse, -128.0, 128.0))
+        tl.store(final_state_ptr + bh * state_size + e, tl.clamp(codes, -127.0, 127.0).to(tl.int8),
+                 mask=mask)
+    else:
+        tl.store(final_state_ptr + bh * state_size + e, state, mask=mask)
 
 
 @triton.jit
@@ -336,17 +342,20 @@ _DOT_DTYPES = {torch.int8: (tl.float16, torch.float16), torch.float16: (tl.float
 
 
 def _launch_scan(x, x_table, dt, dt_scale, B, B_table, C, C_table, A, D, dt_bias, out_dtype,
-                 initial_state=None):
-    """(y [batch, seqlen, nheads, headdim] in out_dtype, last state fp32) of the four prefill
-    passes; A, D, dt_bias fp32 [nheads]."""
+                 initial_state=None, state_scale=None):
+    """(y [batch, seqlen, nheads, headdim] in out_dtype, last state) of the four prefill passes;
+    A, D, dt_bias fp32 [nheads]. The last state is fp32, or with ``state_scale`` its int8 codes
+    (``quantize(state, state_scale)``, written by pass 2)."""
     batch, seqlen, nheads, headdim = x.shape
     ngroups, d_state = B.shape[2], B.shape[3]
     device = x.device
     y = torch.empty(batch, seqlen, nheads, headdim, dtype=out_dtype, device=device)
-    state = torch.empty(batch, nheads, headdim, d_state, dtype=torch.float32, device=device)
+    state = torch.empty(batch, nheads, headdim, d_state, device=device,
+                        dtype=torch.float32 if state_scale is None else torch.int8)
     if seqlen == 0:
-        state.copy_(initial_state if initial_state is not None else torch.zeros_like(state))
-        return y, state
+        start = (torch.zeros(state.shape, device=device) if initial_state is None
+                 else initial_state.to(torch.float32, copy=True))
+        return y, start if state_scale is None else quantize(start, state_scale)
     if x.dtype not in _DOT_DTYPES:
         raise TypeError(f"the SSD kernel takes int8, fp16, bf16 or fp32 x, got {x.dtype}")
     dot_dtype, operand_dtype = _DOT_DTYPES[x.dtype]
@@ -377,9 +386,10 @@ def _launch_scan(x, x_table, dt, dt_scale, B, B_table, C, C_table, A, D, dt_bias
         initial_state = initial_state.float().contiguous()
     state_size = headdim * d_state
     _state_passing_kernel[(batch * nheads, triton.cdiv(state_size, PASSING_BLOCK))](
-        own_states, steps[1], state if initial_state is None else initial_state, carried, state,
-        nchunks, state_size, padded_len, CHUNK_SIZE=CHUNK, BLOCK=PASSING_BLOCK,
-        HAS_INITIAL_STATE=initial_state is not None)
+        own_states, steps[1], own_states if initial_state is None else initial_state, carried,
+        state, 1.0 if state_scale is None else fp32_reciprocal(float(state_scale)), nchunks,
+        state_size, padded_len, CHUNK_SIZE=CHUNK, BLOCK=PASSING_BLOCK,
+        HAS_INITIAL_STATE=initial_state is not None, INT8_FINAL=state_scale is not None)
     _chunk_scan_kernel[(nchunks * blocks, batch * nheads, p_blocks)](
         x_codes, x_table, scores, C, C_table, D, steps[0], steps[1], carried, y,
         seqlen, nheads, headdim, d_state, nheads // ngroups, padded_len, *x_codes.stride(),
@@ -435,11 +445,8 @@ def _params(params, device) -> tuple:
 def _qssd_scan_cuda(x, x_scale, dt, dt_scale, B, B_scale, C, C_scale, params, chunk_size,
                     state_scale, out_dtype):
     x_table, B_table, C_table = _scale_tables(x, x_scale, B, B_scale, C, C_scale)
-    y, state = _launch_scan(x, x_table, dt, _scalar_scale(dt, dt_scale), B, B_table, C, C_table,
-                            *_params(params, x.device), out_dtype)
-    if state_scale is not None:
-        state = quantize(state, state_scale)
-    return y, state
+    return _launch_scan(x, x_table, dt, _scalar_scale(dt, dt_scale), B, B_table, C, C_table,
+                        *_params(params, x.device), out_dtype, state_scale=state_scale)
 
 
 @backend.register("qssd_state_update", "cuda", kernels=())
