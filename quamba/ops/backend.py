@@ -174,6 +174,7 @@ def plan(device: torch.device, argument: str | None = None) -> dict[str, tuple[s
 def _why_not_cuda(op: str, device: torch.device) -> str | None:
     if device.type != "cuda":
         return f"its inputs are on {device}, not a CUDA device"
+    cuda_extension_error()  # registers quamba's kernels (the FP SSD's among them) where they load
     if op in _OPTIONAL and op not in _REQUIREMENTS:
         return f"no CUDA kernel implements {op} yet"
     missing = cuda_missing(op, device)

@@ -60,6 +60,24 @@ def test_a_composite_cuda_op_needs_every_kernel_it_runs(ops, monkeypatch):
         backend.select("test_composite_op", CUDA, "cuda")
 
 
+def test_fp_kernels_registered_by_the_extension_are_found_on_first_use(monkeypatch):
+    """An FP op whose cuda implementation registers when quamba._C loads (the Mamba2 SSD's) runs
+    it on the first call on a GPU, not the reference with a 'no CUDA kernel yet' warning."""
+    monkeypatch.delenv("QUAMBA_BACKEND", raising=False)
+    op = "test_late_fp_op"
+    backend.register(op, "torch", fp=True)(lambda: "torch")
+
+    def load_extension():
+        backend.register(op, "cuda", requires=lambda: None)(lambda: "cuda")
+    monkeypatch.setattr(backend, "cuda_extension_error", load_extension)
+    try:
+        assert backend.select(op, CUDA, "auto")() == "cuda"
+    finally:
+        backend._IMPLS.pop(op, None)
+        backend._REQUIREMENTS.pop(op, None)
+        backend._OPTIONAL.discard(op)
+
+
 def test_environment_forces_the_reference(ops, monkeypatch):
     monkeypatch.setenv("QUAMBA_BACKEND", "torch")
     assert backend.select("test_strict_op", CUDA, "cuda")() == "torch"
