@@ -257,14 +257,7 @@ def bench_decode(timer, fns, batch):
                                        backend_name="cuda")
     base_scan = base_conv = None
     if "selective_state_update" in fns:
-        half = dict(dtype=torch.float16, device=DEVICE)
-        state16 = torch.randn(batch, D_INNER, D_STATE, **half)
-        x16, dt16, z16 = (torch.randn(batch, D_INNER, **half) for _ in range(3))
-        B16, C16 = (torch.randn(batch, D_STATE, **half) for _ in range(2))
-        A = -torch.arange(1, D_STATE + 1, device=DEVICE).float().expand(D_INNER, D_STATE)
-        D, dt_bias = torch.ones(D_INNER, device=DEVICE), torch.full((D_INNER,), -4.0, device=DEVICE)
-        base_scan = timer.us(lambda: fns["selective_state_update"](
-            state16, x16, dt16, A, B16, C16, D, z=z16, dt_bias=dt_bias, dt_softplus=True))
+        base_scan = timer.us(baseline_step(fns["selective_state_update"], batch))
     if "causal_conv1d_update" in fns:
         xc = torch.randn(batch, D_INNER, dtype=torch.float16, device=DEVICE)
         state16 = torch.randn(batch, D_INNER, D_CONV - 1, dtype=torch.float16, device=DEVICE)
@@ -282,6 +275,18 @@ def bench_decode(timer, fns, batch):
         rows.append(timer.row(f"qsscan_update_lanes{lanes}", "decode", 1, step, scan_step_bytes,
                               base_scan, batch=batch))
     return rows
+
+
+def baseline_step(selective_state_update, batch: int):
+    """mamba-ssm's decode step on fp16 inputs of bench_decode's shape (fp16 state), as a call."""
+    half = dict(dtype=torch.float16, device=DEVICE)
+    state16 = torch.randn(batch, D_INNER, D_STATE, **half)
+    x16, dt16, z16 = (torch.randn(batch, D_INNER, **half) for _ in range(3))
+    B16, C16 = (torch.randn(batch, D_STATE, **half) for _ in range(2))
+    A = -torch.arange(1, D_STATE + 1, device=DEVICE).float().expand(D_INNER, D_STATE)
+    D, dt_bias = torch.ones(D_INNER, device=DEVICE), torch.full((D_INNER,), -4.0, device=DEVICE)
+    return lambda: selective_state_update(state16, x16, dt16, A, B16, C16, D, z=z16,
+                                          dt_bias=dt_bias, dt_softplus=True)
 
 
 def _step_op_args(state, u, dt, B, C, z, params):

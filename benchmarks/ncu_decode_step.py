@@ -12,7 +12,8 @@ import argparse
 
 import torch
 
-from bench_ssm import D_INNER, D_STATE, DEVICE, DT_RANK, _step_op_args, codes, load_baselines, ssm_params
+from bench_ssm import (D_INNER, D_STATE, DT_RANK, _step_op_args, baseline_step, codes,
+                       load_baselines, ssm_params)
 
 
 def main():
@@ -31,16 +32,11 @@ def main():
     for lanes in ([args.lanes] if args.lanes else [16, 4, 1]):
         for _ in range(2):
             torch.ops.quamba.qsscan_update(*op_args, lanes=lanes)
-    baseline = load_baselines()["fns"].get("selective_state_update")
-    if baseline is not None:
-        half = dict(dtype=torch.float16, device=DEVICE)
-        state16 = torch.randn(batch, D_INNER, D_STATE, **half)
-        x16, dt16, z16 = (torch.randn(batch, D_INNER, **half) for _ in range(3))
-        B16, C16 = (torch.randn(batch, D_STATE, **half) for _ in range(2))
-        A = -torch.arange(1, D_STATE + 1, device=DEVICE).float().expand(D_INNER, D_STATE)
-        D, dt_bias = torch.ones(D_INNER, device=DEVICE), torch.full((D_INNER,), -4.0, device=DEVICE)
+    fn = load_baselines()["fns"].get("selective_state_update")
+    if fn is not None:
+        step = baseline_step(fn, batch)
         for _ in range(2):
-            baseline(state16, x16, dt16, A, B16, C16, D, z=z16, dt_bias=dt_bias, dt_softplus=True)
+            step()
     torch.cuda.synchronize()
 
 
