@@ -60,6 +60,14 @@ def _round_half_even(x):
 
 
 @triton.jit
+def _int8_codes(x, inverse):
+    """quamba.ops.quant.quantize's codes of fp32 ``x`` for fp32 ``inverse`` = fp32(1/scale): round
+    half to even, clamped to ±127."""
+    codes = _round_half_even(tl.clamp(x * inverse, -128.0, 128.0))
+    return tl.clamp(codes, -127.0, 127.0).to(tl.int8)
+
+
+@triton.jit
 def _softplus(x):
     # PyTorch's softplus: x above 20, else log1p(exp(x))
     return tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
@@ -176,9 +184,7 @@ def _state_passing_kernel(states_ptr, log_decay_ptr, initial_state_ptr, carried_
         chunk_decay = tl.load(log_decay_ptr + bh * padded_len + c * CHUNK_SIZE + CHUNK_SIZE - 1)
         state = state * tl.exp(chunk_decay) + own
     if INT8_FINAL:
-        codes = _round_half_even(tl.clamp(state * final_inverse, -128.0, 128.0))
-        tl.store(final_state_ptr + bh * state_size + e, tl.clamp(codes, -127.0, 127.0).to(tl.int8),
-                 mask=mask)
+        tl.store(final_state_ptr + bh * state_size + e, _int8_codes(state, final_inverse), mask=mask)
     else:
         tl.store(final_state_ptr + bh * state_size + e, state, mask=mask)
 
@@ -284,8 +290,7 @@ def _ssd_step_kernel(state_ptr, state_scale, state_inverse, x_ptr, x_scale_ptr, 
         state = state * state_scale
     state = state * tl.exp(dt * A) + (dt * x)[:, None] * B[None, :]
     if INT8_STATE:
-        codes = _round_half_even(tl.clamp(state * state_inverse, -128.0, 128.0))
-        tl.store(state_ptr + offsets, tl.clamp(codes, -127.0, 127.0).to(tl.int8), mask=mask)
+        tl.store(state_ptr + offsets, _int8_codes(state, state_inverse), mask=mask)
     else:
         tl.store(state_ptr + offsets, state, mask=mask)
     y = tl.sum(state * C[None, :], axis=1) + D * x
