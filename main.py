@@ -219,7 +219,8 @@ def model_request(args: argparse.Namespace) -> ModelRequest:
         ssm_mode=args.ssm_mode, lm_head=args.lm_head, quantize_embedding=args.quantize_embedding,
         state_cache=args.state_cache, percentile_alpha=args.percentile_alpha,
         learn_scales=args.learn_scales, learn_steps=args.learn_steps,
-        learn_weight_clipping=args.learn_weight_clipping, calib_source=args.calib_data, calib_num_samples=args.calib_data_num,
+        learn_weight_clipping=args.learn_weight_clipping, calib_source=args.calib_data,
+        calib_num_samples=args.calib_data_num,
         calib_seqlen=args.calib_seqlen, seed=args.seed, pretrained_dir=args.pretrained_dir,
         device=args.device, dtype=args.dtype, tokenizer=args.tokenizer, backend=args.backend)
 

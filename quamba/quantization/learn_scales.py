@@ -178,10 +178,8 @@ def fake_quantize_w4a8_weight(weight: torch.Tensor, clip: torch.Tensor, group_si
     with straight-through rounding: differentiable in ``clip`` (through the clamp and the scales,
     LSQ's gradient) and in ``weight``."""
     n, k = weight.shape
-    groups = weight.float().view(n, k // group_size, group_size)
-    bound = _clip_bounds(groups, clip, weight.dtype)[..., None]
-    clamped = torch.minimum(torch.maximum(groups, -bound), bound)
-    scales = bound[..., 0].clamp(min=SCALE_FLOOR) / INT4_MAX
+    clamped, bound = _clamped_groups(weight, clip, group_size)
+    scales = bound.clamp(min=SCALE_FLOOR) / INT4_MAX
     channel_scale = scales.amax(dim=1).clamp(min=SCALE_FLOOR) / W4A8_MAX_MULTIPLIER
     multiplier = _ste_round(scales / channel_scale[:, None]).clamp(1, W4A8_MAX_MULTIPLIER)
     effective = (channel_scale[:, None] * multiplier)[..., None]
@@ -189,11 +187,14 @@ def fake_quantize_w4a8_weight(weight: torch.Tensor, clip: torch.Tensor, group_si
     return (codes * effective).view(n, k)
 
 
-def _clip_bounds(groups: torch.Tensor, clip: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """fp32 [N, K / G]: clip · each group's absmax (of fp32 ``groups`` [N, K / G, G]) rounded to
-    the weight's ``dtype``, so that the clamped weight stored in that dtype keeps it as its
-    absmax."""
-    return (clip * groups.abs().amax(-1)).to(dtype).float()
+def _clamped_groups(weight: torch.Tensor, clip: torch.Tensor, group_size: int):
+    """(fp32 [N, K / G, G] groups of ``weight`` clamped to ±bound, the bounds [N, K / G]): bound =
+    clip · the group's absmax, rounded to the weight's dtype so that the clamped weight stored in
+    that dtype keeps it as its absmax."""
+    n, k = weight.shape
+    groups = weight.float().view(n, k // group_size, group_size)
+    bound = (clip * groups.abs().amax(-1)).to(weight.dtype).float()
+    return torch.minimum(torch.maximum(groups, -bound[..., None]), bound[..., None]), bound
 
 
 def _ste_round(x: torch.Tensor) -> torch.Tensor:
@@ -207,10 +208,8 @@ def clip_weights_(fp_block: Block, clips: dict, weights: "_BlockWeights") -> Non
     in place: round-to-nearest of the result is :func:`fake_quantize_w4a8_weight`'s value."""
     for name, clip in clips.items():
         weight = getattr(fp_block.mixer, name).weight
-        n, k = weight.shape
-        groups = weight.float().view(n, k // weights.clipped[name][1], -1)
-        bound = _clip_bounds(groups, clip, weight.dtype)[..., None]
-        weight.copy_(torch.minimum(torch.maximum(groups, -bound), bound).view(n, k))
+        clamped, _ = _clamped_groups(weight, clip, weights.clipped[name][1])
+        weight.copy_(clamped.view(weight.shape))
 
 
 def check_finite(loss: torch.Tensor, layer: int, step: int) -> None:
