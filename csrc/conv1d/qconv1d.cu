@@ -165,39 +165,22 @@ __device__ __forceinline__ unsigned pack_codes(unsigned q0, unsigned q1, unsigne
   return __byte_perm(__byte_perm(q0, q1, 0x0040), __byte_perm(q2, q3, 0x0040), 0x5410);
 }
 
-// silu_rn(y) = y / (1 + expf(-y)), with the division as div.rn's own fast path (reciprocal, one
-// Newton step, one residual correction: the correctly rounded quotient for operands in the normal
-// range) without the range check (FCHK) that sends other operands to a slow path. The divisor
-// is in [1, inf]; the only operands outside that range are a divisor of 2^126 or more (y below
-// about -87, where the reciprocal flushes to zero) or a subnormal y: there the exact quotient
-// has magnitude below 1e-36, and it and the zero (or subnormal) this returns both quantize to
-// code 0. Clamping the divisor to FLT_MAX keeps inf · 0 out of the Newton step. So the int8
-// codes equal the reference's (checked on ~630 M codes, benchmarks/notes_ssm_perf.md).
-__device__ __forceinline__ float silu_codes(float y) {
-  const float d = fminf(__fadd_rn(1.f, expf(-y)), 3.40282347e38f);
-  float r;
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(d));
-  r = fmaf(r, fmaf(-d, r, 1.f), r);
-  const float q = __fmul_rn(y, r);
-  return fmaf(fmaf(-d, q, y), r, q);
+// Channel d's multiplier and output inverse scale, held in registers (the compiler otherwise
+// reloads them per element).
+__device__ __forceinline__ void channel_constants(const Epilogue& ep, int d, float& multiplier,
+                                                  float& out_inv) {
+  multiplier = ep.multiplier_of(d);
+  out_inv = ep.out_inv_of(d);
+  asm volatile("" : "+f"(multiplier), "+f"(out_inv));
 }
 
-// The constants of the epilogue in registers (the compiler otherwise reloads them per element).
-struct EpilogueRegs {
-  float multiplier, out_inv_scale;
-  __device__ __forceinline__ explicit EpilogueRegs(const Epilogue& ep)
-      : multiplier(ep.multiplier), out_inv_scale(ep.out_inv_scale) {
-    asm volatile("" : "+f"(multiplier), "+f"(out_inv_scale));
-  }
-};
-
 template <bool kSilu>
-__device__ __forceinline__ unsigned conv_code(int window, int weights, float bias,
-                                              const EpilogueRegs& ep) {
+__device__ __forceinline__ unsigned conv_code(int window, int weights, float bias, float multiplier,
+                                              float out_inv) {
   const int acc = __dp4a(window, weights, 0);
-  float y = __fadd_rn(__fmul_rn(static_cast<float>(acc), ep.multiplier), bias);
+  float y = __fadd_rn(__fmul_rn(static_cast<float>(acc), multiplier), bias);
   if (kSilu) y = silu_codes(y);
-  return quantize_low_byte(y, ep.out_inv_scale);
+  return quantize_low_byte(y, out_inv);
 }
 
 constexpr int kVecChannels = 8;  // channels of one thread in the channel-fast vector kernel
@@ -209,8 +192,9 @@ constexpr int kTimeVecRun = 16;      // time steps of one of its threads
 // Channel-fast layout: lane l of a warp takes channels 8·l ... 8·l + 7 (one 8-byte load per time
 // step, a warp reads 256 contiguous bytes) and kVecRun consecutive time steps. Channel j's window
 // of its last 4 inputs, oldest in byte 0, shifts one byte in per time step. 5 blocks per SM (at
-// most 102 registers) hold the Mamba shapes' whole grid at once.
-template <int W, bool kSilu>
+// most 102 registers) hold the Mamba shapes' whole grid at once. kPerChannel: each of the 8
+// channels has its own multiplier and output scale (Quamba2's xBC conv), else they share one.
+template <int W, bool kSilu, bool kPerChannel>
 __global__ void __launch_bounds__(kThreads, 5)
 qconv1d_channel_vec_kernel(const int8_t* __restrict__ x, Strides3 xs, int8_t* __restrict__ out,
                            Strides3 os, const int8_t* __restrict__ weight, Epilogue ep, int dim,
@@ -221,7 +205,10 @@ qconv1d_channel_vec_kernel(const int8_t* __restrict__ x, Strides3 xs, int8_t* __
   if (d0 >= dim || t0 >= seqlen) return;
   const int8_t* x_base = x + b * xs.batch + d0;
   int8_t* out_base = out + b * os.batch + d0;
-  const EpilogueRegs regs(ep);
+  constexpr int kChannelConstants = kPerChannel ? kVecChannels : 1;
+  float multiplier[kChannelConstants], out_inv[kChannelConstants];
+#pragma unroll
+  for (int j = 0; j < kChannelConstants; ++j) channel_constants(ep, d0 + j, multiplier[j], out_inv[j]);
 
   uint2 inputs[kVecRun + 3];  // time steps t0 - 3 ... t0 + kVecRun - 1, zero outside
 #pragma unroll
@@ -251,7 +238,9 @@ qconv1d_channel_vec_kernel(const int8_t* __restrict__ x, Strides3 xs, int8_t* __
       unsigned codes[kVecChannels];
 #pragma unroll
       for (int j = 0; j < kVecChannels; ++j) {
-        codes[j] = conv_code<kSilu>(static_cast<int>(window[j]), weights[j], bias[j], regs);
+        const int c = kPerChannel ? j : 0;
+        codes[j] = conv_code<kSilu>(static_cast<int>(window[j]), weights[j], bias[j], multiplier[c],
+                                    out_inv[c]);
       }
       *reinterpret_cast<uint2*>(out_base + t * os.time) =
           make_uint2(pack_codes(codes[0], codes[1], codes[2], codes[3]),
@@ -276,7 +265,8 @@ qconv1d_time_vec_kernel(const int8_t* __restrict__ x, Strides3 xs, int8_t* __res
   const unsigned words[5] = {before, run.x, run.y, run.z, run.w};  // inputs t0 - 4 ...
   const int weights = pack_weights<W>(weight, d);
   const float bias = ep.bias_of(d);
-  const EpilogueRegs regs(ep);
+  float multiplier, out_inv;
+  channel_constants(ep, d, multiplier, out_inv);
   unsigned codes[kTimeVecRun];
 #pragma unroll
   for (int k = 0; k < kTimeVecRun; ++k) {
@@ -286,7 +276,7 @@ qconv1d_time_vec_kernel(const int8_t* __restrict__ x, Strides3 xs, int8_t* __res
                        : __byte_perm(words[first / 4], words[first / 4 + 1],
                                      (first % 4) | ((first % 4 + 1) << 4) |
                                          ((first % 4 + 2) << 8) | ((first % 4 + 3) << 12));
-    codes[k] = conv_code<kSilu>(static_cast<int>(window), weights, bias, regs);
+    codes[k] = conv_code<kSilu>(static_cast<int>(window), weights, bias, multiplier, out_inv);
   }
   uint4 packed;
   packed.x = pack_codes(codes[0], codes[1], codes[2], codes[3]);
@@ -320,7 +310,8 @@ void launch_vec(const at::Tensor& x, const at::Tensor& weight, Epilogue ep, at::
   const Strides3 os{out.stride(0), out.stride(1), out.stride(2)};
   const cudaStream_t stream = current_stream();
   if (channel_fast) {
-    auto kernel = qconv1d_channel_vec_kernel<W, kSilu>;
+    auto kernel = ep.per_channel() ? qconv1d_channel_vec_kernel<W, kSilu, true>
+                                   : qconv1d_channel_vec_kernel<W, kSilu, false>;
     check_kernel_image(kernel, "qconv1d");
     const dim3 grid(ceil_div(dim, 32 * kVecChannels), ceil_div(seqlen, kVecRun * kVecRunsPerBlock),
                     batch);
@@ -458,8 +449,7 @@ at::Tensor run_qconv1d(const at::Tensor& x, const at::Tensor& weight, const Epil
           : at::empty({batch, dim, seqlen}, x.options().dtype(out_type));
   if (x.numel() == 0) return out;
   TORCH_CHECK(seqlen <= int64_t{65535} * kRun, "x seqlen must be at most ", text(65535 * kRun));
-  // the vector kernels keep one multiplier in registers: per-channel scales take the others
-  if (out_type == at::kChar && !ep.per_channel() && vector_layout(x, out, channel_fast)) {
+  if (out_type == at::kChar && vector_layout(x, out, channel_fast)) {
     if (ep.silu) {
       dispatch_vec_width<true>(weight.size(1), x, weight, ep, out, channel_fast);
     } else {

@@ -55,36 +55,44 @@ __host__ __device__ constexpr uint32_t base_column(int a) {
   }
 }
 
-// The widest load (16, 8, 4 or 2 bytes) that divides V values of In: load_values' unit.
-template <int V, typename In, int kBytes = V * static_cast<int>(sizeof(In))>
+// The widest load (16, 8, 4, 2 or 1 bytes) that divides V values of T: load_elements' unit.
+template <int V, typename T, int kBytes = V * static_cast<int>(sizeof(T))>
 using LoadChunk = std::conditional_t<
     kBytes % 16 == 0, uint4,
-    std::conditional_t<kBytes % 8 == 0, uint2, std::conditional_t<kBytes % 4 == 0, uint32_t, uint16_t>>>;
+    std::conditional_t<kBytes % 8 == 0, uint2,
+                       std::conditional_t<kBytes % 4 == 0, uint32_t,
+                                          std::conditional_t<kBytes % 2 == 0, uint16_t, uint8_t>>>>;
 
-// V consecutive values from src as fp32: in LoadChunk loads when src is aligned to them
-// (`aligned`: the whole tensor is), else one element at a time.
-template <int V, typename In>
-__device__ __forceinline__ void load_values(const In* __restrict__ src, bool aligned, float (&v)[V]) {
-  using Chunk = LoadChunk<V, In>;
-  constexpr int kChunks = V * sizeof(In) / sizeof(Chunk);
+// V consecutive elements of src: in LoadChunk loads when src is aligned to them (`aligned`), else
+// one element at a time.
+template <int V, typename T>
+__device__ __forceinline__ void load_elements(const T* __restrict__ src, bool aligned, T (&values)[V]) {
+  using Chunk = LoadChunk<V, T>;
+  constexpr int kChunks = V * sizeof(T) / sizeof(Chunk);
   if (aligned) {
     Chunk chunks[kChunks];
 #pragma unroll
     for (int i = 0; i < kChunks; ++i) chunks[i] = __ldg(reinterpret_cast<const Chunk*>(src) + i);
-    In values[V];
     memcpy(values, chunks, sizeof(values));
-#pragma unroll
-    for (int r = 0; r < V; ++r) v[r] = to_float(values[r]);
   } else {
 #pragma unroll
-    for (int r = 0; r < V; ++r) v[r] = to_float(src[r]);
+    for (int r = 0; r < V; ++r) values[r] = src[r];
   }
 }
 
-// Whether every load_values<V> of x can use its wide loads (the segments start at multiples of V).
+// V consecutive values from src as fp32.
 template <int V, typename In>
-__device__ __forceinline__ bool wide_loads_fit(const In* x) {
-  return reinterpret_cast<uintptr_t>(x) % sizeof(LoadChunk<V, In>) == 0;
+__device__ __forceinline__ void load_values(const In* __restrict__ src, bool aligned, float (&v)[V]) {
+  In values[V];
+  load_elements<V>(src, aligned, values);
+#pragma unroll
+  for (int r = 0; r < V; ++r) v[r] = to_float(values[r]);
+}
+
+// Whether every load_elements<V> of p can use its wide loads (the segments start at multiples of V).
+template <int V, typename T>
+__device__ __forceinline__ bool wide_loads_fit(const T* p) {
+  return reinterpret_cast<uintptr_t>(p) % sizeof(LoadChunk<V, T>) == 0;
 }
 
 // Mamba2's gated RMSNorm before the transform (quamba/ops/gated_norm.py, one kernel instead of two
@@ -102,25 +110,29 @@ constexpr int kMaxGateGroups = 64;
 
 constexpr int kGateChunk = 8;  // values a thread gates per wide load (16 bytes of fp16 x, 8 of z)
 
-// g = x · SiLU(z · z_scale), each operation rounded as the reference's.
+// g = x · SiLU(z · z_scale), each operation rounded as the reference's. silu_codes differs from
+// the reference's division only where |SiLU| < 1e-36, which leaves g's codes and RMS unchanged.
 __device__ __forceinline__ float gated(float x, int8_t z, float z_scale) {
-  return __fmul_rn(x, silu_rn(dequantize(z, z_scale)));
+  return __fmul_rn(x, silu_codes(dequantize(z, z_scale)));
 }
 
-// The gate's first pass over a row: g of every channel into buf (wide loads of x and z where the
-// row allows them), then inv_rms[group] = 1 / sqrt(mean(g²) + eps) of each group, a block sum each.
+// 1 / sqrt(sum_sq / count + eps), each operation rounded as the reference's.
+__device__ __forceinline__ float inverse_rms(float sum_sq, int count, float eps) {
+  return __frsqrt_rn(__fadd_rn(__fdiv_rn(sum_sq, static_cast<float>(count)), eps));
+}
+
+// Several RMS groups: a first pass over the row writes g of every channel into buf (wide loads
+// of x and z where the row allows them), then inv_rms[group] of each group, a block sum each.
 template <typename In>
 __device__ void gate_row(const In* __restrict__ x, const int8_t* __restrict__ z, const Gate& gate,
                          float* buf, int n, float* inv_rms) {
-  const bool wide = n % kGateChunk == 0 && wide_loads_fit<kGateChunk>(x) &&
-                    reinterpret_cast<uintptr_t>(z) % sizeof(uint2) == 0;
+  const bool wide = n % kGateChunk == 0 && wide_loads_fit<kGateChunk>(x) && wide_loads_fit<kGateChunk>(z);
   if (wide) {
     for (int base = threadIdx.x * kGateChunk; base < n; base += blockDim.x * kGateChunk) {
       float values[kGateChunk];
       load_values<kGateChunk>(x + base, true, values);
       int8_t codes[kGateChunk];
-      const uint2 packed = __ldg(reinterpret_cast<const uint2*>(z + base));
-      memcpy(codes, &packed, sizeof(codes));
+      load_elements<kGateChunk>(z + base, true, codes);
 #pragma unroll
       for (int r = 0; r < kGateChunk; ++r) buf[base + r] = gated(values[r], codes[r], gate.z_scale);
     }
@@ -131,42 +143,79 @@ __device__ void gate_row(const In* __restrict__ x, const int8_t* __restrict__ z,
   for (int start = 0; start < n; start += gate.group_size) {
     float sum_sq = 0.f;
     for (int i = start + threadIdx.x; i < start + gate.group_size; i += blockDim.x) sum_sq = fmaf(buf[i], buf[i], sum_sq);
-    const float mean_sq = __fdiv_rn(block_sum(sum_sq), static_cast<float>(gate.group_size));
-    if (threadIdx.x == 0) inv_rms[start / gate.group_size] = __frsqrt_rn(__fadd_rn(mean_sq, gate.eps));
+    const float inverse = inverse_rms(block_sum(sum_sq), gate.group_size, gate.eps);
+    if (threadIdx.x == 0) inv_rms[start / gate.group_size] = inverse;
   }
   __syncthreads();
 }
 
-// One row of the transform's input: x's values, or (kGated) the gated values in buf (gate_row)
-// times their group's inverse RMS and the norm weight. Read in place: each thread reads the
-// values it then overwrites with its butterflies' results.
-template <typename In, bool kGated>
-struct RowInput {
+// The transform's input, as the butterflies read it: at(i) is value i of the row, load<V>(base)
+// values base ... base + V - 1 (base a multiple of V). Each thread reads the values it then
+// overwrites with its butterflies' results, so an input may live in buf.
+
+// x's values.
+template <typename In>
+struct PlainInput {
   const In* __restrict__ x;
+  bool aligned;  // load_values' wide loads fit x
+
+  __device__ __forceinline__ float at(int i) const { return to_float(x[i]); }
+  template <int V>
+  __device__ __forceinline__ void load(int base, float (&v)[V]) const {
+    load_values<V>(x + base, aligned, v);
+  }
+};
+
+// One RMS group (the published Mamba2 models): weight · g, gated as it is loaded, and the sum of
+// the g² a thread loaded kept in sum_sq. The transform is linear, so the row's inverse RMS scales
+// its outputs instead (an order of roundings of its own: codes within one step, as the signed sums).
+template <typename In>
+struct GatedRowInput {
+  const In* __restrict__ x;
+  const int8_t* __restrict__ z;  // the row's codes
+  const Gate& gate;
+  bool aligned;  // the wide loads fit x, z and the weight
+  mutable float sum_sq = 0.f;
+
+  // weight · g, with g² added to sum_sq.
+  __device__ __forceinline__ float weighted(float g, float weight) const {
+    sum_sq = fmaf(g, g, sum_sq);
+    return gate.weight != nullptr ? __fmul_rn(g, weight) : g;
+  }
+  __device__ __forceinline__ float at(int i) const {
+    return weighted(gated(to_float(x[i]), z[i], gate.z_scale), gate.weight != nullptr ? gate.weight[i] : 1.f);
+  }
+  template <int V>
+  __device__ __forceinline__ void load(int base, float (&v)[V]) const {
+    load_values<V>(x + base, aligned, v);
+    int8_t codes[V];
+    load_elements<V>(z + base, aligned, codes);
+    float weights[V];
+    if (gate.weight != nullptr) {
+      load_elements<V>(gate.weight + base, aligned, weights);
+    } else {
+#pragma unroll
+      for (int r = 0; r < V; ++r) weights[r] = 1.f;
+    }
+#pragma unroll
+    for (int r = 0; r < V; ++r) v[r] = weighted(gated(v[r], codes[r], gate.z_scale), weights[r]);
+  }
+};
+
+// Several RMS groups: the g of gate_row in buf, times their group's inverse RMS and the weight.
+struct NormedInput {
   const float* buf;
   const Gate& gate;
   const float* inv_rms;
-  int n;
-  bool aligned;  // load_values' wide loads fit x
 
   __device__ __forceinline__ float at(int i) const {
-    if constexpr (kGated) {
-      const float inverse = inv_rms[gate.group_size >= n ? 0 : i / gate.group_size];
-      const float normed = __fmul_rn(buf[i], inverse);
-      return gate.weight != nullptr ? __fmul_rn(normed, gate.weight[i]) : normed;
-    } else {
-      return to_float(x[i]);
-    }
+    const float normed = __fmul_rn(buf[i], inv_rms[i / gate.group_size]);
+    return gate.weight != nullptr ? __fmul_rn(normed, gate.weight[i]) : normed;
   }
-
   template <int V>
   __device__ __forceinline__ void load(int base, float (&v)[V]) const {
-    if constexpr (kGated) {
 #pragma unroll
-      for (int r = 0; r < V; ++r) v[r] = at(base + r);
-    } else {
-      load_values<V>(x + base, aligned, v);
-    }
+    for (int r = 0; r < V; ++r) v[r] = at(base + r);
   }
 };
 
@@ -288,23 +337,10 @@ __device__ __forceinline__ void signed_sums_by_quads(const float* buf, int8_t* _
   for (int a = 0; a < M; ++a) out[a * p + b] = quantize_output(acc[a], norm, out_inv_scale);
 }
 
-// One block per row and slice of positions: the butterflies of the whole row (registers, then
-// shared memory), then the signed sums of each position b of the slice, the M outputs of a position
-// shared out among up to blockDim / (p / slices) threads. At decode a row is split into slices
-// (gridDim.y) so that more SMs issue its signed sums; each repeats the row's butterflies, which
-// cost less. V = 0: p < 32, every stage in shared memory.
-template <int M, int V, typename In, bool kGated>
-__global__ void __launch_bounds__(1024)
-hadamard_quant_kernel(const In* __restrict__ x, const Gate gate, int8_t* __restrict__ q, int n,
-                      int p, float norm, float out_inv_scale) {
-  quamba::pdl_launch_dependents();  // the next GEMV may start loading its weights (pdl.cuh)
-  quamba::pdl_wait();                // x comes from the kernel before
-  extern __shared__ float buf[];
-  __shared__ float inv_rms[kGated ? kMaxGateGroups : 1];
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * n;
-  if constexpr (kGated) gate_row(x + row, gate.z + blockIdx.x * gate.z_row_stride, gate, buf, n, inv_rms);
-  const RowInput<In, kGated> input{x + row, buf, gate, inv_rms, n,
-                                   V > 0 && wide_loads_fit<(V > 0 ? V : 1)>(x)};
+// The butterflies of a row's input (registers, then shared memory) into buf. V = 0: p < 32,
+// every stage in shared memory.
+template <int V, typename Input>
+__device__ void transform_row(const Input& input, float* buf, int n, int p) {
   int first_half = 1;
   if constexpr (V > 0) {
     walsh_hadamard_segments<V>(input, buf, n);
@@ -313,6 +349,45 @@ hadamard_quant_kernel(const In* __restrict__ x, const Gate gate, int8_t* __restr
     for (int i = threadIdx.x; i < n; i += blockDim.x) buf[i] = input.at(i);
   }
   walsh_hadamard_shared(buf, n, p, first_half);
+}
+
+// transform_row of row x (and z), returning the factor of its outputs: norm, times the row's
+// inverse RMS where one RMS group gates it (GatedRowInput).
+template <int V, typename In, bool kGated>
+__device__ float transform_input(const In* __restrict__ x, const int8_t* __restrict__ z,
+                                 const Gate& gate, float* buf, int n, int p, float norm) {
+  constexpr int kV = V > 0 ? V : 1;
+  if constexpr (!kGated) {
+    transform_row<V>(PlainInput<In>{x, wide_loads_fit<kV>(x)}, buf, n, p);
+    return norm;
+  } else if (gate.group_size >= n) {
+    const bool aligned = wide_loads_fit<kV>(x) && wide_loads_fit<kV>(z) &&
+                         (gate.weight == nullptr || wide_loads_fit<kV>(gate.weight));
+    const GatedRowInput<In> input{x, z, gate, aligned};
+    transform_row<V>(input, buf, n, p);
+    return __fmul_rn(norm, inverse_rms(block_sum(input.sum_sq), n, gate.eps));
+  } else {
+    __shared__ float inv_rms[kMaxGateGroups];
+    gate_row(x, z, gate, buf, n, inv_rms);
+    transform_row<V>(NormedInput{buf, gate, inv_rms}, buf, n, p);
+    return norm;
+  }
+}
+
+// One block per row and slice of positions: the butterflies of the whole row, then the signed
+// sums of each position b of the slice, the M outputs of a position shared out among up to
+// blockDim / (p / slices) threads. At decode a row is split into slices (gridDim.y) so that more
+// SMs issue its signed sums; each repeats the row's butterflies (and gate), which cost less.
+template <int M, int V, typename In, bool kGated>
+__global__ void __launch_bounds__(1024)
+hadamard_quant_kernel(const In* __restrict__ x, const Gate gate, int8_t* __restrict__ q, int n,
+                      int p, float norm, float out_inv_scale) {
+  quamba::pdl_launch_dependents();  // the next GEMV may start loading its weights (pdl.cuh)
+  quamba::pdl_wait();                // x comes from the kernel before
+  extern __shared__ float buf[];
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * n;
+  const float factor = transform_input<V, In, kGated>(x + row, gate.z + blockIdx.x * gate.z_row_stride,
+                                                      gate, buf, n, p, norm);
   const int positions = p / gridDim.y, first_position = blockIdx.y * positions;
   const int groups = max(1, min(M, static_cast<int>(blockDim.x) / positions));
   // Whole warps where a slice has 32 positions or more: a warp's threads share one group.
@@ -322,11 +397,11 @@ hadamard_quant_kernel(const In* __restrict__ x, const Gate gate, int8_t* __restr
   for (int b = threadIdx.x % threads_per_group; b < positions; b += threads_per_group) {
     if constexpr (M % 4 == 0) {
       if (groups == 1) {
-        signed_sums_by_quads<M>(buf, q + row, p, first_position + b, norm, out_inv_scale);
+        signed_sums_by_quads<M>(buf, q + row, p, first_position + b, factor, out_inv_scale);
         continue;
       }
     }
-    signed_sums<M>(buf, q + row, p, first_position + b, group, groups, norm, out_inv_scale);
+    signed_sums<M>(buf, q + row, p, first_position + b, group, groups, factor, out_inv_scale);
   }
 }
 

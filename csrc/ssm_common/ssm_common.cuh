@@ -49,6 +49,23 @@ __device__ __forceinline__ float silu_rn(float y) {
   return __fdiv_rn(y, __fadd_rn(1.f, expf(-y)));
 }
 
+// silu_rn(y) = y / (1 + expf(-y)), with the division as div.rn's own fast path (reciprocal, one
+// Newton step, one residual correction: the correctly rounded quotient for operands in the normal
+// range) without the range check (FCHK) that sends other operands to a slow path. The divisor
+// is in [1, inf]; the only operands outside that range are a divisor of 2^126 or more (y below
+// about -87, where the reciprocal flushes to zero) or a subnormal y: there the exact quotient
+// has magnitude below 1e-36, and it and the zero (or subnormal) this returns both quantize to
+// code 0. Clamping the divisor to FLT_MAX keeps inf · 0 out of the Newton step. So the int8
+// codes equal the reference's (checked on ~630 M codes, benchmarks/notes_ssm_perf.md).
+__device__ __forceinline__ float silu_codes(float y) {
+  const float d = fminf(__fadd_rn(1.f, expf(-y)), 3.40282347e38f);
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(d));
+  r = fmaf(r, fmaf(-d, r, 1.f), r);
+  const float q = __fmul_rn(y, r);
+  return fmaf(fmaf(-d, q, y), r, q);
+}
+
 // PyTorch's softplus (beta 1, threshold 20): x if x > 20 else log1p(exp(x)).
 __device__ __forceinline__ float softplus(float x) {
   return x > 20.f ? x : log1pf(expf(x));

@@ -34,15 +34,24 @@ def conv_case(dim, width, seed):
 
 
 def in_layout(xbc, layout):
-    """[batch, dim, seqlen] codes as the module passes them (a transposed view of in_proj's
-    [batch, seqlen, ·] output, channel-last) or contiguous."""
-    if layout == "module":
+    """[batch, dim, seqlen] codes as the module passes them ("slice": a transposed view of xBC's
+    channels inside in_proj's wider [batch, seqlen, ·] output rows), channel-last on their own
+    ("channel_last") or contiguous."""
+    if layout == "slice":
+        batch, dim, seqlen = xbc.shape
+        rows = torch.zeros(batch, seqlen, 32 + dim + 16, dtype=xbc.dtype, device=xbc.device)
+        rows[..., 32:32 + dim] = xbc.transpose(1, 2)
+        return rows[..., 32:32 + dim].transpose(1, 2)
+    if layout == "channel_last":
         return xbc.transpose(1, 2).contiguous().transpose(1, 2)
     return xbc.contiguous()
 
 
-@pytest.mark.parametrize("layout", ["module", "contiguous"])
-@pytest.mark.parametrize("batch,dim,seqlen,width", [(1, 1792, 1024, 4), (3, 200, 37, 4), (2, 40, 9, 3)])
+# (1, 1792, 1024) and (2, 64, 48) take the vector kernels in every layout, (3, 200, 37) and
+# (2, 40, 9) the scalar ones.
+@pytest.mark.parametrize("layout", ["slice", "channel_last", "contiguous"])
+@pytest.mark.parametrize("batch,dim,seqlen,width",
+                         [(1, 1792, 1024, 4), (2, 64, 48, 3), (3, 200, 37, 4), (2, 40, 9, 3)])
 @pytest.mark.parametrize("int8_out", [True, False])
 def test_channelwise_conv_matches_the_reference(layout, batch, dim, seqlen, width, int8_out):
     case = conv_case(dim, width, seed=dim + seqlen)

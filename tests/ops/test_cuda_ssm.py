@@ -753,7 +753,8 @@ def test_small_hadamard_quant_rejects_other_sign_matrices():
 
 # Mamba2's gated RMSNorm before the transform (one kernel): (n, group_size) of Mamba2 sizes, one
 # group (the published models) and several (Codestral's 8), odd and power-of-two transforms.
-GATED_SIZES = [(5120, 5120), (5120, 640), (1536, 1536), (2560, 320), (4096, 4096), (40, 20)]
+GATED_SIZES = [(5120, 5120), (5120, 640), (1536, 1536), (2560, 320), (4096, 4096), (896, 896), (40, 40),
+               (40, 20)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
@@ -761,11 +762,14 @@ GATED_SIZES = [(5120, 5120), (5120, 640), (1536, 1536), (2560, 320), (4096, 4096
 @pytest.mark.parametrize("n,group_size", GATED_SIZES)
 def test_gated_norm_hadamard_quant_matches_the_chain(n, group_size, rows, dtype):
     """Against the torch chain gated_rms_norm → hadamard_quant, z a slice of wider int8 rows (as
-    in_proj's output), with and without a norm weight: codes within one step."""
+    in_proj's output; one byte in, the kernel cannot use its wide loads), with and without a norm
+    weight: codes within one step."""
     seed_for("gated-hadamard", n, group_size, rows, dtype)
     y = torch.randn(rows, n, device=DEVICE).to(dtype)
-    z = codes(rows, n + 48)[:, 16:16 + n]
-    for weight in (None, torch.rand(n, device=DEVICE) + 0.5):
+    wide_rows = codes(rows, n + 48)
+    cases = [(wide_rows[:, 16:16 + n], None), (wide_rows[:, 16:16 + n], torch.rand(n, device=DEVICE) + 0.5),
+             (wide_rows[:, 1:1 + n], None)]
+    for z, weight in cases:
         args = (y, z, 0.03, weight, group_size, 1e-5, 0.02)
         prime_allocator((y.numel(), torch.int8))
         q = gated_norm_hadamard_quant(*args, backend_name="cuda")
