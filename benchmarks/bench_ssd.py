@@ -10,6 +10,8 @@ Python wrapper alone outlasts its kernels at batch 1). Shapes: Mamba2-2.7B's hea
 --step adds the decode step (``qssd_state_update``, int8 state) at batch 1 to 64 for each number of
 a head's channels per program (STEP_BLOCK_P of quamba.ops.cuda_backend.ssd), against mamba-ssm's
 ``selective_state_update`` (Triton) on an fp32 state, the layout its Mamba2 step passes.
+--state_tiles adds the int8 prefill for each tile of its pass 1 (the chunks' own states:
+STATE_BLOCK_T steps, STATE_BLOCK_N states, STATE_WARPS warps a program).
 """
 from __future__ import annotations
 
@@ -74,6 +76,27 @@ def step_inputs(batch):
     return step, state, baseline
 
 
+STATE_TILES = [(t, n, w) for t in (32, 64) for n in (64, 128) for w in (4, 8)]
+
+
+def state_tile_rows(replays: int) -> list[dict]:
+    """The int8 prefill's time per pass-1 tile (STATE_TILES), at each of SHAPES."""
+    from quamba.ops.cuda_backend import ssd
+    default = ssd.STATE_BLOCK_T, ssd.STATE_BLOCK_N, ssd.STATE_WARPS
+    rows = []
+    for batch, seqlen in SHAPES:
+        int8, fp16 = inputs(batch, seqlen)
+        row = {"batch": batch, "seqlen": seqlen}
+        for tile in STATE_TILES:
+            ssd.STATE_BLOCK_T, ssd.STATE_BLOCK_N, ssd.STATE_WARPS = tile
+            row["t{}_n{}_w{}_us".format(*tile)] = 1e3 * common.time_graph_ms(
+                lambda _: lambda: qssd_scan(**int8, backend_name="cuda"), 4 * fp16["x"].numel(),
+                replays=replays)
+        ssd.STATE_BLOCK_T, ssd.STATE_BLOCK_N, ssd.STATE_WARPS = default
+        rows.append(row)
+    return rows
+
+
 def step_rows(replays: int) -> list[dict]:
     from quamba.ops.cuda_backend import ssd
     from quamba.ops.qssd import qssd_state_update
@@ -109,6 +132,8 @@ def step_rows(replays: int) -> list[dict]:
 def main():
     def options(parser):
         parser.add_argument("--step", action="store_true", help="also time the decode step")
+        parser.add_argument("--state_tiles", action="store_true",
+                            help="also time the int8 prefill for each tile of its pass 1")
     args = common.parse_args(__doc__.splitlines()[0], options)
     torch.manual_seed(0)
     baseline, note = mamba_ssm_scan()
@@ -142,8 +167,11 @@ def main():
     if steps:
         print(common.format_table(steps, ["batch"] + [f"int8_p{p}_us" for p in STEP_BLOCKS]
                                   + ["mamba_ssm_us"], "\nMamba2 decode step, µs per call"))
+    tiles = state_tile_rows(5 if args.quick else 30) if args.state_tiles else []
+    if tiles:
+        print(common.format_table(tiles, list(tiles[0]), "\nint8 prefill per pass-1 tile, µs per call"))
     common.write_json(args.out, {"meta": meta, "rows": rows, "step_rows": steps,
-                                 "notes": [note] if note else []})
+                                 "state_tile_rows": tiles, "notes": [note] if note else []})
 
 
 if __name__ == "__main__":
