@@ -55,13 +55,9 @@ __host__ __device__ constexpr uint32_t base_column(int a) {
   }
 }
 
-// The widest load (16, 8, 4, 2 or 1 bytes) that divides V values of T: load_elements' unit.
-template <int V, typename T, int kBytes = V * static_cast<int>(sizeof(T))>
-using LoadChunk = std::conditional_t<
-    kBytes % 16 == 0, uint4,
-    std::conditional_t<kBytes % 8 == 0, uint2,
-                       std::conditional_t<kBytes % 4 == 0, uint32_t,
-                                          std::conditional_t<kBytes % 2 == 0, uint16_t, uint8_t>>>>;
+// load_elements' unit for V values of T.
+template <int V, typename T>
+using LoadChunk = WideChunk<V * static_cast<int>(sizeof(T))>;
 
 // V consecutive elements of src: in LoadChunk loads when src is aligned to them (`aligned`), else
 // one element at a time.

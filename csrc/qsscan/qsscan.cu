@@ -811,16 +811,10 @@ struct StateInputs {
   float A, B, C, drive;
 };
 
-// The widest load of a row of kBytes bytes (a multiple of its size).
-template <int kBytes>
-using RowChunk = std::conditional_t<
-    kBytes % 16 == 0, int4,
-    std::conditional_t<kBytes % 8 == 0, int2, std::conditional_t<kBytes % 4 == 0, int, char>>>;
-
-// kCount consecutive values at p (aligned to 16 bytes or to the row's size) in RowChunk pieces.
+// kCount consecutive values at p (aligned to 16 bytes or to the row's size) in WideChunk pieces.
 template <int kCount, typename T>
 __device__ __forceinline__ void load_row(const T* p, T (&out)[kCount]) {
-  using Chunk = RowChunk<kCount * sizeof(T)>;
+  using Chunk = WideChunk<kCount * sizeof(T)>;
 #pragma unroll
   for (int i = 0; i < static_cast<int>(kCount * sizeof(T) / sizeof(Chunk)); ++i) {
     const Chunk chunk = reinterpret_cast<const Chunk*>(p)[i];
@@ -830,7 +824,7 @@ __device__ __forceinline__ void load_row(const T* p, T (&out)[kCount]) {
 
 template <int kCount, typename T>
 __device__ __forceinline__ void store_row(T* p, const T (&values)[kCount]) {
-  using Chunk = RowChunk<kCount * sizeof(T)>;
+  using Chunk = WideChunk<kCount * sizeof(T)>;
 #pragma unroll
   for (int i = 0; i < static_cast<int>(kCount * sizeof(T) / sizeof(Chunk)); ++i) {
     Chunk chunk;

@@ -19,6 +19,15 @@ namespace quamba_ssm {
 
 constexpr float kInt8Max = 127.f;
 
+// The widest memory access (16, 8, 4, 2 or 1 bytes) that divides kBytes: the unit in which a row
+// of kBytes bytes, aligned to it, is loaded or stored whole.
+template <int kBytes>
+using WideChunk = std::conditional_t<
+    kBytes % 16 == 0, uint4,
+    std::conditional_t<kBytes % 8 == 0, uint2,
+                       std::conditional_t<kBytes % 4 == 0, uint32_t,
+                                          std::conditional_t<kBytes % 2 == 0, uint16_t, uint8_t>>>>;
+
 // quantize(): clamp(rne(x · inv), -127, 127) with the multiply rounded on its own (no FMA
 // contraction into a neighbouring add), exactly as quamba.ops.quant.quantize.
 __device__ __forceinline__ int8_t quantize_rn(float x, float inv_scale) {
