@@ -76,16 +76,9 @@ def quantized(fp_model, w_bits):
     return quamba.quantize(fp_model, config=config, calib_data=calib, progress=False)
 
 
-# W4A8's fused tokens leave the unfused chain's after 7-60 steps (H200, 2026-11-26: at ea0eb49,
-# d376697 and 2423a1c; benchmarks/RESULTS.md). The op promises integer outputs within one step,
-# not bit for bit. Strict: the day they agree, this marker must go.
-W4A8_DIVERGES = pytest.mark.xfail(strict=True, reason="W4A8 fused decode's greedy tokens diverge "
-                                  "from the unfused chain's (known, measured)")
-
-
 @needs_extension
 @pytest.mark.parametrize("state_cache", ["int8", "fp32"])
-@pytest.mark.parametrize("w_bits", [8, pytest.param(4, marks=W4A8_DIVERGES)], ids=["w8a8", "w4a8"])
+@pytest.mark.parametrize("w_bits", [8, 4], ids=["w8a8", "w4a8"])
 def test_greedy_decoding_fused_is_unfused_over_128_tokens(fp_model, w_bits, state_cache):
     model = quantized(fp_model, w_bits).set_state_cache(state_cache)
     gen = torch.Generator(device=DEVICE).manual_seed(1)
