@@ -864,7 +864,8 @@ __device__ __forceinline__ float step_state(const StepArgs& a, const StateInputs
 }
 
 // Steps ``count`` (at most kStates) states of (b, d) from state index ``first`` (at ``offset``
-// in the state) and returns the sum of their terms of y in order. State is int8 codes or fp32;
+// in the state) and returns the sum of their terms of y as a pairwise tree, adjacent states first
+// (quamba.ops.selective_scan.state_readout's order). State is int8 codes or fp32;
 // a whole lane's states (and A_log codes) are read and written as rows where they are aligned.
 template <Discretization kMethod, int kStates, typename State>
 __device__ __forceinline__ float step_lane(const StepArgs& a, int b, int d, int first, int count,
@@ -890,25 +891,24 @@ __device__ __forceinline__ float step_lane(const StepArgs& a, int b, int d, int 
   a.B.load_row(b * a.B_st[0] + first * a.B_st[1], a.B_st[1], count, B);
   a.C.load_row(b * a.C_st[0] + first * a.C_st[1], a.C_st[1], count, C);
   State new_state[kStates];
-  float sum = 0.f;
+  float terms[kStates] = {};
 #pragma unroll
   for (int s = 0; s < kStates; ++s) {
     if (s < count) {
       const StateInputs in{-expf(dequantize(A_log_codes[s], a.params.A_log_scale)), B[s], C[s],
                            a.drive != nullptr ? a.drive[offset + s] : 0.f};
-      float h, term;
+      float h;
       if constexpr (std::is_same_v<State, int8_t>) {
         h = dequantize(old_state[s], a.state_scale);
       } else {
         h = old_state[s];
       }
-      const float h_new = step_state<kMethod>(a, in, h, u, delta, offset + s, term);
+      const float h_new = step_state<kMethod>(a, in, h, u, delta, offset + s, terms[s]);
       if constexpr (std::is_same_v<State, int8_t>) {
         new_state[s] = quantize_rn(h_new, a.state_inv_scale);
       } else {
         new_state[s] = h_new;
       }
-      sum = __fadd_rn(sum, term);
     }
   }
   if (rows) {
@@ -919,14 +919,22 @@ __device__ __forceinline__ float step_lane(const StepArgs& a, int b, int d, int 
       if (s < count) state[s] = new_state[s];
     }
   }
-  return sum;
+#pragma unroll
+  for (int width = 1; width < kStates; width *= 2) {
+#pragma unroll
+    for (int s = 0; s + width < kStates; s += 2 * width) {
+      terms[s] = __fadd_rn(terms[s], terms[s + width]);
+    }
+  }
+  return terms[0];
 }
 
 // One group of kLanes lanes per (batch, channel): lane l steps states l·kStates ...
-// (l+1)·kStates − 1 (those below dstate), sums its terms of C · h in order, and the group adds
-// the lanes' sums with shuffles. Many lanes a channel suit few channels (a batch-1 step: 5120 of
-// them, a lane a state); at large batch fewer lanes a channel compute Δ once for several states
-// and read and write their states as whole rows.
+// (l+1)·kStates − 1 (those below dstate) and sums its terms of C · h, and the group adds the
+// lanes' sums with shuffles, nearest lanes first: together the pairwise tree of state_readout.
+// Many lanes a channel suit few channels (a batch-1 step: 5120 of them, a lane a state); at large
+// batch fewer lanes a channel compute Δ once for several states and read and write their states
+// as whole rows.
 template <Discretization kMethod, int kLanes, int kStates, typename Out>
 __global__ void __launch_bounds__(kStepThreads) qsscan_update_kernel(const StepArgs a) {
   quamba::pdl_launch_dependents();  // the Hadamard kernel after it may launch (pdl.cuh)
@@ -949,7 +957,7 @@ __global__ void __launch_bounds__(kStepThreads) qsscan_update_kernel(const StepA
     }
   }
 #pragma unroll
-  for (int offset = kLanes / 2; offset > 0; offset /= 2) {
+  for (int offset = 1; offset < kLanes; offset *= 2) {
     contribution += __shfl_xor_sync(kFullMask, contribution, offset, kLanes);
   }
   if (valid_group && lane == 0) {

@@ -85,7 +85,8 @@ def qmixer_ssm_step(x, z, conv_state, ssm_state, conv: ConvWeights, x_proj, dt_p
     [batch, d_inner, d_state]; x_proj: W8A8Weight or W4A8Weight [dt_rank + 2 d_state, d_inner];
     dt_proj: W8A8Weight [d_inner, dt_rank]. The arithmetic is the chain's (module docstring): the
     integer outputs (u, x_proj's and dt_proj's codes, an int8 state) agree across backends to one
-    int8 step (exp and log1p differ by an ulp between libraries), y to the scan's tolerance.
+    int8 step (exp and log1p differ by an ulp between libraries), y to the scan's tolerance. On a
+    GPU the kernels and the chain of CUDA ops (the unfused step) agree bit for bit, y included.
     """
     _check(x, z, conv_state, ssm_state, conv, x_proj, dt_proj)
     impl = backend.select(OP, x.device, backend_name,
@@ -153,19 +154,29 @@ def x_proj_forward(x_proj, u, backend_name=None):
                        backend_name=backend_name)
 
 
+def chain_step(x, z, conv_state, ssm_state, conv, x_proj, dt_proj, params, scales,
+               out_dtype=torch.float16, backend_name=None):
+    """The step as the chain of separate ops (the op's torch backend runs it on their torch
+    references; the unfused decode step runs it on ``backend_name``'s): (y, u codes, x_proj's
+    codes, dt codes), the states stepped in place."""
+    u = qconv1d_update(x, conv_state, scales.xz, conv.weight, conv.weight_scale, conv.bias,
+                       conv.bias_scale, out_scale=scales.u, backend_name=backend_name)
+    x_dbl = x_proj_forward(x_proj, u, backend_name)
+    d_state = ssm_state.shape[2]
+    dt_low, B, C = torch.split(x_dbl, [dt_proj.weight.shape[1], d_state, d_state], dim=-1)
+    dt = w8a8_linear(dt_low, dt_proj.in_scale, dt_proj.weight, dt_proj.weight_scale,
+                     dt_proj.out_scale, backend_name=backend_name)
+    y = qsscan_update(ssm_state, scales.state, u, scales.u, dt, scales.dt, B, scales.xdbl, C,
+                      scales.xdbl, z, scales.xz, params, out_dtype=out_dtype,
+                      backend_name=backend_name)
+    return y, u, x_dbl, dt
+
+
 @backend.register(OP, "torch")
 def _qmixer_ssm_step_torch(x, z, conv_state, ssm_state, conv, x_proj, dt_proj, params, scales,
                            out_dtype):
-    u = qconv1d_update(x, conv_state, scales.xz, conv.weight, conv.weight_scale, conv.bias,
-                       conv.bias_scale, out_scale=scales.u, backend_name="torch")
-    d_state = ssm_state.shape[2]
-    dt_low, B, C = torch.split(x_proj_forward(x_proj, u, "torch"),
-                               [dt_proj.weight.shape[1], d_state, d_state], dim=-1)
-    dt = w8a8_linear(dt_low, dt_proj.in_scale, dt_proj.weight, dt_proj.weight_scale,
-                     dt_proj.out_scale, backend_name="torch")
-    return qsscan_update(ssm_state, scales.state, u, scales.u, dt, scales.dt, B, scales.xdbl, C,
-                         scales.xdbl, z, scales.xz, params, out_dtype=out_dtype,
-                         backend_name="torch")
+    return chain_step(x, z, conv_state, ssm_state, conv, x_proj, dt_proj, params, scales,
+                      out_dtype, backend_name="torch")[0]
 
 
 @backend.register(OP, "cuda", kernels=())

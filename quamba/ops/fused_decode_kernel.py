@@ -11,14 +11,16 @@ SSM side at decode in two Triton kernels.
    sums of the x_proj outputs it needs (all of dt_low, B and C: every program does) in K-block
    order, applies x_proj's W8A8 epilogue (one multiplier, or W4A8's one per output channel),
    runs dt_proj for its channels (int8 × int8 → int32, epilogue to dt codes) and the zoh state
-   update of its channels, and writes y gated by SiLU(z).
+   update of its channels, and writes y gated by SiLU(z), adding C · h in the order of the
+   QSScan step (quamba.ops.selective_scan.state_readout).
 
 No atomics, no synchronization between programs: integer sums make every result independent of
 the schedule. The arithmetic is the torch reference's operation by operation (quamba.ops.quant's
 rounding rule: round half to even of x · fp32(1/scale), saturated to ±127, nothing contracted
 into an FMA: the kernels are compiled with fp fusion off), so that the integer outputs match the
-chain of ops to one int8 step and y to the scan's tolerance. On a GPU exp and log1p are
-libdevice's (the CUDA kernels' expf and log1pf); under Triton's interpreter numpy's.
+chain of reference ops to one int8 step and y to the scan's tolerance. On a GPU exp and log1p are
+libdevice's (the CUDA kernels' expf and log1pf), and every output equals the chain of CUDA ops'
+bit for bit (tests/ops/test_cuda_fused_decode.py); under Triton's interpreter exp is numpy's.
 
 Tiles: at most 8 batch rows per program (decode's batch 1-8 is one row block; larger batches take
 more, each reading the weights again), and tiles of at most TILE elements. The
@@ -196,6 +198,21 @@ def _x_dbl_codes(partial_ptr, multipliers_ptr, multiplier, m, j, mask, batch, n_
 
 
 @triton.jit
+def _state_readout(h, C, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                   LEVELS_N: tl.constexpr):
+    """y [rows, channels] = Σ_n h[:, :, n] · C[:, n], summed in the order of
+    quamba.ops.selective_scan.state_readout (a pairwise tree over n, adjacent states first; h and
+    C are zero past d_state), which the unfused QSScan step shares: tl.sum's order is the
+    compiler's. BLOCK_N = 2^LEVELS_N."""
+    terms = h * C[:, None, :]
+    for level in tl.static_range(LEVELS_N):
+        pairs = tl.reshape(terms, (BLOCK_M, BLOCK_D, BLOCK_N >> (level + 1), 2))
+        even, odd = tl.split(pairs)
+        terms = even + odd
+    return tl.reshape(terms, (BLOCK_M, BLOCK_D))
+
+
+@triton.jit
 def _dt_proj_scan_kernel(partial_ptr, xdbl_multipliers_ptr, u_ptr, z_ptr, sz_b, sz_d, dt_proj_ptr,
                          state_ptr, y_ptr, A_log_ptr, D_ptr, dt_bias_ptr, x_dbl_out_ptr,
                          dt_out_ptr, batch, d_inner, d_state,
@@ -203,7 +220,8 @@ def _dt_proj_scan_kernel(partial_ptr, xdbl_multipliers_ptr, u_ptr, z_ptr, sz_b, 
                          state_scale, state_inverse, A_log_scale, D_scale, dt_bias_scale,
                          PER_CHANNEL: tl.constexpr, INT8_STATE: tl.constexpr,
                          WRITES_CODES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-                         BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, DT_RANK: tl.constexpr,
+                         BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, LEVELS_N: tl.constexpr,
+                         DT_RANK: tl.constexpr,
                          K_BLOCKS: tl.constexpr, K_CHUNK_R: tl.constexpr,
                          K_CHUNK_N: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr):
     _dependent_launch(PDL)
@@ -268,7 +286,7 @@ def _dt_proj_scan_kernel(partial_ptr, xdbl_multipliers_ptr, u_ptr, z_ptr, sz_b, 
     else:
         tl.store(state_ptr + offsets, h, mask=state_mask)
     D = tl.load(D_ptr + d, mask=d_mask, other=0).to(tl.float32) * D_scale
-    y = tl.sum(h * C[:, None, :], axis=2) + u * D[None, :]
+    y = _state_readout(h, C, BLOCK_M, BLOCK_D, BLOCK_N, LEVELS_N) + u * D[None, :]
     y = y * _silu(z, LIBDEVICE)
     tl.store(y_ptr + m[:, None] * d_inner + d[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -343,7 +361,7 @@ def _launch(x, z, conv_state, ssm_state, conv, x_proj, dt_proj, params, scales, 
         *(fp32_value(float(s)) for s in (params.A_log_scale, params.D_scale, params.dt_bias_scale)),
         PER_CHANNEL=xdbl_multipliers is not None, INT8_STATE=int8_state,
         WRITES_CODES=codes is not None, BLOCK_M=rows, BLOCK_D=block_d, BLOCK_R=block_r,
-        BLOCK_N=block_n, DT_RANK=dt_rank, K_BLOCKS=k_blocks,
+        BLOCK_N=block_n, LEVELS_N=block_n.bit_length() - 1, DT_RANK=dt_rank, K_BLOCKS=k_blocks,
         K_CHUNK_R=_k_chunk(k_blocks, rows * block_r), K_CHUNK_N=_k_chunk(k_blocks, rows * block_n),
         LIBDEVICE=LIBDEVICE_MATH, num_warps=NUM_WARPS, enable_fp_fusion=False, **launch)
     return y

@@ -145,9 +145,23 @@ def _selective_state_update_torch(state, u, delta, A, B, C, D, z, delta_bias, de
     # (as the drive is)
     new_state = decay * state.to(dtype, copy=True) + step_input
     state.copy_(new_state)
-    y = torch.einsum("bdn,bn->bd", new_state, C.to(dtype))
+    y = state_readout(new_state, C.to(dtype))
     if D is not None:
         y = y + u * D.to(dtype)
     if z is not None:
         y = y * F.silu(z.to(dtype))
     return y.to(out_dtype)
+
+
+def state_readout(state, C):
+    """y [batch, d_inner] = Σ_n state[:, :, n] · C[:, n] of a decode step, the products added as
+    a pairwise tree over n: adjacent states first, zero-padded to a power of two. That is the order
+    of quamba's decode-step kernels (the QSScan step's lanes, the fused Mamba1 step), so that they
+    agree on y bit for bit where their inputs agree: a 1-ulp difference in y can flip an int8 code
+    downstream and, at a near tie, a greedy token."""
+    terms = state * C.unsqueeze(1)
+    width = 1 << (terms.shape[-1] - 1).bit_length()
+    terms = F.pad(terms, (0, width - terms.shape[-1]))
+    while terms.shape[-1] > 1:
+        terms = terms[..., 0::2] + terms[..., 1::2]
+    return terms[..., 0]

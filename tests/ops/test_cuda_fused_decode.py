@@ -12,7 +12,7 @@ import quamba
 from quamba.models.config import preset_config
 from quamba.models.mamba import MambaLMHeadModel, randomize_
 from quamba.ops import backend
-from quamba.ops.fused_decode import qmixer_ssm_step
+from quamba.ops.fused_decode import chain_step, qmixer_ssm_step
 from tests.ops.fused_step_cases import (assert_codes_close, assert_floats_close, check_step,
                                         cloned_states, reference_step, step_case)
 
@@ -27,6 +27,10 @@ needs_extension = pytest.mark.skipif(
 DEVICE = torch.device("cuda")
 # (batch, d_inner, d_state, dt_rank): small, and Mamba-2.8B's layers at batch 1 and 8
 SHAPES = [(3, 300, 16, 19), (1, 5120, 16, 160), (8, 5120, 16, 160), (13, 1536, 16, 48)]
+# Against the CUDA chain: d_inner a multiple of the W4A8 GEMV's groups (64 here), d_state 16
+# (each of the QSScan step's lanes-per-channel variants) and 7 (padded to 8 lanes)
+CHAIN_SHAPES = [(3, 384, 16, 19), (1, 5120, 16, 160), (8, 5120, 16, 160), (13, 5120, 16, 160),
+                (5, 320, 7, 12)]
 N_LAYER, VOCAB, PROMPT_LEN, NEW_TOKENS = 2, 4096, 16, 128
 
 
@@ -44,6 +48,28 @@ def test_kernel_steps_match_the_reference_chain(shape, int4, int8_state):
                      device=DEVICE)
     for _ in range(4):
         check_step(case, torch.float16, kernel_step)
+
+
+@needs_extension
+@pytest.mark.parametrize("int8_state", [True, False], ids=["int8-state", "fp32-state"])
+@pytest.mark.parametrize("int4", [False, True], ids=["w8a8", "w4a8"])
+@pytest.mark.parametrize("shape", CHAIN_SHAPES, ids=str)
+def test_kernel_steps_are_the_cuda_chain_bit_for_bit(shape, int4, int8_state):
+    """Four steps against the chain of CUDA ops (the unfused decode step), each from the same
+    states: every output equal bit for bit, y included. Both add C · h in state_readout's order
+    (the QSScan step with each of its lanes-per-channel variants: batch 13 at d_inner 5120 takes
+    one lane a channel, batch 8 four, batch 1 sixteen), so that greedy decoding takes the same
+    tokens fused and unfused."""
+    case = step_case(*shape, int4=int4, int8_state=int8_state, group_size=64, device=DEVICE)
+    for _ in range(4):
+        ran = cloned_states(case)
+        fused = kernel_step(**ran, out_dtype=torch.float16)
+        chain = chain_step(**case, out_dtype=torch.float16, backend_name="cuda")
+        for name, out, ref in zip(("y", "u", "x_proj codes", "dt codes"), fused, chain):
+            assert torch.equal(out.view(torch.int8), ref.view(torch.int8)), name
+        assert torch.equal(ran["conv_state"], case["conv_state"]), "conv state"
+        assert torch.equal(ran["ssm_state"].view(torch.int8),
+                           case["ssm_state"].view(torch.int8)), "SSM state"
 
 
 @needs_extension

@@ -495,23 +495,51 @@ def test_small_qsscan_update_int8_state_matches_reference(batch, dim, out_dtype)
 def test_small_qsscan_update_lanes_match_reference(lanes, method, batch, dim):
     """Each lanes-per-channel variant of the step (0: the one the shape picks) against the torch
     step, int8 state: codes within one step, y within the float bound."""
-    from quamba.ops.cuda_backend.ssm import _input_scale, _param_args
-
     seed_for("scan-update-lanes", lanes, method, batch, dim)
+    case = lanes_case(batch, dim, method)
+    state_ref = case["state"].clone()
+    y = step_with_lanes(**case, lanes=lanes)
+    y_ref = run_step(state_ref, case["state_scale"], case["step"], case["params"], torch.float16,
+                     "torch", method)
+    assert_close_to(y, y_ref)
+    assert_codes_close(case["state"], state_ref)
+
+
+@pytest.mark.parametrize("method", [DEFAULT, "bilinear"])
+@pytest.mark.parametrize("batch,dim", [(8, 1536), (3, 40), (32, 2560)])
+def test_small_qsscan_update_lanes_agree_bit_for_bit(method, batch, dim):
+    """Every lanes-per-channel variant adds C · h in state_readout's pairwise order: the same y
+    and int8 state bit for bit (the fused Mamba1 step's y rests on that order too)."""
+    seed_for("scan-update-lanes-agree", method, batch, dim)
+    case = lanes_case(batch, dim, method)
+    outputs = []
+    for lanes in (16, 4, 1):
+        state = case["state"].clone()
+        outputs.append((step_with_lanes(**dict(case, state=state), lanes=lanes), state))
+    for y, state in outputs[1:]:
+        assert torch.equal(y.view(torch.int16), outputs[0][0].view(torch.int16))
+        assert torch.equal(state, outputs[0][1])
+
+
+def lanes_case(batch, dim, method) -> dict:
+    """An int8 state (a 4-step scan's last, quantized) and the inputs of the step after it."""
     inputs, params = scan_inputs(batch, dim, 4, "module", method=method), ssm_params(dim)
     _, h_last = run_scan(inputs, params, None, torch.float32, "torch", method)
     state_scale = float(scale_from_range(float(h_last.abs().max())))
-    state = quantize(h_last, state_scale)
-    state_ref = state.clone()
-    step, s = step_inputs(inputs, 3), scales_for(method)
-    y = torch.ops.quamba.qsscan_update(
+    return dict(state=quantize(h_last, state_scale), state_scale=state_scale,
+                step=step_inputs(inputs, 3), params=params, method=method)
+
+
+def step_with_lanes(state, state_scale, step, params, method, lanes):
+    """y (fp16) of the CUDA step with ``lanes`` lanes a channel; ``state`` stepped in place."""
+    from quamba.ops.cuda_backend.ssm import _input_scale, _param_args
+
+    s = scales_for(method)
+    return torch.ops.quamba.qsscan_update(
         state, _input_scale(state, state_scale), *(
             value for name in ("u", "dt", "B", "C", "z")
             for value in (step[name], _input_scale(step[name], s[f"{name}_scale"]))),
         *_param_args(params), torch.float16, discretization=method, lanes=lanes)
-    y_ref = run_step(state_ref, state_scale, step, params, torch.float16, "torch", method)
-    assert_close_to(y, y_ref)
-    assert_codes_close(state, state_ref)
 
 
 def test_small_qsscan_update_rejects_unknown_lanes():

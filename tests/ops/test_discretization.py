@@ -20,7 +20,7 @@ from quamba.ops.backend import BackendError
 from quamba.ops.discretization import METHODS, input_drive
 from quamba.ops.qsscan import SSMParams, qsscan, qsscan_last_drive, qsscan_update
 from quamba.ops.quant import quantize_weight
-from quamba.ops.selective_scan import selective_scan, selective_state_update
+from quamba.ops.selective_scan import selective_scan, selective_state_update, state_readout
 
 SCIPY_METHOD = {"zoh-exact": "zoh", "bilinear": "bilinear", "foh": "foh"}
 TINY = dict(d_model=32, n_layer=2, vocab_size=64, d_state=8)
@@ -259,10 +259,11 @@ def zoh_as_before(u, delta, A, B, C, D, z, delta_bias, delta_softplus):
 
 
 def zoh_step_as_before(state, u, delta, A, B, C, D, z, delta_bias, delta_softplus):
-    """The decode step's arithmetic before discretizations existed: (y, new state)."""
+    """The decode step's arithmetic before discretizations existed: (y, new state). C · h is
+    added in the decode kernels' pairwise order (state_readout), which the step took later."""
     delta = F.softplus(delta + delta_bias)
     state = torch.exp(delta.unsqueeze(-1) * A) * state + (delta * u).unsqueeze(-1) * B.unsqueeze(1)
-    y = torch.einsum("bdn,bn->bd", state, C) + u * D
+    y = state_readout(state, C) + u * D
     return y * F.silu(z), state
 
 
