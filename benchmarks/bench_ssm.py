@@ -18,7 +18,9 @@ chunked one (config 2, the default) at several chunk lengths.
 step (batch 1 and 8) for every discretization of quamba.ops.discretization, with each one's time
 over zoh's (``vs_zoh``) on the same inputs.
 
-    python benchmarks/bench_ssm.py --out results_ssm.json [--configs | --discretizations]
+``--decode`` times only the decode steps, at batch 1, 8, 16, 32, 64 and 128.
+
+    python benchmarks/bench_ssm.py --out results_ssm.json [--configs | --discretizations | --decode]
 """
 from __future__ import annotations
 
@@ -238,6 +240,7 @@ def bench_norm_hadamard(timer, seqlen):
 # ---- decode ----------------------------------------------------------------------------------
 
 DECODE_BATCHES = (1, 8, 32, 64)
+DECODE_ONLY_BATCHES = (1, 8, 16, 32, 64, 128)  # --decode
 
 
 def bench_decode(timer, fns, batch):
@@ -301,6 +304,8 @@ def add_options(parser):
                         help="also time every launch configuration of the QSScan kernel")
     parser.add_argument("--discretizations", action="store_true",
                         help="time QSScan for every discretization instead (ratio to zoh)")
+    parser.add_argument("--decode", action="store_true",
+                        help="time only the decode steps, at batch 1, 8, 16, 32, 64 and 128")
 
 
 def main():
@@ -312,14 +317,19 @@ def main():
     if args.discretizations:
         return report_discretizations(timer, args.out, bandwidth)
     rows = []
-    for batch, seqlen in SCAN_SHAPES[:2] if args.quick else SCAN_SHAPES:
-        rows += bench_scan(timer, baselines["fns"], batch, seqlen)
-        if args.configs:
-            rows += bench_scan_configs(timer, batch, seqlen)
-    for seqlen in SEQLENS:
-        rows += bench_conv(timer, baselines["fns"], seqlen)
-        rows += bench_norm_hadamard(timer, seqlen)
-    for batch in DECODE_BATCHES[:1] if args.quick else DECODE_BATCHES:
+    if not args.decode:
+        for batch, seqlen in SCAN_SHAPES[:2] if args.quick else SCAN_SHAPES:
+            rows += bench_scan(timer, baselines["fns"], batch, seqlen)
+            if args.configs:
+                rows += bench_scan_configs(timer, batch, seqlen)
+        for seqlen in SEQLENS:
+            rows += bench_conv(timer, baselines["fns"], seqlen)
+            rows += bench_norm_hadamard(timer, seqlen)
+    if args.decode:
+        decode_batches = DECODE_ONLY_BATCHES
+    else:
+        decode_batches = DECODE_BATCHES[:1] if args.quick else DECODE_BATCHES
+    for batch in decode_batches:
         rows += bench_decode(timer, baselines["fns"], batch)
     meta = common.run_metadata()
     title = (f"SSM kernels on {meta['device']} (d_inner {D_INNER}, d_state "

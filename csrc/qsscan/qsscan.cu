@@ -863,53 +863,74 @@ __device__ __forceinline__ float step_state(const StepArgs& a, const StateInputs
   return h_new;
 }
 
-// Steps ``count`` (at most kStates) states of (b, d) from state index ``first`` (at ``offset``
-// in the state) and returns the sum of their terms of y as a pairwise tree, adjacent states first
-// (quamba.ops.selective_scan.state_readout's order). State is int8 codes or fp32;
-// a whole lane's states (and A_log codes) are read and written as rows where they are aligned.
-template <Discretization kMethod, int kStates, typename State>
-__device__ __forceinline__ float step_lane(const StepArgs& a, int b, int d, int first, int count,
-                                           int64_t offset, float u, float delta) {
-  State* state = static_cast<State*>(a.state) + offset;
+// A_n = −exp(A_log_n) of channel d's states first ... first + count − 1 (count at most kStates;
+// read as a row where it is whole and aligned).
+template <int kStates>
+__device__ __forceinline__ void load_A(const StepArgs& a, int d, int first, int count,
+                                       float (&A)[kStates]) {
   const int8_t* A_log = a.params.A_log + d * a.dstate + first;
-  const bool rows = count == kStates && a.rows_aligned;
-  State old_state[kStates];
-  int8_t A_log_codes[kStates];
-  if (rows) {
-    load_row<kStates>(state, old_state);
-    load_row<kStates>(A_log, A_log_codes);
+  int8_t codes[kStates];
+  if (count == kStates && a.rows_aligned) {
+    load_row<kStates>(A_log, codes);
   } else {
 #pragma unroll
     for (int s = 0; s < kStates; ++s) {
-      if (s < count) {
-        old_state[s] = state[s];
-        A_log_codes[s] = A_log[s];
-      }
+      if (s < count) codes[s] = A_log[s];
     }
   }
-  float B[kStates], C[kStates];
-  a.B.load_row(b * a.B_st[0] + first * a.B_st[1], a.B_st[1], count, B);
-  a.C.load_row(b * a.C_st[0] + first * a.C_st[1], a.C_st[1], count, C);
-  State new_state[kStates];
-  float terms[kStates] = {};
 #pragma unroll
   for (int s = 0; s < kStates; ++s) {
+    if (s < count) A[s] = -expf(dequantize(codes[s], a.params.A_log_scale));
+  }
+}
+
+// Steps ``count`` (at most kStates) states of one (b, d) at ``offset`` in the state, given their
+// A, B and C (B and C in registers or shared memory), and returns the sum of their terms of y as a
+// pairwise tree, adjacent states first (quamba.ops.selective_scan.state_readout's order), zero
+// past count. The tree is built as the terms come: pending[k] holds the sum of the last whole
+// block of 2^k terms, so that at most log2(kStates) + 1 partial sums are live. State is int8
+// codes or fp32; a lane's states are read and written as a row where they are whole and aligned.
+template <Discretization kMethod, int kStates, typename State>
+__device__ __forceinline__ float step_lane(const StepArgs& a, int count, int64_t offset, float u,
+                                           float delta, const float (&A)[kStates], const float* B,
+                                           const float* C) {
+  State* state = static_cast<State*>(a.state) + offset;
+  const bool rows = count == kStates && a.rows_aligned;
+  State old_state[kStates];
+  if (rows) {
+    load_row<kStates>(state, old_state);
+  } else {
+#pragma unroll
+    for (int s = 0; s < kStates; ++s) {
+      if (s < count) old_state[s] = state[s];
+    }
+  }
+  State new_state[kStates];
+  constexpr int kLevels = kStates == 1 ? 1 : kStates == 4 ? 3 : 5;
+  static_assert(kStates == 1 || kStates == 4 || kStates == 16, "states a lane: 1, 4 or 16");
+  float pending[kLevels];
+#pragma unroll
+  for (int s = 0; s < kStates; ++s) {
+    float term = 0.f;
     if (s < count) {
-      const StateInputs in{-expf(dequantize(A_log_codes[s], a.params.A_log_scale)), B[s], C[s],
-                           a.drive != nullptr ? a.drive[offset + s] : 0.f};
+      const StateInputs in{A[s], B[s], C[s], a.drive != nullptr ? a.drive[offset + s] : 0.f};
       float h;
       if constexpr (std::is_same_v<State, int8_t>) {
         h = dequantize(old_state[s], a.state_scale);
       } else {
         h = old_state[s];
       }
-      const float h_new = step_state<kMethod>(a, in, h, u, delta, offset + s, terms[s]);
+      const float h_new = step_state<kMethod>(a, in, h, u, delta, offset + s, term);
       if constexpr (std::is_same_v<State, int8_t>) {
         new_state[s] = quantize_rn(h_new, a.state_inv_scale);
       } else {
         new_state[s] = h_new;
       }
     }
+    int level = 0;
+#pragma unroll
+    for (; (s >> level) & 1; ++level) term = __fadd_rn(pending[level], term);
+    pending[level] = term;
   }
   if (rows) {
     store_row<kStates>(state, new_state);
@@ -919,22 +940,32 @@ __device__ __forceinline__ float step_lane(const StepArgs& a, int b, int d, int 
       if (s < count) state[s] = new_state[s];
     }
   }
-#pragma unroll
-  for (int width = 1; width < kStates; width *= 2) {
-#pragma unroll
-    for (int s = 0; s + width < kStates; s += 2 * width) {
-      terms[s] = __fadd_rn(terms[s], terms[s + width]);
-    }
-  }
-  return terms[0];
+  return pending[kLevels - 1];
+}
+
+template <Discretization kMethod, int kStates>
+__device__ __forceinline__ float step_lane(const StepArgs& a, int count, int64_t offset, float u,
+                                           float delta, const float (&A)[kStates], const float* B,
+                                           const float* C) {
+  return a.state_int8
+             ? step_lane<kMethod, kStates, int8_t>(a, count, offset, u, delta, A, B, C)
+             : step_lane<kMethod, kStates, float>(a, count, offset, u, delta, A, B, C);
+}
+
+// y of (b, d) from its sum of C · h: + D u, times SiLU(z).
+template <typename Out>
+__device__ __forceinline__ void store_y(const StepArgs& a, int b, int d, float sum, float u) {
+  float y = __fadd_rn(sum, __fmul_rn(u, a.params.skip(d)));
+  if (a.z.data != nullptr) y = __fmul_rn(y, silu_rn(a.z.load(b * a.z_st[0] + d * a.z_st[1])));
+  static_cast<Out*>(a.y)[static_cast<int64_t>(b) * a.dim + d] = from_float<Out>(y);
 }
 
 // One group of kLanes lanes per (batch, channel): lane l steps states l·kStates ...
 // (l+1)·kStates − 1 (those below dstate) and sums its terms of C · h, and the group adds the
 // lanes' sums with shuffles, nearest lanes first: together the pairwise tree of state_readout.
-// Many lanes a channel suit few channels (a batch-1 step: 5120 of them, a lane a state); at large
-// batch fewer lanes a channel compute Δ once for several states and read and write their states
-// as whole rows.
+// Many lanes a channel suit few channels (a batch-1 step: 5120 of them, a lane a state); at
+// larger batch 4 lanes a channel compute Δ once for several states and read and write their
+// states as whole rows.
 template <Discretization kMethod, int kLanes, int kStates, typename Out>
 __global__ void __launch_bounds__(kStepThreads) qsscan_update_kernel(const StepArgs a) {
   quamba::pdl_launch_dependents();  // the Hadamard kernel after it may launch (pdl.cuh)
@@ -949,22 +980,52 @@ __global__ void __launch_bounds__(kStepThreads) qsscan_update_kernel(const StepA
     u = a.u.load(b * a.u_st[0] + d * a.u_st[1]);
     if (first < a.dstate) {
       const float delta = step_delta(a, b, d);
-      const int64_t offset = static_cast<int64_t>(group) * a.dstate + first;
       const int count = min(kStates, a.dstate - first);
-      contribution =
-          a.state_int8 ? step_lane<kMethod, kStates, int8_t>(a, b, d, first, count, offset, u, delta)
-                       : step_lane<kMethod, kStates, float>(a, b, d, first, count, offset, u, delta);
+      float A[kStates], B[kStates], C[kStates];
+      load_A<kStates>(a, d, first, count, A);
+      a.B.load_row(b * a.B_st[0] + first * a.B_st[1], a.B_st[1], count, B);
+      a.C.load_row(b * a.C_st[0] + first * a.C_st[1], a.C_st[1], count, C);
+      const int64_t offset = static_cast<int64_t>(group) * a.dstate + first;
+      contribution = step_lane<kMethod, kStates>(a, count, offset, u, delta, A, B, C);
     }
   }
 #pragma unroll
   for (int offset = 1; offset < kLanes; offset *= 2) {
     contribution += __shfl_xor_sync(kFullMask, contribution, offset, kLanes);
   }
-  if (valid_group && lane == 0) {
-    float y = __fadd_rn(contribution, __fmul_rn(u, a.params.skip(d)));
-    if (a.z.data != nullptr) y = __fmul_rn(y, silu_rn(a.z.load(b * a.z_st[0] + d * a.z_st[1])));
-    static_cast<Out*>(a.y)[group] = from_float<Out>(y);
+  if (valid_group && lane == 0) store_y<Out>(a, b, d, contribution, u);
+}
+
+constexpr int kOneLaneStates = 16;  // the one-lane layout's states a thread (dstate <= 16)
+
+// The one-lane layout: thread d of a block steps channel d's states for the block's batch row,
+// whose B and C the block dequantizes once into shared memory, where every thread reads them as
+// broadcasts. Suits many channels (large batch), where the step is bound by instruction issue:
+// it spares each thread the loads and conversions of B and C. Same arithmetic as the lanes
+// layouts. (A computed once for several rows a thread was tried: no faster, RESULTS.md.)
+template <Discretization kMethod, typename Out>
+__global__ void __launch_bounds__(kStepThreads) qsscan_update_lane_kernel(const StepArgs a) {
+  quamba::pdl_launch_dependents();  // the Hadamard kernel after it may launch (pdl.cuh)
+  __shared__ float B_row[kOneLaneStates], C_row[kOneLaneStates];
+  const int channel_blocks = (a.dim + kStepThreads - 1) / kStepThreads;
+  const int b = blockIdx.x / channel_blocks;
+  const int d = (blockIdx.x % channel_blocks) * kStepThreads + threadIdx.x;
+  if (threadIdx.x < kOneLaneStates) {
+    const int s = threadIdx.x;
+    const bool valid = s < a.dstate;
+    B_row[s] = valid ? a.B.load(b * a.B_st[0] + s * a.B_st[1]) : 0.f;
+    C_row[s] = valid ? a.C.load(b * a.C_st[0] + s * a.C_st[1]) : 0.f;
   }
+  __syncthreads();
+  if (d >= a.dim) return;
+  float A[kOneLaneStates];
+  load_A<kOneLaneStates>(a, d, 0, a.dstate, A);
+  const float u = a.u.load(b * a.u_st[0] + d * a.u_st[1]);
+  const float delta = step_delta(a, b, d);
+  const int64_t offset = (static_cast<int64_t>(b) * a.dim + d) * a.dstate;
+  const float sum =
+      step_lane<kMethod, kOneLaneStates>(a, a.dstate, offset, u, delta, A, B_row, C_row);
+  store_y<Out>(a, b, d, sum, u);
 }
 
 template <Discretization kMethod, int kLanes, int kStates, typename Out>
@@ -977,10 +1038,19 @@ void launch_step_group(const StepArgs& args) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+template <Discretization kMethod, typename Out>
+void launch_step_one_lane(const StepArgs& args) {
+  auto kernel = qsscan_update_lane_kernel<kMethod, Out>;
+  check_kernel_image(kernel, "qsscan_update");
+  const int64_t blocks = int64_t{args.batch} * ceil_div(args.dim, kStepThreads);
+  kernel<<<blocks, kStepThreads, 0, current_stream()>>>(args);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 // Channels (batch · dim) from which a step takes 4 lanes a channel, and 1 lane; fewer take one
 // lane a state, to keep enough threads in flight. Measured on the H200 at Mamba-2.8B's 5120
-// channels (benchmarks/RESULTS.md, µs): batch 1 7.8 / 8.5 / 9.4 (16 / 4 / 1 lanes), batch 8
-// 13.8 / 9.1 / 10.5, batch 16 21.2 / 13.4 / 11.8, batch 64 63.5 / 31.9 / 29.5.
+// channels (benchmarks/RESULTS.md, µs, 16 / 4 / 1 lanes): batch 1 7.65 / 8.19 / 9.79, batch 8
+// 14.8 / 8.90 / 9.95, batch 16 22.8 / 13.7 / 11.2, batch 64 68.7 / 33.8 / 22.9.
 constexpr int64_t kFourLaneChannels = 16384, kOneLaneChannels = 65536;
 
 // The lanes per channel of a step: ``lanes`` if given (0: chosen from the shape). dstate <= 16
@@ -1002,7 +1072,7 @@ int step_lanes(const StepArgs& args, int64_t lanes) {
 template <Discretization kMethod, typename Out>
 void launch_step_method(const StepArgs& args, int lanes) {
   switch (lanes) {
-    case 1: return launch_step_group<kMethod, 1, 16, Out>(args);
+    case 1: return launch_step_one_lane<kMethod, Out>(args);
     case 4: return launch_step_group<kMethod, 4, 4, Out>(args);
     case 8: return launch_step_group<kMethod, 8, 1, Out>(args);
     case 16: return launch_step_group<kMethod, 16, 1, Out>(args);

@@ -505,20 +505,27 @@ def test_small_qsscan_update_lanes_match_reference(lanes, method, batch, dim):
     assert_codes_close(case["state"], state_ref)
 
 
-@pytest.mark.parametrize("method", [DEFAULT, "bilinear"])
+@pytest.mark.parametrize("method", [DEFAULT, "bilinear", "foh"])
 @pytest.mark.parametrize("batch,dim", [(8, 1536), (3, 40), (32, 2560)])
 def test_small_qsscan_update_lanes_agree_bit_for_bit(method, batch, dim):
-    """Every lanes-per-channel variant adds C · h in state_readout's pairwise order: the same y
-    and int8 state bit for bit (the fused Mamba1 step's y rests on that order too)."""
+    """Every lanes-per-channel layout of the step adds C · h in state_readout's pairwise order:
+    the same y, int8 state (and foh drive) bit for bit (the fused Mamba1 step's y rests on that
+    order too)."""
     seed_for("scan-update-lanes-agree", method, batch, dim)
     case = lanes_case(batch, dim, method)
+    drive = torch.randn(batch, dim, D_STATE, device=DEVICE) if method == "foh" else None
     outputs = []
-    for lanes in (16, 4, 1):
-        state = case["state"].clone()
-        outputs.append((step_with_lanes(**dict(case, state=state), lanes=lanes), state))
-    for y, state in outputs[1:]:
-        assert torch.equal(y.view(torch.int16), outputs[0][0].view(torch.int16))
-        assert torch.equal(state, outputs[0][1])
+    for lanes in STEP_LANES:
+        stepped = dict(case, state=case["state"].clone(),
+                       drive=None if drive is None else drive.clone())
+        y = step_with_lanes(**stepped, lanes=lanes)
+        outputs.append((y.view(torch.int16), stepped["state"], stepped["drive"]))
+    for out, lanes in zip(outputs[1:], STEP_LANES[1:]):
+        for value, first in zip(out, outputs[0]):
+            assert first is None or torch.equal(value, first), f"{lanes} lanes"
+
+
+STEP_LANES = (16, 4, 1)  # the step's layouts at d_state 16
 
 
 def lanes_case(batch, dim, method) -> dict:
@@ -530,8 +537,9 @@ def lanes_case(batch, dim, method) -> dict:
                 step=step_inputs(inputs, 3), params=params, method=method)
 
 
-def step_with_lanes(state, state_scale, step, params, method, lanes):
-    """y (fp16) of the CUDA step with ``lanes`` lanes a channel; ``state`` stepped in place."""
+def step_with_lanes(state, state_scale, step, params, method, lanes, drive=None):
+    """y (fp16) of the CUDA step with ``lanes`` lanes a channel; ``state`` (and foh's ``drive``)
+    stepped in place."""
     from quamba.ops.cuda_backend.ssm import _input_scale, _param_args
 
     s = scales_for(method)
@@ -539,7 +547,7 @@ def step_with_lanes(state, state_scale, step, params, method, lanes):
         state, _input_scale(state, state_scale), *(
             value for name in ("u", "dt", "B", "C", "z")
             for value in (step[name], _input_scale(step[name], s[f"{name}_scale"]))),
-        *_param_args(params), torch.float16, discretization=method, lanes=lanes)
+        *_param_args(params), torch.float16, drive=drive, discretization=method, lanes=lanes)
 
 
 def test_small_qsscan_update_rejects_unknown_lanes():
