@@ -796,41 +796,13 @@ struct StepArgs {
   float* drive;  // foh: contiguous fp32 [batch, dim, dstate], v_{t-1} in, v_t out
   // state and A_log 16-byte aligned and dstate a multiple of 16: a lane's states are whole rows
   bool rows_aligned;
-  // dt_proj in the step (dt_weight != nullptr): dt holds dt_proj's input codes [batch, dt_rank]
-  // (element stride 1), and dt of (b, d) is the code requantize(Σ_r dt[b, r] · dt_weight[d, r],
-  // dt_multiplier) that w8a8_linear gives, read with dt's scale.
-  const int8_t* dt_weight;  // contiguous int8 [dim, dt_rank]
-  int dt_rank;
-  float dt_multiplier;
-  bool dt_words;  // dt_rank % 4 == 0 and 4-byte aligned rows: the sums take dp4a on words
 };
 
 constexpr int kStepThreads = 128;
 
-// Share ``part`` of ``parts`` of dt_proj's int32 sum for (b, d): the terms r ≡ part (mod parts),
-// or the words of 4 terms so numbered. Integer sums: any split gives the same total.
-__device__ __forceinline__ int dt_proj_share(const StepArgs& a, int b, int d, int part,
-                                             int parts) {
-  const int8_t* x = static_cast<const int8_t*>(a.dt.data) + b * a.dt_st[0];
-  const int8_t* w = a.dt_weight + static_cast<int64_t>(d) * a.dt_rank;
-  int sum = 0;
-  if (a.dt_words) {
-    const int* x_words = reinterpret_cast<const int*>(x);
-    const int* w_words = reinterpret_cast<const int*>(w);
-    for (int i = part; i < a.dt_rank / 4; i += parts) sum = __dp4a(x_words[i], w_words[i], sum);
-  } else {
-    for (int r = part; r < a.dt_rank; r += parts) sum += int{x[r]} * int{w[r]};
-  }
-  return sum;
-}
-
-// Δ of channel d of row b: softplus(dt + dt_bias), once per lane; with dt_proj in the step, dt
-// comes from dt_proj's int32 sum ``dt_sum``.
-__device__ __forceinline__ float step_delta(const StepArgs& a, int b, int d, int dt_sum) {
-  const float dt =
-      a.dt_weight == nullptr
-          ? a.dt.load(b * a.dt_st[0] + d * a.dt_st[1])
-          : dequantize(quantize_rn(static_cast<float>(dt_sum), a.dt_multiplier), a.dt.scale);
+// Δ of channel d of row b: softplus(dt + dt_bias), once per lane.
+__device__ __forceinline__ float step_delta(const StepArgs& a, int b, int d) {
+  const float dt = a.dt.load(b * a.dt_st[0] + d * a.dt_st[1]);
   return softplus(__fadd_rn(dt, a.params.bias(d)));
 }
 
@@ -1003,19 +975,11 @@ __global__ void __launch_bounds__(kStepThreads) qsscan_update_kernel(const StepA
   const bool valid_group = group < a.batch * a.dim;
   const int b = valid_group ? group / a.dim : 0, d = valid_group ? group % a.dim : 0;
   const int first = lane * kStates;
-  int dt_sum = 0;  // dt_proj's, split over the group's lanes
-  if (a.dt_weight != nullptr) {
-    if (valid_group) dt_sum = dt_proj_share(a, b, d, lane, kLanes);
-#pragma unroll
-    for (int offset = 1; offset < kLanes; offset *= 2) {
-      dt_sum += __shfl_xor_sync(kFullMask, dt_sum, offset, kLanes);
-    }
-  }
   float contribution = 0.f, u = 0.f;
   if (valid_group) {
     u = a.u.load(b * a.u_st[0] + d * a.u_st[1]);
     if (first < a.dstate) {
-      const float delta = step_delta(a, b, d, dt_sum);
+      const float delta = step_delta(a, b, d);
       const int count = min(kStates, a.dstate - first);
       float A[kStates], B[kStates], C[kStates];
       load_A<kStates>(a, d, first, count, A);
@@ -1057,8 +1021,7 @@ __global__ void __launch_bounds__(kStepThreads) qsscan_update_lane_kernel(const 
   float A[kOneLaneStates];
   load_A<kOneLaneStates>(a, d, 0, a.dstate, A);
   const float u = a.u.load(b * a.u_st[0] + d * a.u_st[1]);
-  const int dt_sum = a.dt_weight != nullptr ? dt_proj_share(a, b, d, 0, 1) : 0;
-  const float delta = step_delta(a, b, d, dt_sum);
+  const float delta = step_delta(a, b, d);
   const int64_t offset = (static_cast<int64_t>(b) * a.dim + d) * a.dstate;
   const float sum =
       step_lane<kMethod, kOneLaneStates>(a, a.dstate, offset, u, delta, A, B_row, C_row);
@@ -1136,21 +1099,6 @@ void check_drive(const c10::optional<at::Tensor>& drive, Discretization method,
   TORCH_CHECK(drive->is_contiguous(), "drive must be contiguous");
 }
 
-// dt_proj in the step: its int8 weight [dim, dt_rank] (contiguous), a positive multiplier, and dt
-// its int8 input [batch, dt_rank] with unit element stride.
-void check_dt_projection(const at::Tensor& weight, double multiplier, const at::Tensor& dt,
-                         int64_t batch, int64_t dim) {
-  check_same_device(weight, dt, "dt_proj_weight");
-  check_dtype(weight, at::kChar, "dt_proj_weight");
-  TORCH_CHECK(weight.dim() == 2 && weight.size(0) == dim && weight.is_contiguous(),
-              "dt_proj_weight must be contiguous int8 [dim, dt_rank] with dim = ", text(dim),
-              ", got ", text(weight.sizes()));
-  check_dtype(dt, at::kChar, "dt (dt_proj's input)");
-  check_shape(dt, {batch, weight.size(1)}, "dt (dt_proj's input)");
-  TORCH_CHECK(dt.stride(1) == 1, "dt (dt_proj's input) must have unit element stride");
-  check_positive_scale(multiplier, "dt_proj_multiplier");
-}
-
 void fill_step_input(const at::Tensor& t, double scale, const char* name, const char* scale_name,
                      FloatSource& src, int64_t (&strides)[2]) {
   src = float_source(t, scale, name, scale_name);
@@ -1163,9 +1111,6 @@ void fill_step_input(const at::Tensor& t, double scale, const char* name, const 
 // discretization: a method of quamba.ops.discretization; foh reads the previous step's drive
 // v = u ⊗ B from ``drive`` (contiguous fp32 [batch, dim, dstate]) and overwrites it with this
 // step's; the other methods take none. lanes: lanes per channel (step_lanes; 0 chooses).
-// dt_proj_weight (int8 [dim, dt_rank], contiguous): dt_proj in the step (StepArgs), dt then being
-// its input codes [batch, dt_rank] and dt_scale the scale of its output codes, which are
-// requantized with dt_proj_multiplier (quamba.ops.quant.requant_multiplier).
 at::Tensor qsscan_update(at::Tensor& state, double state_scale, const at::Tensor& u,
                          double u_scale, const at::Tensor& dt, double dt_scale,
                          const at::Tensor& B, double B_scale, const at::Tensor& C,
@@ -1173,9 +1118,7 @@ at::Tensor qsscan_update(at::Tensor& state, double state_scale, const at::Tensor
                          const at::Tensor& A_log, double A_log_scale, const at::Tensor& D,
                          double D_scale, const at::Tensor& dt_bias, double dt_bias_scale,
                          at::ScalarType out_dtype, const c10::optional<at::Tensor>& drive,
-                         c10::string_view discretization, int64_t lanes,
-                         const c10::optional<at::Tensor>& dt_proj_weight,
-                         double dt_proj_multiplier) {
+                         c10::string_view discretization, int64_t lanes) {
   check_cuda(u, "u");
   TORCH_CHECK(u.dim() == 2, "u must be [batch, dim], got ", text(u.sizes()));
   const int64_t batch = u.size(0), dim = u.size(1);
@@ -1192,11 +1135,7 @@ at::Tensor qsscan_update(at::Tensor& state, double state_scale, const at::Tensor
   TORCH_CHECK(batch * dim * 32 < (int64_t{1} << 31), "state: batch · dim too large");
   if (state.scalar_type() == at::kChar) check_positive_scale(state_scale, "state_scale");
   check_same_device(dt, u, "dt");
-  if (dt_proj_weight.has_value()) {
-    check_dt_projection(*dt_proj_weight, dt_proj_multiplier, dt, batch, dim);
-  } else {
-    check_shape(dt, {batch, dim}, "dt");
-  }
+  check_shape(dt, {batch, dim}, "dt");
   check_same_device(B, u, "B");
   check_shape(B, {batch, dstate}, "B");
   check_same_device(C, u, "C");
@@ -1235,14 +1174,6 @@ at::Tensor qsscan_update(at::Tensor& state, double state_scale, const at::Tensor
   args.dstate = dstate;
   args.rows_aligned = dstate % 16 == 0 && reinterpret_cast<uintptr_t>(args.state) % 16 == 0 &&
                       reinterpret_cast<uintptr_t>(args.params.A_log) % 16 == 0;
-  if (dt_proj_weight.has_value()) {
-    args.dt_weight = dt_proj_weight->data_ptr<int8_t>();
-    args.dt_rank = static_cast<int>(dt_proj_weight->size(1));
-    args.dt_multiplier = static_cast<float>(dt_proj_multiplier);
-    args.dt_words = args.dt_rank % 4 == 0 && dt.stride(0) % 4 == 0 &&
-                    reinterpret_cast<uintptr_t>(dt.data_ptr()) % 4 == 0 &&
-                    reinterpret_cast<uintptr_t>(args.dt_weight) % 4 == 0;
-  }
   const int step_lane_count = step_lanes(args, lanes);
   switch (out_dtype) {
     case at::kHalf: launch_step<__half>(args, method, step_lane_count); break;
@@ -1267,8 +1198,7 @@ TORCH_LIBRARY_FRAGMENT(quamba, m) {
       "float dt_scale, Tensor B, float B_scale, Tensor C, float C_scale, Tensor? z, "
       "float z_scale, Tensor A_log, float A_log_scale, Tensor D, float D_scale, "
       "Tensor dt_bias, float dt_bias_scale, ScalarType out_dtype, Tensor(b!)? drive=None, "
-      "str discretization='zoh', int lanes=0, Tensor? dt_proj_weight=None, "
-      "float dt_proj_multiplier=0.) -> Tensor");
+      "str discretization='zoh', int lanes=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(quamba, CUDA, m) {

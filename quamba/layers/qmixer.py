@@ -8,8 +8,7 @@ Data flow of the int8 mode (prefill; shapes [batch, seqlen, ·] unless noted):
     QSScan(u, dt, B, C, z; A_log, D, dt_bias int8) → y fp16    ssm state ← int8 (percentile)
     y ─ Hadamard + quantize → int8 ─ out_proj W8A8 → fp16 out
 
-A decode step (one token) runs conv update → x_proj → scan step op by op, the scan step
-computing dt_proj's codes itself in the int8 mode (qsscan_update_projected), or with
+A decode step (one token) runs conv update → x_proj → dt_proj → scan step op by op, or with
 ``fused_decode`` set (off by default: slower on a GPU so far) as one op, qmixer_ssm_step
 (quamba.ops.fused_decode: two Triton kernels on a GPU), where :meth:`QMambaMixer.fuses_decode`
 says it applies.
@@ -29,8 +28,7 @@ from quamba.ops.fused_decode import (ConvWeights, StepScales, W4A8Weight, W8A8We
 from quamba.ops.hadamard import hadamard_transform
 from quamba.ops.qconv1d import qconv1d, qconv1d_update
 from quamba.ops.qhadamard import hadamard_quant
-from quamba.ops.qsscan import (SSMParams, qsscan, qsscan_last_drive, qsscan_update,
-                               qsscan_update_projected)
+from quamba.ops.qsscan import SSMParams, qsscan, qsscan_last_drive, qsscan_update
 from quamba.ops.quant import dequantize, fake_quantize, quantize, quantize_weight
 from quamba.ops.selective_scan import selective_scan, selective_state_update
 
@@ -266,13 +264,6 @@ class QMambaMixer(QuantModule):
                            out_scale=None if fp32_conv else s["u_scale"], backend_name=self.backend)
         u_codes = quantize(u, s["u_scale"]) if fp32_conv else u
         dt_low, B, C = self._split_xdbl(self.x_proj(u_codes))
-        dt_proj = _fused_weight(self.dt_proj) if self.mode == "int8" else None
-        if isinstance(dt_proj, W8A8Weight):  # dt_proj inside the scan step: one kernel less
-            return qsscan_update_projected(
-                state.ssm, s["state_scale"], u, s["u_scale"], dt_low, dt_proj, B,
-                s["xdbl_scale"], C, s["xdbl_scale"], z, s["xz_scale"], self.ssm_params,
-                out_dtype=self.out_dtype, backend_name=self.backend,
-                discretization=self.discretization, drive=state.drive)
         dt = self.dt_proj(dt_low)
         scan_inputs = [u, s["u_scale"], dt, s["dt_scale"], B, s["xdbl_scale"], C, s["xdbl_scale"],
                        z, s["xz_scale"]]

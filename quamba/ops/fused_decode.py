@@ -23,7 +23,7 @@ import torch
 
 from quamba.ops import backend
 from quamba.ops.qconv1d import qconv1d_update
-from quamba.ops.qlinear import W8A8Weight, w8a8_linear
+from quamba.ops.qlinear import w8a8_linear
 from quamba.ops.qlinear4 import w4a8_linear
 from quamba.ops.qsscan import SSMParams, qsscan_update
 
@@ -40,6 +40,16 @@ class ConvWeights:
     weight_scale: float
     bias: torch.Tensor | None  # int8 [d_inner]
     bias_scale: float
+
+
+@dataclass
+class W8A8Weight:
+    """A W8A8 linear with an int8 output (quamba.ops.qlinear), per-tensor scales."""
+
+    weight: torch.Tensor  # int8 [N, K]
+    weight_scale: float
+    in_scale: float
+    out_scale: float
 
 
 @dataclass

@@ -1,23 +1,10 @@
 """W8A8 linear: int8 activations × int8 weights → int32 accumulator → scaled int8 or float output."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from quamba.ops import backend
 from quamba.ops.quant import requant_multiplier, requantize
-
-
-@dataclass
-class W8A8Weight:
-    """A W8A8 linear with an int8 output and per-tensor scales, as the ops that run one inside a
-    kernel of theirs take it (quamba.ops.fused_decode, quamba.ops.qsscan)."""
-
-    weight: torch.Tensor  # int8 [N, K]
-    weight_scale: float
-    in_scale: float
-    out_scale: float
 
 
 def w8a8_linear(x, x_scale, weight, weight_scale, out_scale=None, bias=None,

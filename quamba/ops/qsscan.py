@@ -13,7 +13,6 @@ import torch
 
 from quamba.ops import backend
 from quamba.ops.discretization import DEFAULT, METHODS, input_drive, require_drive, select_scan
-from quamba.ops.qlinear import W8A8Weight, w8a8_linear
 from quamba.ops.quant import dequantize, quantize
 from quamba.ops.selective_scan import selective_scan, selective_state_update
 
@@ -94,34 +93,6 @@ def qsscan_update(state, state_scale, u, u_scale, dt, dt_scale, B, B_scale, C, C
                 params, out_dtype)
 
 
-def qsscan_update_projected(state, state_scale, u, u_scale, dt_low, dt_proj: W8A8Weight, B,
-                            B_scale, C, C_scale, z, z_scale, params: SSMParams,
-                            out_dtype=torch.float16, backend_name=None, discretization=DEFAULT,
-                            drive=None):
-    """:func:`qsscan_update` with dt_proj inside the step: dt is dt_proj's int8 output for
-    ``dt_low`` (int8 codes [batch, dt_rank] in dt_proj.in_scale, unit element stride), in
-    dt_proj.out_scale. Exactly ``qsscan_update(..., w8a8_linear(dt_low, ...), dt_proj.out_scale,
-    ...)``: dt's codes are an integer sum and w8a8_linear's epilogue. On a GPU the step kernel
-    computes them, which spares a decode step dt_proj's kernel; a per-channel weight scale runs
-    the reference under ``auto`` (a BackendError under ``cuda``)."""
-    require_drive(discretization, drive)
-    impl = select_scan("qsscan_update_projected", u.device, backend_name, discretization,
-                       kernel_methods=METHODS, kernel_lacks=_projection_lacks(dt_low, dt_proj),
-                       drive=drive)
-    return impl(state, state_scale, u, u_scale, dt_low, dt_proj, B, B_scale, C, C_scale, z,
-                z_scale, params, out_dtype)
-
-
-def _projection_lacks(dt_low, dt_proj: W8A8Weight) -> str | None:
-    """Why the step kernel cannot run this dt_proj (None: it can)."""
-    scales = (dt_proj.weight_scale, dt_proj.in_scale, dt_proj.out_scale)
-    if any(isinstance(scale, torch.Tensor) for scale in scales):
-        return "its kernel takes dt_proj's scales per tensor (floats)"
-    if dt_low.dtype != torch.int8 or dt_low.stride(-1) != 1:
-        return "its kernel takes dt_low as int8 codes with unit element stride"
-    return None
-
-
 def qsscan_last_drive(u, u_scale, B, B_scale) -> torch.Tensor:
     """The drive v = u ⊗ B of a prefill's last step (u [batch, d_inner, seqlen], B [batch,
     d_state, seqlen], codes with scales or floats, as :func:`qsscan` takes them): what a foh
@@ -140,16 +111,6 @@ def _qsscan_torch(u, u_scale, dt, dt_scale, B, B_scale, C, C_scale, z, z_scale, 
     if state_scale is not None:
         last_state = quantize(last_state, state_scale)
     return y.to(out_dtype), last_state
-
-
-@backend.register("qsscan_update_projected", "torch")
-def _qsscan_update_projected_torch(state, state_scale, u, u_scale, dt_low, dt_proj, B, B_scale, C,
-                                   C_scale, z, z_scale, params, out_dtype, discretization=DEFAULT,
-                                   drive=None):
-    dt = w8a8_linear(dt_low, dt_proj.in_scale, dt_proj.weight, dt_proj.weight_scale,
-                     dt_proj.out_scale, backend_name="torch")
-    return _qsscan_update_torch(state, state_scale, u, u_scale, dt, dt_proj.out_scale, B, B_scale,
-                                C, C_scale, z, z_scale, params, out_dtype, discretization, drive)
 
 
 @backend.register("qsscan_update", "torch")

@@ -37,11 +37,8 @@ from quamba.ops.qconv1d import qconv1d, qconv1d_update
 from quamba.ops.qhadamard import gated_norm_hadamard_quant, hadamard_quant
 from quamba.ops.qnorm import rmsnorm_quant
 from quamba.ops.discretization import DEFAULT, METHODS
-from quamba.ops.qlinear import W8A8Weight, w8a8_linear
-from quamba.ops.qsscan import (SSMParams, qsscan, qsscan_last_drive, qsscan_update,
-                               qsscan_update_projected)
-from quamba.ops.quant import (dequantize, quantize, quantize_weight, requant_multiplier,
-                              scale_from_range)
+from quamba.ops.qsscan import SSMParams, qsscan, qsscan_last_drive, qsscan_update
+from quamba.ops.quant import dequantize, quantize, quantize_weight, scale_from_range
 
 pytestmark = pytest.mark.gpu
 
@@ -531,72 +528,6 @@ def test_small_qsscan_update_lanes_agree_bit_for_bit(method, batch, dim):
 STEP_LANES = (16, 4, 1)  # the step's layouts at d_state 16
 
 
-@pytest.mark.parametrize("method", [DEFAULT, "foh"])
-@pytest.mark.parametrize("lanes", STEP_LANES)
-@pytest.mark.parametrize("batch,dim,dt_rank", [(3, 40, 48), (8, 1536, 160), (5, 256, 13)])
-def test_small_qsscan_update_projected_is_dt_proj_then_the_step(lanes, method, batch, dim,
-                                                                 dt_rank):
-    """dt_proj inside the step (dt_proj_weight): y, int8 state and foh drive bit for bit those of
-    the step fed w8a8_linear's dt codes, in every layout. dt_rank 13 takes the byte loop; 48 and
-    160 dp4a on words. dt_low, B and C are slices of one x_proj output, as in the mixer."""
-    seed_for("scan-update-projected", lanes, method, batch, dim, dt_rank)
-    case = lanes_case(batch, dim, method)
-    dt_low = codes(batch, dt_rank + 2 * D_STATE)[:, :dt_rank]
-    dt_proj = dt_projection(dim, dt_rank, scales_for(method)["dt_scale"])
-    dt = w8a8_linear(dt_low, dt_proj.in_scale, dt_proj.weight, dt_proj.weight_scale,
-                     dt_proj.out_scale, backend_name="cuda")
-    drive = torch.randn(batch, dim, D_STATE, device=DEVICE) if method == "foh" else None
-    multiplier = float(requant_multiplier(dt_proj.in_scale, dt_proj.weight_scale,
-                                          dt_proj.out_scale))
-    runs = []
-    for dt_input, projection in ((dt, {}), (dt_low, dict(dt_proj_weight=dt_proj.weight,
-                                                         dt_proj_multiplier=multiplier))):
-        stepped = dict(case, state=case["state"].clone(), step=dict(case["step"], dt=dt_input),
-                       drive=None if drive is None else drive.clone())
-        y = step_with_lanes(**stepped, lanes=lanes, **projection)
-        runs.append((y.view(torch.int16), stepped["state"], stepped["drive"]))
-    for out, ref in zip(*runs):
-        assert ref is None or torch.equal(out, ref)
-
-
-def test_small_qsscan_update_projected_op_runs_the_step_kernel():
-    """The op's cuda backend: the step kernel alone, bit for bit the chain of dt_proj's GEMV and
-    the step; a per-channel dt_proj weight scale is a BackendError under ``cuda``."""
-    seed_for("scan-update-projected-op")
-    batch, dim, dt_rank = 2, 5120, 160
-    state = codes(batch, dim, D_STATE)
-    u, z, dt_low = codes(batch, dim), codes(batch, dim), codes(batch, dt_rank)
-    B, C = codes(batch, D_STATE), codes(batch, D_STATE)
-    params, s = ssm_params(dim), SCALES
-    dt_proj = dt_projection(dim, dt_rank, s["dt_scale"])
-    step = (u, s["u_scale"], dt_low, dt_proj, B, s["B_scale"], C, s["C_scale"], z, s["z_scale"],
-            params)
-    chained = state.clone()
-    dt = w8a8_linear(dt_low, dt_proj.in_scale, dt_proj.weight, dt_proj.weight_scale,
-                     dt_proj.out_scale, backend_name="cuda")
-    y_ref = qsscan_update(chained, 0.05, u, s["u_scale"], dt, dt_proj.out_scale, B, s["B_scale"],
-                          C, s["C_scale"], z, s["z_scale"], params, backend_name="cuda")
-    with backend.recording() as used:
-        y = qsscan_update_projected(state, 0.05, *step, backend_name="cuda")
-    assert used == {"qsscan_update_projected": {"cuda"}}
-    assert torch.equal(y.view(torch.int16), y_ref.view(torch.int16))
-    assert torch.equal(state, chained)
-    per_channel = W8A8Weight(dt_proj.weight, torch.full((dim,), dt_proj.weight_scale,
-                                                        device=DEVICE),
-                             dt_proj.in_scale, dt_proj.out_scale)
-    with pytest.raises(backend.BackendError, match="dt_proj's scales per tensor"):
-        qsscan_update_projected(state, 0.05, *step[:3], per_channel, *step[4:],
-                                backend_name="cuda")
-
-
-def dt_projection(dim, dt_rank, dt_scale) -> W8A8Weight:
-    """A random dt_proj whose int8 outputs spread over the codes (about 60 codes' deviation)."""
-    in_scale = 0.04
-    code_std = 127 / math.sqrt(3)
-    weight_scale = 60 * dt_scale / (in_scale * code_std * code_std * math.sqrt(dt_rank))
-    return W8A8Weight(codes(dim, dt_rank), weight_scale, in_scale, dt_scale)
-
-
 def lanes_case(batch, dim, method) -> dict:
     """An int8 state (a 4-step scan's last, quantized) and the inputs of the step after it."""
     inputs, params = scan_inputs(batch, dim, 4, "module", method=method), ssm_params(dim)
@@ -606,9 +537,9 @@ def lanes_case(batch, dim, method) -> dict:
                 step=step_inputs(inputs, 3), params=params, method=method)
 
 
-def step_with_lanes(state, state_scale, step, params, method, lanes, drive=None, **projection):
-    """y (fp16) of the CUDA step with ``lanes`` lanes a channel (and dt_proj inside it, given its
-    ``projection`` arguments); ``state`` (and foh's ``drive``) stepped in place."""
+def step_with_lanes(state, state_scale, step, params, method, lanes, drive=None):
+    """y (fp16) of the CUDA step with ``lanes`` lanes a channel; ``state`` (and foh's ``drive``)
+    stepped in place."""
     from quamba.ops.cuda_backend.ssm import _input_scale, _param_args
 
     s = scales_for(method)
@@ -616,8 +547,7 @@ def step_with_lanes(state, state_scale, step, params, method, lanes, drive=None,
         state, _input_scale(state, state_scale), *(
             value for name in ("u", "dt", "B", "C", "z")
             for value in (step[name], _input_scale(step[name], s[f"{name}_scale"]))),
-        *_param_args(params), torch.float16, drive=drive, discretization=method, lanes=lanes,
-        **projection)
+        *_param_args(params), torch.float16, drive=drive, discretization=method, lanes=lanes)
 
 
 def test_small_qsscan_update_rejects_unknown_lanes():
@@ -629,9 +559,6 @@ def test_small_qsscan_update_rejects_unknown_lanes():
             params.dt_bias, params.dt_bias_scale, torch.float16)
     with pytest.raises(RuntimeError, match="lanes must be 0 \\(chosen\\), 16, 4 or 1"):
         torch.ops.quamba.qsscan_update(*args, lanes=2)
-    weight = codes(64, 12)
-    with pytest.raises(RuntimeError, match="dt \\(dt_proj's input\\) must have shape"):
-        torch.ops.quamba.qsscan_update(*args, dt_proj_weight=weight, dt_proj_multiplier=0.1)
 
 
 # ---- discretizations -------------------------------------------------------------------------

@@ -14,11 +14,10 @@ import torch.nn.functional as F
 from quamba.ops.hadamard import hadamard_matrix
 from quamba.ops.qconv1d import qconv1d, qconv1d_update
 from quamba.ops.qhadamard import hadamard_quant
-from quamba.ops.qlinear import W8A8Weight, int8_matmul, w8a8_linear
+from quamba.ops.qlinear import w8a8_linear
 from quamba.ops.qnorm import rmsnorm_quant
-from quamba.ops.qsscan import SSMParams, qsscan, qsscan_update, qsscan_update_projected
-from quamba.ops.quant import (dequantize, quantize, quantize_weight, requant_multiplier,
-                              requantize, scale_from_range)
+from quamba.ops.qsscan import SSMParams, qsscan, qsscan_update
+from quamba.ops.quant import dequantize, quantize, quantize_weight, scale_from_range
 
 
 def codes(*shape, gen):
@@ -165,36 +164,6 @@ def test_qsscan_update_chain_matches_prefill(state_dtype):
         torch.testing.assert_close(steps, y, rtol=1e-5, atol=1e-5)
     else:  # the int8 state is requantized every step: close, not equal
         assert (steps - y).norm() / y.norm() < 0.05
-
-
-@pytest.mark.parametrize("method", ["zoh", "foh"])
-def test_qsscan_update_projected_is_dt_proj_then_the_step(method):
-    """dt_proj inside the step: the step fed dt_proj's requantized int32 sums, bit for bit, with
-    dt_low, B and C the strided slices of x_proj's output that the mixer passes."""
-    gen = torch.Generator().manual_seed(12)
-    batch, dim, d_state, dt_rank = 3, 10, 16, 5
-    p = random_ssm_params(dim, d_state, gen)
-    dt_low, B, C = codes(batch, dt_rank + 2 * d_state, gen=gen).split([dt_rank, d_state, d_state],
-                                                                      dim=-1)
-    u, z = codes(batch, dim, gen=gen), codes(batch, dim, gen=gen)
-    dt_proj = W8A8Weight(codes(dim, dt_rank, gen=gen), 0.002, 0.05, 0.01)
-    dt = requantize(int8_matmul(dt_low, dt_proj.weight), requant_multiplier(0.05, 0.002, 0.01))
-    state = codes(batch, dim, d_state, gen=gen)
-    drive = torch.randn(batch, dim, d_state, generator=gen) if method == "foh" else None
-    runs = []
-    for projected in (False, True):
-        stepped = state.clone()
-        stepped_drive = None if drive is None else drive.clone()
-        common = dict(out_dtype=torch.float32, discretization=method, drive=stepped_drive)
-        if projected:
-            y = qsscan_update_projected(stepped, 0.03, u, 0.02, dt_low, dt_proj, B, 0.05, C, 0.05,
-                                        z, 0.03, p, **common)
-        else:
-            y = qsscan_update(stepped, 0.03, u, 0.02, dt, 0.01, B, 0.05, C, 0.05, z, 0.03, p,
-                              **common)
-        runs.append((y, stepped, stepped_drive))
-    for out, ref in zip(*runs):
-        assert ref is None or torch.equal(out, ref)
 
 
 @pytest.mark.parametrize("shape", [(1, 1, 64), (2, 7, 96), (3, 5, 384)])

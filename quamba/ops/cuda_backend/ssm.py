@@ -147,26 +147,6 @@ def _qsscan_update_cuda(state, state_scale, u, u_scale, dt, dt_scale, B, B_scale
         *_param_args(params), out_dtype, drive=drive, discretization=discretization)
 
 
-@backend.register("qsscan_update_projected", "cuda", kernels=("qsscan_update",))
-def _qsscan_update_projected_cuda(state, state_scale, u, u_scale, dt_low, dt_proj, B, B_scale, C,
-                                  C_scale, z, z_scale, params, out_dtype, discretization=DEFAULT,
-                                  drive=None):
-    state_scale32 = _input_scale(state, state_scale)
-    z_scale32 = 1.0 if z is None else _input_scale(z, z_scale)
-    multiplier = _dt_proj_multiplier(dt_proj.in_scale, dt_proj.weight_scale, dt_proj.out_scale)
-    return torch.ops.quamba.qsscan_update(
-        state, state_scale32, u, _input_scale(u, u_scale), dt_low, fp32_value(dt_proj.out_scale),
-        B, _input_scale(B, B_scale), C, _input_scale(C, C_scale), z, z_scale32,
-        *_param_args(params), out_dtype, drive=drive, discretization=discretization,
-        dt_proj_weight=dt_proj.weight, dt_proj_multiplier=multiplier)
-
-
-@functools.lru_cache(maxsize=4096)
-def _dt_proj_multiplier(in_scale: float, weight_scale: float, out_scale: float) -> float:
-    """w8a8_linear's requantizing multiplier for dt_proj's int8 output (an fp32 value)."""
-    return float(requant_multiplier(float(in_scale), float(weight_scale), float(out_scale)))
-
-
 @backend.register("rmsnorm_quant", "cuda")
 def _rmsnorm_quant_cuda(x, residual, weight, eps, out_scale, residual_in_fp32):
     residual = None if residual is None else residual.contiguous()
