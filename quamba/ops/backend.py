@@ -111,6 +111,13 @@ def device_error(index: int) -> str | None:
             "rebuild with TORCH_CUDA_ARCH_LIST naming it")
 
 
+@functools.lru_cache(maxsize=None)
+def has_programmatic_launch(device: torch.device) -> bool:
+    """Whether kernels on ``device`` can launch programmatically dependent (PDL: compute
+    capability 9 and up), as quamba's Triton kernels do there."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def cuda_archs() -> str:
     """The virtual architectures quamba._C was compiled for, as nvcc lists them ('900'), or ''."""
     archs = getattr(torch.ops.quamba, "cuda_archs", None)

@@ -38,6 +38,7 @@ from triton.language.extra import libdevice
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.runtime.interpreter import InterpretedFunction
 
+from quamba.ops import backend
 from quamba.ops.constants import cached
 from quamba.ops.fused_decode import W4A8Weight
 from quamba.ops.quant import fp32_reciprocal, fp32_value, requant_multiplier
@@ -371,7 +372,7 @@ def _launch(x, z, conv_state, ssm_state, conv, x_proj, dt_proj, params, scales, 
 def _launch_options(device) -> dict:
     """The kernels' PDL argument and Triton's launch option for it: programmatic dependent
     launch where they are compiled for a device of compute capability 9 or more."""
-    pdl = LIBDEVICE_MATH and torch.cuda.get_device_capability(device)[0] >= 9
+    pdl = LIBDEVICE_MATH and backend.has_programmatic_launch(device)
     return {"PDL": True, "launch_pdl": True} if pdl else {"PDL": False}
 
 

@@ -20,8 +20,6 @@ requantized on store (one kernel per step).
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -420,7 +418,7 @@ def _launch_step(state, x, x_table, dt, dt_scale, B, B_table, C, C_table, A, D, 
     block_p = min(_block(headdim),
                   STEP_BLOCK_P or (16 if batch * nheads < STEP_FEW_HEADS else 64))
     grid = (batch, nheads, triton.cdiv(headdim, block_p))
-    pdl = _has_pdl(x.device)
+    pdl = backend.has_programmatic_launch(x.device)
     A_scale, D_scale, dt_bias_scale = (fp32_value(float(s)) for s in param_scales or (1.0,) * 3)
     _ssd_step_kernel[grid](
         state, scale, fp32_reciprocal(scale) if int8_state else 1.0, x, x_table, dt, dt_scale, B,
@@ -429,12 +427,6 @@ def _launch_step(state, x, x_table, dt, dt_scale, B, B_table, C, C_table, A, D, 
         BLOCK_P=block_p, BLOCK_N=_block(d_state), INT8_STATE=int8_state,
         INT8_PARAMS=param_scales is not None, USE_PDL=pdl, launch_pdl=pdl)
     return y
-
-
-@functools.lru_cache(maxsize=None)
-def _has_pdl(device: torch.device) -> bool:
-    """Whether kernels on ``device`` can launch programmatically dependent (sm_90+)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def _params(params, device) -> tuple:
