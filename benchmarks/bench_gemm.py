@@ -9,7 +9,7 @@ call reads its own copy of the operands (common.time_graph_ms): weights come fro
                                     [--gemm_m 16,32,64,...]
 
 --gemm_m replaces the prefill sizes (M = 1024, 2048) of the GEMM table: decode past the GEMV (M 9
-to 64, batch 9 to 64) takes the GEMM too. The table's int_mm_us column times cuBLASLt's int8 GEMM
+to 64, batch 9 to 64) takes the skinny GEMM (compute capability 9.0), whose plans it also sweeps. The table's int_mm_us column times cuBLASLt's int8 GEMM
 (torch._int_mm, int32 out, no epilogue: a lower bound for routing these sizes through cuBLAS; empty
 where torch refuses the shape).
 """
@@ -28,6 +28,8 @@ LAYERS = [("in_proj", 10240, 2560, torch.int8), ("x_proj", 192, 5120, torch.int8
 PREFILL_M = [1024, 2048]
 DECODE_M = [1, 2, 4, 8]
 GEMV_SHAPES = [(rows, splits) for rows in (1, 2, 4, 8) for splits in (1, 2, 4)]
+SKINNY_MAX_M = 64
+SKINNY_PLANS = [(warp_tiles, splits) for warp_tiles in (1, 2) for splits in (1, 2, 4, 8, 16)]
 
 
 class Layer:
@@ -80,6 +82,11 @@ def bench_prefill(layer):
            "fp16_TFLOPS": ops / fp16 / 1e6, "w8a8_TOPS": ops / w8a8 / 1e6}
     for config in range(torch.ops.quamba.w8a8_gemm_sm90_configs()):
         row[f"sm90_c{config}_us"] = layer.w8a8_us(torch.ops.quamba.w8a8_gemm_sm90_out, config)
+    if layer.M <= SKINNY_MAX_M and torch.cuda.get_device_capability() >= (9, 0):
+        row["skinny_us"] = layer.w8a8_us(torch.ops.quamba.w8a8_gemm_skinny_out)
+        for warp_tiles, splits in SKINNY_PLANS:
+            row[f"skinny_w{warp_tiles}s{splits}_us"] = layer.w8a8_us(torch.ops.quamba.w8a8_gemm_skinny_out,
+                                                                    warp_tiles, splits)
     row["mma_us"] = layer.w8a8_us(torch.ops.quamba.w8a8_gemm_mma_out)
     row["int_mm_us"] = layer.int_mm_us()
     return row
@@ -130,9 +137,14 @@ def main():
     print(f"{meta['device']} (sm {meta['capability']}), torch {meta['torch']}, commit {meta['commit']}, "
           f"{meta['date']}; copy bandwidth {copy_gbs:.0f} GB/s (read + write)")
     sweep_cols = ([f"sm90_c{c}_us" for c in range(torch.ops.quamba.w8a8_gemm_sm90_configs())]
-                  + ["mma_us", "int_mm_us"])
+                  + ["skinny_us", "mma_us", "int_mm_us"])
     print(format_table(prefill, ["layer", "M", "N", "K", "out", "fp16_us", "w8a8_us", "speedup", "w8a8_TOPS",
                                  "fp16_TFLOPS"] + sweep_cols, "\nW8A8 GEMM (prefill) vs fp16 F.linear"))
+    skinny_cols = [f"skinny_w{w}s{s}_us" for w, s in SKINNY_PLANS]
+    skinny_rows = [row for row in prefill if "skinny_us" in row]
+    if skinny_rows:
+        print(format_table(skinny_rows, ["layer", "M", "skinny_us"] + skinny_cols,
+                           "\nSkinny W8A8 GEMM (M <= 64) by plan: warp tiles w, splits of K s"))
     print(format_table(decode, ["layer", "M", "N", "K", "fp16_us", "w8a8_us", "speedup", "w8a8_GBps", "of_copy_bw",
                                 "fp16_GBps", "best_gemv", "best_gemv_us"],
                        "\nW8A8 GEMV (decode) vs fp16 F.linear"))

@@ -2,14 +2,14 @@
 //
 //   w8a8_linear(x, weight, multiplier, multiplier_per_channel, bias, out_dtype) -> out
 //   w8a8_linear_out(..., out)                  the same into a preallocated out
-//   w8a8_gemv_out / w8a8_gemm_mma_out / w8a8_gemm_sm90_out(..., out, [rows, splits | config])
-//                                              one kernel, for tests and benchmarks
+//   w8a8_gemv_out / w8a8_gemm_skinny_out / w8a8_gemm_mma_out / w8a8_gemm_sm90_out(..., out,
+//       [rows, splits | warp_tiles, splits | config])  one kernel, for tests and benchmarks
 //   w8a8_gemm_sm90_configs() -> int            CUTLASS sm90 configurations built (0: none)
 //
 // x int8 [M, K] and weight int8 [N, K], K % 16 == 0, 16-byte aligned, weight contiguous; x
-// contiguous for the GEMM ops, and for w8a8_linear(_out) and w8a8_gemv_out rows of contiguous
-// values whose starts are a multiple of 16 bytes apart (a column slice: the GEMV reads it in place,
-// w8a8_linear copies it to packed rows for the GEMMs); multiplier is the fp32 epilogue scale
+// contiguous for the mma and sm90 GEMM ops, and for the others rows of contiguous values whose
+// starts are a multiple of 16 bytes apart (a column slice: the GEMV and the skinny GEMM read it in
+// place, w8a8_linear copies it to packed rows for the others); multiplier is the fp32 epilogue scale
 // (quamba.ops.quant.requant_multiplier), replaced by multiplier_per_channel (fp32 [N]) when given;
 // bias fp32 [N] for float outputs; out [M, N] of int8, float16, bfloat16 or float32.
 #include <ATen/ATen.h>
@@ -113,6 +113,7 @@ void w8a8_linear_out(const at::Tensor& x, const at::Tensor& weight, double multi
   GemmArgs args = make_args("w8a8_linear", x, weight, multiplier, multiplier_per_channel, bias, out, Rows::kStrided);
   if (args.M == 0) return;
   if (args.M <= kGemvMaxM) return launch_gemv(args);
+  if (gemm_skinny_can_run(args.M, args.K)) return launch_gemm_skinny(args);
   const at::Tensor x_packed = x.contiguous();  // the GEMMs read packed rows; a copy only for a slice
   args.x = x_packed.data_ptr<int8_t>();
   args.x_stride = args.K;
@@ -143,6 +144,17 @@ void w8a8_gemv_out(const at::Tensor& x, const at::Tensor& weight, double multipl
   launch_gemv(args, static_cast<int>(rows), static_cast<int>(splits));
 }
 
+void w8a8_gemm_skinny_out(const at::Tensor& x, const at::Tensor& weight, double multiplier,
+                          const std::optional<at::Tensor>& multiplier_per_channel,
+                          const std::optional<at::Tensor>& bias, at::Tensor& out, int64_t warp_tiles, int64_t splits) {
+  const auto guard = guard_for("w8a8_gemm_skinny", x);
+  const GemmArgs args =
+      make_args("w8a8_gemm_skinny", x, weight, multiplier, multiplier_per_channel, bias, out, Rows::kStrided);
+  TORCH_CHECK(gemm_skinny_can_run(args.M, args.K), "w8a8_gemm_skinny: needs a GPU of compute capability 9.0 or "
+              "newer, x of 1 to ", kSkinnyMaxM, " rows and K that fits its plan, got x ", x.sizes());
+  launch_gemm_skinny(args, static_cast<int>(warp_tiles), static_cast<int>(splits));
+}
+
 void w8a8_gemm_mma_out(const at::Tensor& x, const at::Tensor& weight, double multiplier,
                        const std::optional<at::Tensor>& multiplier_per_channel,
                        const std::optional<at::Tensor>& bias, at::Tensor& out) {
@@ -168,6 +180,7 @@ void register_impls(torch::Library& m) {
   m.impl("w8a8_linear", &w8a8_linear);
   m.impl("w8a8_linear_out", &w8a8_linear_out);
   m.impl("w8a8_gemv_out", &w8a8_gemv_out);
+  m.impl("w8a8_gemm_skinny_out", &w8a8_gemm_skinny_out);
   m.impl("w8a8_gemm_mma_out", &w8a8_gemm_mma_out);
   m.impl("w8a8_gemm_sm90_out", &w8a8_gemm_sm90_out);
 }
@@ -182,6 +195,8 @@ TORCH_LIBRARY_FRAGMENT(quamba, m) {
         "Tensor? bias, Tensor(a!) out) -> ()");
   m.def("w8a8_gemv_out(Tensor x, Tensor weight, float multiplier, Tensor? multiplier_per_channel, "
         "Tensor? bias, Tensor(a!) out, int rows=0, int splits=0) -> ()");
+  m.def("w8a8_gemm_skinny_out(Tensor x, Tensor weight, float multiplier, Tensor? multiplier_per_channel, "
+        "Tensor? bias, Tensor(a!) out, int warp_tiles=0, int splits=0) -> ()");
   m.def("w8a8_gemm_mma_out(Tensor x, Tensor weight, float multiplier, Tensor? multiplier_per_channel, "
         "Tensor? bias, Tensor(a!) out) -> ()");
   m.def("w8a8_gemm_sm90_out(Tensor x, Tensor weight, float multiplier, Tensor? multiplier_per_channel, "

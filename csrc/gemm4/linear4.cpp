@@ -159,7 +159,9 @@ void run_w4a8_gemm(const W4A8Args& a, const at::Tensor& x, const at::Tensor& out
   launch_w4a8_expand(a.w, a.group_multiplier, expanded.data_ptr<int8_t>(), a.N, a.K, a.group_size, nullptr, a.stream);
   const gemm::GemmArgs g{a.x, expanded.data_ptr<int8_t>(), a.out, a.M, a.N, a.K, a.K, a.out_type, a.multiplier,
                          a.multiplier_per_channel, nullptr, a.stream};
-  if (config == kConfigMma || (config == kConfigAuto && !sm90_can_run(a, out, multiplier_per_channel))) {
+  if (config == kConfigAuto && gemm::gemm_skinny_can_run(a.M, a.K)) {
+    gemm::launch_gemm_skinny(g);
+  } else if (config == kConfigMma || (config == kConfigAuto && !sm90_can_run(a, out, multiplier_per_channel))) {
     gemm::launch_gemm_mma(g);
   } else {
     gemm::launch_gemm_sm90(g, static_cast<int>(config));

@@ -36,6 +36,8 @@ OUT_DTYPES = [torch.int8, torch.float16, torch.bfloat16]
 
 SM90_CONFIGS = ops.w8a8_gemm_sm90_configs()
 IS_SM90 = torch.cuda.get_device_capability() == (9, 0)
+HAS_CLUSTERS = torch.cuda.get_device_capability() >= (9, 0)
+SKINNY_M = [9, 16, 17, 31, 32, 33, 48, 63, 64]
 
 
 @pytest.fixture(autouse=True)
@@ -103,6 +105,10 @@ def run_gemv(case, out, rows=0, splits=0):
     ops.w8a8_gemv_out(*op_arguments(case), out, rows, splits)
 
 
+def run_skinny(case, out, warp_tiles=0, splits=0):
+    ops.w8a8_gemm_skinny_out(*op_arguments(case), out, warp_tiles, splits)
+
+
 def run_mma(case, out):
     ops.w8a8_gemm_mma_out(*op_arguments(case), out)
 
@@ -119,6 +125,7 @@ def check_path(run, M, N, K, out_dtype, **options):
 
 
 needs_sm90 = pytest.mark.skipif(not (IS_SM90 and SM90_CONFIGS), reason="needs the sm_90a build on a 9.0 GPU")
+needs_clusters = pytest.mark.skipif(not HAS_CLUSTERS, reason="needs thread-block clusters (compute capability 9.0)")
 
 
 @pytest.mark.parametrize("out_dtype", OUT_DTYPES, ids=str)
@@ -156,8 +163,43 @@ def test_gemm_sm90_matches_reference(M, N, K, out_dtype, config):
     check_path(lambda case, out: run_sm90(case, out, config), M, N, K, out_dtype)
 
 
+@needs_clusters
+@pytest.mark.parametrize("out_dtype", OUT_DTYPES + [torch.float32], ids=str)
+@pytest.mark.parametrize("N,K", MAMBA_2_8B + MAMBA_130M)
+@pytest.mark.parametrize("M", SKINNY_M + [1, 8])
+def test_gemm_skinny_matches_reference(M, N, K, out_dtype):
+    seed_for("skinny", M, N, K, out_dtype)
+    check_path(run_skinny, M, N, K, out_dtype, per_channel=True, with_bias=out_dtype != torch.int8)
+
+
+@needs_clusters
+@pytest.mark.parametrize("splits", [1, 2, 3, 8, 16])
+@pytest.mark.parametrize("warp_tiles", [1, 2])
+@pytest.mark.parametrize("M", [9, 33, 64])
+@pytest.mark.parametrize("N,K", [(192, 5120), (2560, 2048), (100, 80), (36, 1040), (1536, 48)])
+def test_gemm_skinny_every_plan(M, N, K, warp_tiles, splits):
+    """Every tile width and cluster size, where K splits unevenly (the last range shorter, or
+    fewer ranges than asked) and where N is not a multiple of the block's rows."""
+    seed_for("skinny plans", M, N, K, warp_tiles, splits)
+    check_path(lambda case, out: run_skinny(case, out, warp_tiles, splits), M, N, K, torch.int8)
+
+
+@needs_clusters
+@pytest.mark.parametrize("N,K,extra", [(5120, 160, 32), (1536, 48, 32), (80, 48, 16)])
+@pytest.mark.parametrize("M", [9, 40, 64])
+def test_gemm_skinny_reads_strided_rows_in_place(M, N, K, extra):
+    seed_for("skinny strided", M, N, K, extra)
+    case = make_case(M, N, K, torch.int8)
+    x, weight, multiplier, per_channel, bias = op_arguments(case)
+    out = poisoned_out(M, N, torch.int8)
+    ops.w8a8_gemm_skinny_out(column_slice(x, extra), weight, multiplier, per_channel, bias, out, 0, 0)
+    assert_matches(out, reference(case))
+
+
 def every_path():
     paths = [("gemv", run_gemv), ("mma", run_mma)]
+    if HAS_CLUSTERS:
+        paths.append(("skinny", run_skinny))
     if IS_SM90 and SM90_CONFIGS:
         paths.append(("sm90", run_sm90))
     return paths
@@ -169,8 +211,8 @@ def every_path():
 @pytest.mark.parametrize("N,K", SMALL_NK)
 @pytest.mark.parametrize("M", SMALL_M)
 def test_small_shapes_every_path(M, N, K, out_dtype, per_channel, with_bias, name, run):
-    if name == "gemv" and M > 8:
-        pytest.skip("the GEMV takes at most 8 rows")
+    if (name == "gemv" and M > 8) or (name == "skinny" and M > 64):
+        pytest.skip(f"the {name} kernel takes at most {8 if name == 'gemv' else 64} rows")
     seed_for("small", M, N, K, out_dtype, per_channel, with_bias, name)
     check_path(run, M, N, K, out_dtype, per_channel=per_channel, with_bias=with_bias)
 
@@ -262,9 +304,10 @@ def test_gemv_both_sides_of_the_staging_limit(M, K, rows, splits):
         assert_matches(out, reference(case))
 
 
-@pytest.mark.parametrize("M", [1, 8, 9, 100])
+@pytest.mark.parametrize("M", [1, 8, 9, 64, 100])
 def test_small_w8a8_linear_op_takes_strided_rows(M):
-    """The dispatching op on a column slice: the GEMV in place, the GEMMs on a packed copy."""
+    """The dispatching op on a column slice: the GEMV and the skinny GEMM in place, the others on
+    a packed copy."""
     seed_for("linear strided", M)
     case = make_case(M, 1536, 48, torch.float16, per_channel=True, with_bias=True)
     x, weight, multiplier, per_channel, bias = op_arguments(case)
@@ -296,14 +339,14 @@ def test_small_w8a8_linear_cuda_backend_scalar_tensor_scale():
 
 def test_w8a8_linear_dispatch_picks_a_kernel_for_every_m():
     seed_for("dispatch")
-    for M in [1, 8, 9, 64, 65, 1000]:
+    for M in [1, 8, 9, 32, 64, 65, 1000]:
         case = make_case(M, 2560, 5120, torch.float16)
         out = poisoned_out(M, 2560, torch.float16)
         ops.w8a8_linear_out(*op_arguments(case), out)
         assert_matches(out, reference(case))
 
 
-@pytest.mark.parametrize("M", [1, 8, 100, 1024])
+@pytest.mark.parametrize("M", [1, 8, 32, 100, 1024])
 def test_w8a8_linear_replays_in_a_cuda_graph(M):
     """Decode runs under CUDA graphs: the ops must capture, and replay on new inputs."""
     seed_for("graph", M)
@@ -371,7 +414,8 @@ BAD_ARGUMENTS = {
 }
 
 
-@pytest.mark.parametrize("op_name", ["w8a8_linear_out", "w8a8_gemv_out", "w8a8_gemm_mma_out"])
+@pytest.mark.parametrize("op_name", ["w8a8_linear_out", "w8a8_gemv_out", "w8a8_gemm_mma_out"]
+                         + (["w8a8_gemm_skinny_out"] if HAS_CLUSTERS else []))
 @pytest.mark.parametrize("bad", BAD_ARGUMENTS, ids=list(BAD_ARGUMENTS))
 def test_bad_arguments_raise_naming_the_argument(bad, op_name):
     arguments = valid_arguments()
@@ -393,6 +437,17 @@ def test_gemv_rejects_unknown_rows_and_splits():
         ops.w8a8_gemv_out(a["x"], a["weight"], a["multiplier"], None, None, a["out"], 3, 0)
     with pytest.raises(RuntimeError, match="splits must be"):
         ops.w8a8_gemv_out(a["x"], a["weight"], a["multiplier"], None, None, a["out"], 0, 3)
+
+
+@needs_clusters
+def test_skinny_rejects_more_than_64_rows_and_unknown_plans():
+    with pytest.raises(RuntimeError, match="x of 1 to 64 rows"):
+        call(ops.w8a8_gemm_skinny_out, valid_arguments(M=65))
+    a = valid_arguments(M=20)
+    with pytest.raises(RuntimeError, match="warp_tiles must be 1 or 2"):
+        ops.w8a8_gemm_skinny_out(a["x"], a["weight"], a["multiplier"], None, None, a["out"], 3, 0)
+    with pytest.raises(RuntimeError, match="splits must be 1 to 16"):
+        ops.w8a8_gemm_skinny_out(a["x"], a["weight"], a["multiplier"], None, None, a["out"], 0, 17)
 
 
 @needs_sm90

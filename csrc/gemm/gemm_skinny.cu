@@ -1,0 +1,284 @@
+// W8A8 GEMM for a few rows of x (decode at batch 9 to 64) on sm_90: the weight is streamed once,
+// straight from global memory into tensor-core fragments, and the K dimension is split over the
+// blocks of a thread-block cluster, which add their int32 partial sums through distributed shared
+// memory. The wgmma GEMM's tiles are at least 64 rows of x, so at 32 rows it multiplies half zeros
+// and spreads too few tiles over the SMs: in_proj of Mamba-2.8B at M = 32 took 15.7 us, cuBLAS
+// fp16 17.7 us, for twice the bytes (benchmarks/RESULTS.md).
+//
+// Roles are swapped against gemm_mma.cu: weight rows are the MMA's M dimension (m16) and x's rows
+// its N dimension (n8), so a warp's 16 * WR weight rows meet all of x's 8 * NT rows at once.
+// Permuted K: lane (g, t) loads 16 contiguous bytes [16 t, 16 t + 16) of a 64-byte K chunk, of
+// weight rows g and g + 8 and of x row g, and feeds bytes 0-7 to one m16n8k32 and 8-15 to a
+// second. The MMA's own k order differs from memory order, but identically in both operands, so
+// each sum is still over every k once: no shared memory or ldmatrix for the weight, 16-byte loads
+// for both operands. x (a block's K range of all its rows) is staged in shared memory once and
+// read by the block's 4 warps.
+#include <ATen/cuda/CUDAContextLight.h>
+#include <c10/cuda/CUDAException.h>
+#include <cooperative_groups.h>
+
+#include <algorithm>
+
+#include "gemm/epilogue.cuh"
+#include "gemm/gemm.h"
+#include "gemm/mma.cuh"
+#include "pdl.cuh"
+
+namespace quamba::gemm {
+namespace {
+
+namespace cg = cooperative_groups;
+
+constexpr int kBlockWarps = 4;
+constexpr int kBlockThreads = 32 * kBlockWarps;
+constexpr int kChunk = 64;              // bytes of K a warp multiplies per step: 16 per lane of a quad
+constexpr int kSplitAlign = 128;        // a split's K range is a multiple of this many bytes
+constexpr int kWeightLoadsPerLane = 16; // 16-byte weight loads in flight per lane
+constexpr int kMaxSplits = 16;          // the largest (non-portable) cluster on sm_90
+constexpr int kMaxStagedBytes = 96 * 1024;
+
+// Staged x rows start k_per_split + 64 bytes apart: k_per_split is a multiple of 128, so the two
+// rows an 8-lane phase of a 16-byte load reads fall in opposite halves of the 32 banks.
+constexpr int kXRowPad = 64;
+// Partial sums are stored [x row][weight row], rows kRows + 4 ints apart: the 32 lanes' stores of
+// one accumulator register then hit 32 different banks.
+constexpr int kPartialPad = 4;
+
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
+}
+
+template <int NT, int WR>
+struct Tile {
+  static constexpr int kRows = 16 * WR * kBlockWarps;  // weight rows of a block
+  static constexpr int kXRows = 8 * NT;                // x rows of a block (past M: zeros)
+  static constexpr int kSteps = kWeightLoadsPerLane / (2 * WR);  // K chunks per loop iteration
+  static constexpr int kPartialStride = kRows + kPartialPad;
+
+  static int smem_bytes(int k_per_split) {
+    return std::max(kXRows * (k_per_split + kXRowPad), kXRows * kPartialStride * 4);
+  }
+};
+
+// Copies x[0:M, k_begin:k_end] to shared memory, rows x_row_bytes apart; rows past M and chunks
+// past k_end are zero-filled.
+template <int kXRows>
+__device__ __forceinline__ void stage_x(uint32_t staged, const int8_t* x, int x_stride, int M, int k_begin,
+                                        int k_end, int k_per_split, int x_row_bytes) {
+  const int chunks = k_per_split / 16;
+  for (int i = threadIdx.x; i < kXRows * chunks; i += kBlockThreads) {
+    const int row = i / chunks, chunk = i % chunks;
+    const int k = k_begin + 16 * chunk;
+    const bool valid = row < M && k < k_end;
+    cp_async_16(staged + row * x_row_bytes + 16 * chunk, valid ? x + static_cast<int64_t>(row) * x_stride + k : x,
+                valid);
+  }
+  asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;" ::: "memory");
+}
+
+// 16-byte pieces of weight rows g and g + 8 of each m16 tile, for kSteps chunks from k.
+template <int WR, int kSteps>
+__device__ __forceinline__ void load_weights(int4 (&wv)[kSteps][WR][2], const int8_t* const (&rows)[WR][2], int k,
+                                             int k_end, int t) {
+#pragma unroll
+  for (int s = 0; s < kSteps; ++s) {
+    const int at = k + s * kChunk + 16 * t;
+#pragma unroll
+    for (int r = 0; r < WR; ++r)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        wv[s][r][h] = at < k_end ? __ldcs(reinterpret_cast<const int4*>(rows[r][h] + at)) : make_int4(0, 0, 0, 0);
+  }
+}
+
+template <int NT, int WR, int kSteps>
+__device__ __forceinline__ void multiply(int (&acc)[WR][NT][4], const int4 (&wv)[kSteps][WR][2],
+                                         const int8_t* x_lane, int x_row_bytes, int offset, int k_left) {
+#pragma unroll
+  for (int s = 0; s < kSteps; ++s) {
+    if (s * kChunk >= k_left) break;  // the same for the whole warp
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const int4 xv = *reinterpret_cast<const int4*>(x_lane + nt * 8 * x_row_bytes + offset + s * kChunk);
+#pragma unroll
+      for (int r = 0; r < WR; ++r) {
+        const int4 lo = wv[s][r][0], hi = wv[s][r][1];
+        const uint32_t first[4] = {uint32_t(lo.x), uint32_t(hi.x), uint32_t(lo.y), uint32_t(hi.y)};
+        const uint32_t second[4] = {uint32_t(lo.z), uint32_t(hi.z), uint32_t(lo.w), uint32_t(hi.w)};
+        mma_s8(acc[r][nt], first, uint32_t(xv.x), uint32_t(xv.y));
+        mma_s8(acc[r][nt], second, uint32_t(xv.z), uint32_t(xv.w));
+      }
+    }
+  }
+}
+
+// grid (ceil(N / kRows), splits), cluster (1, splits): block (i, s) sums rows [i kRows, (i+1) kRows)
+// of the weight over K range s; the blocks of a cluster then each finish a share of the tile.
+template <int NT, int WR, typename OutT>
+__global__ void __launch_bounds__(kBlockThreads)
+gemm_skinny_kernel(const int8_t* __restrict__ x, int x_stride, const int8_t* __restrict__ w, OutT* __restrict__ out,
+                   int M, int N, int K, int k_per_split, Epilogue epilogue) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using T = Tile<NT, WR>;
+  extern __shared__ __align__(16) uint8_t smem[];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int k_begin = blockIdx.y * k_per_split;
+  const int k_end = min(K, k_begin + k_per_split);
+  const int x_row_bytes = k_per_split + kXRowPad;
+
+  const int row0 = blockIdx.x * T::kRows + warp * 16 * WR;
+  const int8_t* rows[WR][2];
+#pragma unroll
+  for (int r = 0; r < WR; ++r)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) rows[r][h] = w + static_cast<int64_t>(min(row0 + 16 * r + g + 8 * h, N - 1)) * K;
+
+  int4 wv[T::kSteps][WR][2];
+  load_weights(wv, rows, k_begin, k_end, t);  // independent of earlier kernels: before the wait
+  pdl_wait();
+  stage_x<T::kXRows>(static_cast<uint32_t>(__cvta_generic_to_shared(smem)), x, x_stride, M, k_begin, k_end,
+                     k_per_split, x_row_bytes);
+  __syncthreads();
+
+  int acc[WR][NT][4] = {};
+  const int8_t* x_lane = reinterpret_cast<const int8_t*>(smem) + g * x_row_bytes + 16 * t;
+  constexpr int kStep = T::kSteps * kChunk;
+  for (int k = k_begin; k < k_end; k += kStep) {
+    multiply(acc, wv, x_lane, x_row_bytes, k - k_begin, k_end - k);
+    if (k + kStep < k_end) load_weights(wv, rows, k + kStep, k_end, t);
+  }
+  pdl_launch_dependents();
+
+  __syncthreads();  // every warp is done with the staged x: its space takes the partial sums
+  int* partial = reinterpret_cast<int*>(smem);
+#pragma unroll
+  for (int r = 0; r < WR; ++r)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int v = 0; v < 4; ++v) {  // fragment: weight row g (+8 for v >= 2), x row 2 t + v % 2
+        const int n_local = warp * 16 * WR + 16 * r + g + 8 * (v / 2);
+        partial[(nt * 8 + 2 * t + v % 2) * T::kPartialStride + n_local] = acc[r][nt][v];
+      }
+  cg::cluster_group cluster = cg::this_cluster();
+  cluster.sync();
+
+  // Block s of the cluster finishes every splits-th group of 4 outputs of the tile's M x kRows.
+  const int splits = gridDim.y, groups = M * T::kRows / 4;
+  const int n_base = blockIdx.x * T::kRows;
+  for (int i = blockIdx.y * kBlockThreads + threadIdx.x; i < groups; i += splits * kBlockThreads) {
+    const int m = 4 * i / T::kRows, n_local = 4 * i % T::kRows;
+    const int at = m * T::kPartialStride + n_local;
+    int4 sum = make_int4(0, 0, 0, 0);
+    for (int s = 0; s < splits; ++s) {
+      const int4 p = *reinterpret_cast<const int4*>(cluster.map_shared_rank(partial, s) + at);
+      sum.x += p.x, sum.y += p.y, sum.z += p.z, sum.w += p.w;
+    }
+    const int n = n_base + n_local;
+    OutT* row = out + static_cast<int64_t>(m) * N;
+    const int sums[4] = {sum.x, sum.y, sum.z, sum.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      if (n + j < N) row[n + j] = epilogue.apply<OutT>(sums[j], n + j);
+  }
+  cluster.sync();  // no block may leave while others still read its shared memory
+#else
+  __trap();  // never launched: the host requires compute capability 9.0 (thread-block clusters)
+#endif
+}
+
+// Work a launch takes: warp tiles per warp, the split of K, and what follows from them.
+struct Plan {
+  int warp_tiles, splits, k_per_split;
+};
+
+int tiles_of(int N, int warp_tiles) { return (N + 16 * warp_tiles * kBlockWarps - 1) / (16 * warp_tiles * kBlockWarps); }
+
+int x_tiles_of(int M) { return M <= 16 ? 2 : M <= 32 ? 4 : 8; }
+
+// Splits K into at most `splits` ranges of a multiple of kSplitAlign bytes; returns the ranges used.
+Plan split_k(int K, int warp_tiles, int splits) {
+  const int per_split = ((K + splits - 1) / splits + kSplitAlign - 1) / kSplitAlign * kSplitAlign;
+  return {warp_tiles, (K + per_split - 1) / per_split, per_split};
+}
+
+int most_splits_of(int K) { return std::min(kMaxSplits, (K + kSplitAlign - 1) / kSplitAlign); }
+
+int staged_bytes(int M, int k_per_split) { return 8 * x_tiles_of(M) * (k_per_split + kXRowPad); }
+
+// About two blocks per SM: two m16 tiles of weight rows per warp where the tiles alone fill 8
+// splits' worth of blocks, else one; the fewest splits of K that reach 2 * sms blocks, and as many
+// as it takes for x's staged range to fit in shared memory.
+Plan choose_plan(int M, int N, int K, int sms) {
+  const int most_splits = most_splits_of(K);
+  const int warp_tiles = tiles_of(N, 2) * std::min(8, most_splits) >= 2 * sms ? 2 : 1;
+  int splits = 1;
+  while (splits < most_splits && (tiles_of(N, warp_tiles) * splits < 2 * sms ||
+                                  staged_bytes(M, split_k(K, warp_tiles, splits).k_per_split) > kMaxStagedBytes))
+    splits *= 2;
+  return split_k(K, warp_tiles, std::min(splits, most_splits));
+}
+
+template <int NT, int WR, typename OutT>
+void launch(const GemmArgs& a, const Plan& p) {
+  const auto kernel = gemm_skinny_kernel<NT, WR, OutT>;
+  check_kernel_image(reinterpret_cast<const void*>(kernel), "w8a8 GEMM (skinny)");
+  const int smem = Tile<NT, WR>::smem_bytes(p.k_per_split);
+  TORCH_CHECK(smem <= kMaxStagedBytes, "w8a8 GEMM (skinny): K = ", a.K, " in ", p.splits, " splits stages ", smem,
+              " bytes of x, more than ", kMaxStagedBytes);
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  if (p.splits > 8) C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+  cudaLaunchAttribute attributes[2];
+  attributes[0].id = cudaLaunchAttributeClusterDimension;
+  attributes[0].val.clusterDim.x = 1;
+  attributes[0].val.clusterDim.y = p.splits;
+  attributes[0].val.clusterDim.z = 1;
+  attributes[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attributes[1].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(tiles_of(a.N, WR), p.splits);
+  config.blockDim = dim3(kBlockThreads);
+  config.dynamicSmemBytes = smem;
+  config.stream = a.stream;
+  config.attrs = attributes;
+  config.numAttrs = 2;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, a.x, a.x_stride, a.w, static_cast<OutT*>(a.out), a.M, a.N,
+                                    a.K, p.k_per_split, Epilogue::from(a)));
+}
+
+template <int NT, typename OutT>
+void launch_with_tiles(const GemmArgs& a, const Plan& p) {
+  if (p.warp_tiles == 2) return launch<NT, 2, OutT>(a, p);
+  launch<NT, 1, OutT>(a, p);
+}
+
+}  // namespace
+
+bool gemm_skinny_can_run(int M, int K) {
+  if (M < 1 || M > kSkinnyMaxM || at::cuda::getCurrentDeviceProperties()->major < 9) return false;
+  return staged_bytes(M, split_k(K, 1, most_splits_of(K)).k_per_split) <= kMaxStagedBytes;
+}
+
+void launch_gemm_skinny(const GemmArgs& a, int warp_tiles, int splits) {
+  TORCH_CHECK(a.M >= 1 && a.M <= kSkinnyMaxM, "w8a8 GEMM (skinny): x must have 1 to ", kSkinnyMaxM, " rows, got ",
+              a.M);
+  TORCH_CHECK(warp_tiles >= 0 && warp_tiles <= 2, "w8a8 GEMM (skinny): warp_tiles must be 1 or 2 (0: chosen), got ",
+              warp_tiles);
+  TORCH_CHECK(splits >= 0 && splits <= kMaxSplits, "w8a8 GEMM (skinny): splits must be 1 to ", kMaxSplits,
+              " (0: chosen), got ", splits);
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  Plan p = choose_plan(a.M, a.N, a.K, sms);
+  if (warp_tiles != 0 || splits != 0)
+    p = split_k(a.K, warp_tiles != 0 ? warp_tiles : p.warp_tiles, splits != 0 ? splits : p.splits);
+  dispatch_out_type(a.out_type, [&](auto tag) {
+    using OutT = decltype(tag);
+    switch (x_tiles_of(a.M)) {
+      case 2: return launch_with_tiles<2, OutT>(a, p);
+      case 4: return launch_with_tiles<4, OutT>(a, p);
+      default: return launch_with_tiles<8, OutT>(a, p);
+    }
+  });
+}
+
+}  // namespace quamba::gemm
