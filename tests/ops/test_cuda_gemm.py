@@ -172,6 +172,17 @@ def test_gemm_skinny_matches_reference(M, N, K, out_dtype):
     check_path(run_skinny, M, N, K, out_dtype, per_channel=True, with_bias=out_dtype != torch.int8)
 
 
+SKINNY_MAX_STAGED_BYTES = 64 * 1024
+
+
+def skinny_staged_bytes(M, K, splits):
+    """Shared memory the skinny kernel stages x in: its rows rounded up to 16, 32 or 64, each a
+    split's K range (a multiple of 128 bytes) and 64 bytes of padding."""
+    x_rows = 16 if M <= 16 else 32 if M <= 32 else 64
+    per_split = -(-K // splits)
+    return x_rows * (-(-per_split // 128) * 128 + 64)
+
+
 @needs_clusters
 @pytest.mark.parametrize("splits", [1, 2, 3, 8, 16])
 @pytest.mark.parametrize("warp_tiles", [1, 2])
@@ -179,9 +190,18 @@ def test_gemm_skinny_matches_reference(M, N, K, out_dtype):
 @pytest.mark.parametrize("N,K", [(192, 5120), (2560, 2048), (100, 80), (36, 1040), (1536, 48)])
 def test_gemm_skinny_every_plan(M, N, K, warp_tiles, splits):
     """Every tile width and cluster size, where K splits unevenly (the last range shorter, or
-    fewer ranges than asked) and where N is not a multiple of the block's rows."""
+    fewer ranges than asked) and where N is not a multiple of the block's rows. A plan whose K
+    range of x does not fit in shared memory is refused with the sizes."""
     seed_for("skinny plans", M, N, K, warp_tiles, splits)
-    check_path(lambda case, out: run_skinny(case, out, warp_tiles, splits), M, N, K, torch.int8)
+
+    def run(case, out):
+        run_skinny(case, out, warp_tiles, splits)
+
+    if skinny_staged_bytes(M, K, splits) > SKINNY_MAX_STAGED_BYTES:
+        with pytest.raises(RuntimeError, match=f"K = {K} in .* splits stages .* bytes of x, more than"):
+            check_path(run, M, N, K, torch.int8)
+    else:
+        check_path(run, M, N, K, torch.int8)
 
 
 @needs_clusters
