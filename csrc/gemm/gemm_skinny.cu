@@ -5,6 +5,10 @@
 // and spreads too few tiles over the SMs: in_proj of Mamba-2.8B at M = 32 took 15.7 us, cuBLAS
 // fp16 17.7 us, for twice the bytes (benchmarks/RESULTS.md).
 //
+// Each warp waits for one step's weight loads (16 per lane, in registers) before it issues the
+// next: a cp.async ring of 4 stages per warp, tried instead (benchmarks/RESULTS.md), was faster at
+// M <= 16 but slower at 32 and 64, where its shared memory left two blocks per SM.
+//
 // Roles are swapped against gemm_mma.cu: weight rows are the MMA's M dimension (m16) and x's rows
 // its N dimension (n8), so a warp's 16 * WR weight rows meet all of x's 8 * NT rows at once.
 // Permuted K: lane (g, t) loads 16 contiguous bytes [16 t, 16 t + 16) of a 64-byte K chunk, of
@@ -31,20 +35,11 @@ namespace cg = cooperative_groups;
 
 constexpr int kBlockWarps = 4;
 constexpr int kBlockThreads = 32 * kBlockWarps;
-constexpr int kChunk = 64;           // bytes of K a warp multiplies per step: 16 per lane of a quad
-constexpr int kSplitAlign = 128;     // a split's K range is a multiple of this many bytes
-constexpr int kMaxSplits = 16;       // the largest (non-portable) cluster on sm_90
-constexpr int kMaxStagedBytes = 64 * 1024;
-
-// The weight streams through a ring of kStages stages per warp, each kStageLoads 16-byte copies per
-// lane (cp.async, so that what is in flight holds no registers): a lane copies and later reads its
-// own bytes, so stages need no barrier, only cp.async.wait_group. Waiting for the loads of one step
-// before issuing the next left DRAM idle between rounds: in_proj at M = 8 took 11.6 us, a third
-// over its bytes' time.
-constexpr int kStages = 4;
-constexpr int kStageLoads = 8;
-constexpr int kStageBytes = kStageLoads * 32 * 16;  // one warp's stage
-constexpr int kRingBytes = kBlockWarps * kStages * kStageBytes;
+constexpr int kChunk = 64;              // bytes of K a warp multiplies per step: 16 per lane of a quad
+constexpr int kSplitAlign = 128;        // a split's K range is a multiple of this many bytes
+constexpr int kWeightLoadsPerLane = 16; // 16-byte weight loads in flight per lane
+constexpr int kMaxSplits = 16;          // the largest (non-portable) cluster on sm_90
+constexpr int kMaxStagedBytes = 96 * 1024;
 
 // Staged x rows start k_per_split + 64 bytes apart: k_per_split is a multiple of 128, so the two
 // rows an 8-lane phase of a 16-byte load reads fall in opposite halves of the 32 banks.
@@ -57,22 +52,15 @@ __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool 
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
 }
 
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-
-template <int Pending>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(Pending) : "memory");
-}
-
 template <int NT, int WR>
 struct Tile {
   static constexpr int kRows = 16 * WR * kBlockWarps;  // weight rows of a block
   static constexpr int kXRows = 8 * NT;                // x rows of a block (past M: zeros)
-  static constexpr int kSteps = kStageLoads / (2 * WR);  // K chunks of a stage
+  static constexpr int kSteps = kWeightLoadsPerLane / (2 * WR);  // K chunks per loop iteration
   static constexpr int kPartialStride = kRows + kPartialPad;
 
   static int smem_bytes(int k_per_split) {
-    return std::max(kRingBytes + kXRows * (k_per_split + kXRowPad), kXRows * kPartialStride * 4);
+    return std::max(kXRows * (k_per_split + kXRowPad), kXRows * kPartialStride * 4);
   }
 };
 
@@ -89,13 +77,13 @@ __device__ __forceinline__ void stage_x(uint32_t staged, const int8_t* x, int x_
     cp_async_16(staged + row * x_row_bytes + 16 * chunk, valid ? x + static_cast<int64_t>(row) * x_stride + k : x,
                 valid);
   }
+  asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;" ::: "memory");
 }
 
-// Starts the copy of a stage: 16-byte pieces of weight rows g and g + 8 of each m16 tile, for the
-// stage's kSteps chunks from k (zeros past k_end). The lane's piece j lands at slot + 16 (32 j + lane).
+// 16-byte pieces of weight rows g and g + 8 of each m16 tile, for kSteps chunks from k.
 template <int WR, int kSteps>
-__device__ __forceinline__ void copy_stage(uint32_t slot, const int8_t* const (&rows)[WR][2], int k, int k_end,
-                                           int t, int lane) {
+__device__ __forceinline__ void load_weights(int4 (&wv)[kSteps][WR][2], const int8_t* const (&rows)[WR][2], int k,
+                                             int k_end, int t) {
 #pragma unroll
   for (int s = 0; s < kSteps; ++s) {
     const int at = k + s * kChunk + 16 * t;
@@ -103,19 +91,8 @@ __device__ __forceinline__ void copy_stage(uint32_t slot, const int8_t* const (&
     for (int r = 0; r < WR; ++r)
 #pragma unroll
       for (int h = 0; h < 2; ++h)
-        cp_async_16(slot + 16 * (32 * ((s * WR + r) * 2 + h) + lane), at < k_end ? rows[r][h] + at : rows[r][h],
-                    at < k_end);
+        wv[s][r][h] = at < k_end ? __ldcs(reinterpret_cast<const int4*>(rows[r][h] + at)) : make_int4(0, 0, 0, 0);
   }
-}
-
-template <int WR, int kSteps>
-__device__ __forceinline__ void read_stage(int4 (&wv)[kSteps][WR][2], const int4* slot, int lane) {
-#pragma unroll
-  for (int s = 0; s < kSteps; ++s)
-#pragma unroll
-    for (int r = 0; r < WR; ++r)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) wv[s][r][h] = slot[32 * ((s * WR + r) * 2 + h) + lane];
 }
 
 template <int NT, int WR, int kSteps>
@@ -141,7 +118,6 @@ __device__ __forceinline__ void multiply(int (&acc)[WR][NT][4], const int4 (&wv)
 
 // grid (ceil(N / kRows), splits), cluster (1, splits): block (i, s) sums rows [i kRows, (i+1) kRows)
 // of the weight over K range s; the blocks of a cluster then each finish a share of the tile.
-// Shared memory: the warps' weight rings, then the staged x; afterwards the partial sums.
 template <int NT, int WR, typename OutT>
 __global__ void __launch_bounds__(kBlockThreads)
 gemm_skinny_kernel(const int8_t* __restrict__ x, int x_stride, const int8_t* __restrict__ w, OutT* __restrict__ out,
@@ -162,33 +138,19 @@ gemm_skinny_kernel(const int8_t* __restrict__ x, int x_stride, const int8_t* __r
 #pragma unroll
     for (int h = 0; h < 2; ++h) rows[r][h] = w + static_cast<int64_t>(min(row0 + 16 * r + g + 8 * h, N - 1)) * K;
 
-  const uint32_t smem_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  const uint32_t ring = smem_base + warp * kStages * kStageBytes;
-  constexpr int kStepBytes = T::kSteps * kChunk;  // K bytes of a stage
-  const int stages = (k_end - k_begin + kStepBytes - 1) / kStepBytes;
-#pragma unroll
-  for (int i = 0; i < kStages - 1; ++i) {  // the weight does not depend on earlier kernels: before the wait
-    if (i < stages) copy_stage<WR, T::kSteps>(ring + i * kStageBytes, rows, k_begin + i * kStepBytes, k_end, t, lane);
-    cp_async_commit();
-  }
+  int4 wv[T::kSteps][WR][2];
+  load_weights(wv, rows, k_begin, k_end, t);  // independent of earlier kernels: before the wait
   pdl_wait();
-  stage_x<T::kXRows>(smem_base + kRingBytes, x, x_stride, M, k_begin, k_end, k_per_split, x_row_bytes);
-  cp_async_commit();
-  cp_async_wait<0>();
+  stage_x<T::kXRows>(static_cast<uint32_t>(__cvta_generic_to_shared(smem)), x, x_stride, M, k_begin, k_end,
+                     k_per_split, x_row_bytes);
   __syncthreads();
 
   int acc[WR][NT][4] = {};
-  const int8_t* x_lane = reinterpret_cast<const int8_t*>(smem) + kRingBytes + g * x_row_bytes + 16 * t;
-  const int4* ring_lane = reinterpret_cast<const int4*>(smem + warp * kStages * kStageBytes);
-  for (int i = 0; i < stages; ++i) {
-    const int next = i + kStages - 1;  // into the slot stage i - 1 left: this lane read it already
-    if (next < stages)
-      copy_stage<WR, T::kSteps>(ring + next % kStages * kStageBytes, rows, k_begin + next * kStepBytes, k_end, t, lane);
-    cp_async_commit();
-    cp_async_wait<kStages - 1>();  // stage i has landed
-    int4 wv[T::kSteps][WR][2];
-    read_stage(wv, ring_lane + i % kStages * (kStageBytes / 16), lane);
-    multiply(acc, wv, x_lane, x_row_bytes, i * kStepBytes, k_end - k_begin - i * kStepBytes);
+  const int8_t* x_lane = reinterpret_cast<const int8_t*>(smem) + g * x_row_bytes + 16 * t;
+  constexpr int kStep = T::kSteps * kChunk;
+  for (int k = k_begin; k < k_end; k += kStep) {
+    multiply(acc, wv, x_lane, x_row_bytes, k - k_begin, k_end - k);
+    if (k + kStep < k_end) load_weights(wv, rows, k + kStep, k_end, t);
   }
   pdl_launch_dependents();
 

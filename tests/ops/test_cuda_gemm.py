@@ -172,7 +172,7 @@ def test_gemm_skinny_matches_reference(M, N, K, out_dtype):
     check_path(run_skinny, M, N, K, out_dtype, per_channel=True, with_bias=out_dtype != torch.int8)
 
 
-SKINNY_MAX_STAGED_BYTES = 64 * 1024
+SKINNY_MAX_STAGED_BYTES = 96 * 1024
 
 
 def skinny_staged_bytes(M, K, splits):
