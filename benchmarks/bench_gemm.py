@@ -1,9 +1,10 @@
 """W8A8 GEMM (prefill) and GEMV (decode) of quamba._C against fp16 F.linear (cuBLAS) at the linear
 shapes of Mamba-2.8B, each layer with the output type Quamba gives it. Prefill reports TOPS and
 the speed-up over fp16; decode reports the bytes moved per second and their share of the device's
-copy bandwidth. Also times every CUTLASS sm90 configuration, the mma.sync fallback and every GEMV
-work split (rows per warp x splits of K), which is how the dispatcher's choices were made. Every
-call reads its own copy of the operands (common.time_graph_ms): weights come from device memory.
+copy bandwidth. Also times every CUTLASS sm90 configuration, every plan of the skinny GEMM
+(M <= 64), the mma.sync fallback and every GEMV work split (rows per warp x splits of K), which is
+how the dispatcher's choices were made. Every call reads its own copy of the operands
+(common.time_graph_ms): weights come from device memory.
 
     python benchmarks/bench_gemm.py [--out results.json] [--quick] [--decode_m 1,2,...,8] [--no_prefill]
                                     [--gemm_m 16,32,64,...]

@@ -41,10 +41,12 @@ void launch_gemm_mma(const GemmArgs& args);
 // GEMM for a few rows of x on compute capability 9.0 and newer (M <= kSkinnyMaxM; the weight rows
 // are the MMA's wide dimension, K is split over a thread-block cluster). It reads x's rows in place
 // like the GEMV. warp_tiles (1 or 2 m16 tiles of weight rows per warp) and splits (1 to 16) are
-// chosen from the shape when 0. gemm_skinny_can_run: the device has clusters and K fits the plan.
+// chosen from the shape when 0. It launches with programmatic dependence and loads its first
+// weights before waiting for the kernel before it, unless weight_is_constant is false (a weight
+// that kernel wrote). gemm_skinny_can_run: the device has clusters and K fits the plan.
 constexpr int kSkinnyMaxM = 64;
 bool gemm_skinny_can_run(int M, int K);
-void launch_gemm_skinny(const GemmArgs& args, int warp_tiles = 0, int splits = 0);
+void launch_gemm_skinny(const GemmArgs& args, int warp_tiles = 0, int splits = 0, bool weight_is_constant = true);
 
 // CUTLASS 3.x wgmma GEMM for sm_90a: int8/fp16/bf16 out; needs 16-byte aligned rows of out.
 // config is in 0..kSm90Configs-1 (listed in gemm_sm90.cuh); -1 picks one from the shape.

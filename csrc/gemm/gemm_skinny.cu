@@ -121,7 +121,7 @@ __device__ __forceinline__ void multiply(int (&acc)[WR][NT][4], const int4 (&wv)
 template <int NT, int WR, typename OutT>
 __global__ void __launch_bounds__(kBlockThreads)
 gemm_skinny_kernel(const int8_t* __restrict__ x, int x_stride, const int8_t* __restrict__ w, OutT* __restrict__ out,
-                   int M, int N, int K, int k_per_split, Epilogue epilogue) {
+                   int M, int N, int K, int k_per_split, bool weight_is_constant, Epilogue epilogue) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using T = Tile<NT, WR>;
   extern __shared__ __align__(16) uint8_t smem[];
@@ -138,9 +138,12 @@ gemm_skinny_kernel(const int8_t* __restrict__ x, int x_stride, const int8_t* __r
 #pragma unroll
     for (int h = 0; h < 2; ++h) rows[r][h] = w + static_cast<int64_t>(min(row0 + 16 * r + g + 8 * h, N - 1)) * K;
 
+  // A constant weight is loaded before the wait, while the kernel before may still run; one that
+  // kernel wrote (W4A8's expansion) only after it.
   int4 wv[T::kSteps][WR][2];
-  load_weights(wv, rows, k_begin, k_end, t);  // independent of earlier kernels: before the wait
+  if (weight_is_constant) load_weights(wv, rows, k_begin, k_end, t);
   pdl_wait();
+  if (!weight_is_constant) load_weights(wv, rows, k_begin, k_end, t);
   stage_x<T::kXRows>(static_cast<uint32_t>(__cvta_generic_to_shared(smem)), x, x_stride, M, k_begin, k_end,
                      k_per_split, x_row_bytes);
   __syncthreads();
@@ -197,7 +200,10 @@ struct Plan {
   int warp_tiles, splits, k_per_split;
 };
 
-int tiles_of(int N, int warp_tiles) { return (N + 16 * warp_tiles * kBlockWarps - 1) / (16 * warp_tiles * kBlockWarps); }
+int tiles_of(int N, int warp_tiles) {
+  const int rows = 16 * warp_tiles * kBlockWarps;
+  return (N + rows - 1) / rows;
+}
 
 int x_tiles_of(int M) { return M <= 16 ? 2 : M <= 32 ? 4 : 8; }
 
@@ -225,7 +231,7 @@ Plan choose_plan(int M, int N, int K, int sms) {
 }
 
 template <int NT, int WR, typename OutT>
-void launch(const GemmArgs& a, const Plan& p) {
+void launch(const GemmArgs& a, const Plan& p, bool weight_is_constant) {
   const auto kernel = gemm_skinny_kernel<NT, WR, OutT>;
   check_kernel_image(reinterpret_cast<const void*>(kernel), "w8a8 GEMM (skinny)");
   const int smem = Tile<NT, WR>::smem_bytes(p.k_per_split);
@@ -249,13 +255,13 @@ void launch(const GemmArgs& a, const Plan& p) {
   config.attrs = attributes;
   config.numAttrs = 2;
   C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, a.x, a.x_stride, a.w, static_cast<OutT*>(a.out), a.M, a.N,
-                                    a.K, p.k_per_split, Epilogue::from(a)));
+                                    a.K, p.k_per_split, weight_is_constant, Epilogue::from(a)));
 }
 
 template <int NT, typename OutT>
-void launch_with_tiles(const GemmArgs& a, const Plan& p) {
-  if (p.warp_tiles == 2) return launch<NT, 2, OutT>(a, p);
-  launch<NT, 1, OutT>(a, p);
+void launch_with_tiles(const GemmArgs& a, const Plan& p, bool weight_is_constant) {
+  if (p.warp_tiles == 2) return launch<NT, 2, OutT>(a, p, weight_is_constant);
+  launch<NT, 1, OutT>(a, p, weight_is_constant);
 }
 
 }  // namespace
@@ -265,7 +271,7 @@ bool gemm_skinny_can_run(int M, int K) {
   return staged_bytes(M, split_k(K, 1, most_splits_of(K)).k_per_split) <= kMaxStagedBytes;
 }
 
-void launch_gemm_skinny(const GemmArgs& a, int warp_tiles, int splits) {
+void launch_gemm_skinny(const GemmArgs& a, int warp_tiles, int splits, bool weight_is_constant) {
   TORCH_CHECK(a.M >= 1 && a.M <= kSkinnyMaxM, "w8a8 GEMM (skinny): x must have 1 to ", kSkinnyMaxM, " rows, got ",
               a.M);
   TORCH_CHECK(warp_tiles >= 0 && warp_tiles <= 2, "w8a8 GEMM (skinny): warp_tiles must be 1 or 2 (0: chosen), got ",
@@ -279,9 +285,9 @@ void launch_gemm_skinny(const GemmArgs& a, int warp_tiles, int splits) {
   dispatch_out_type(a.out_type, [&](auto tag) {
     using OutT = decltype(tag);
     switch (x_tiles_of(a.M)) {
-      case 2: return launch_with_tiles<2, OutT>(a, p);
-      case 4: return launch_with_tiles<4, OutT>(a, p);
-      default: return launch_with_tiles<8, OutT>(a, p);
+      case 2: return launch_with_tiles<2, OutT>(a, p, weight_is_constant);
+      case 4: return launch_with_tiles<4, OutT>(a, p, weight_is_constant);
+      default: return launch_with_tiles<8, OutT>(a, p, weight_is_constant);
     }
   });
 }

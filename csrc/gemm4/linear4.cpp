@@ -23,15 +23,17 @@
 //
 // Paths: M <= 8 takes the GEMV (gemv4.cu), exact for any int8 group multiplier. M > 8 expands the
 // weight to a temporary int8 [N, K] (code * multiplier, from the caching allocator) and runs the
-// W8A8 GEMM (CUTLASS wgmma on sm_90a, mma.sync elsewhere) with the same epilogue. Where the wgmma
-// GEMM runs, both launch with programmatic dependence (pdl.cuh): the GEMM's blocks launch while the
-// expansion's last blocks finish (W4A8 out_proj at M = 1024 on the H100: 32.5 -> 30.1 us). That
-// expansion is exact only while every |code * multiplier| fits int8 (multipliers in 1..18 for codes
-// in -7..7): this op does not check it (that needs a host sync); the Python cuda backend
-// (quamba/ops/cuda_backend/gemm4.py) checks each weight once with w4a8_expand_out's overflow flag
-// and refuses weights that overflow. Expanding the codes in registers instead, in CUTLASS's sm90
-// mixed-input mainloop (int4 codes, int8 group multipliers), was exact but 2.3x slower on the H100
-// (benchmarks/RESULTS.md, fb57a14): its conversion alone costs more than this expansion.
+// W8A8 GEMM (the skinny GEMM at 9-64 rows on compute capability 9.0, CUTLASS wgmma above them on
+// sm_90a, mma.sync elsewhere) with the same epilogue. Where the skinny or the wgmma GEMM runs, both
+// launch with programmatic dependence (pdl.cuh), the GEMM reading the weight only after its wait:
+// the GEMM's blocks launch while the expansion's last blocks finish (W4A8 out_proj at M = 1024 on
+// the H100: 32.5 -> 30.1 us). That expansion is exact only while every |code * multiplier| fits
+// int8 (multipliers in 1..18 for codes in -7..7): this op does not check it (that needs a host
+// sync); the Python cuda backend (quamba/ops/cuda_backend/gemm4.py) checks each weight once with
+// w4a8_expand_out's overflow flag and refuses weights that overflow. Expanding the codes in
+// registers instead, in CUTLASS's sm90 mixed-input mainloop (int4 codes, int8 group multipliers),
+// was exact but 2.3x slower on the H100 (benchmarks/RESULTS.md, fb57a14): its conversion alone
+// costs more than this expansion.
 // W4A16 with M > 8 dequantizes to a temporary [N, K] weight of x's dtype (fp32(code) * fp32(scale),
 // rounded once) and calls cuBLAS (at::mm).
 #include <ATen/ATen.h>
@@ -160,7 +162,7 @@ void run_w4a8_gemm(const W4A8Args& a, const at::Tensor& x, const at::Tensor& out
   const gemm::GemmArgs g{a.x, expanded.data_ptr<int8_t>(), a.out, a.M, a.N, a.K, a.K, a.out_type, a.multiplier,
                          a.multiplier_per_channel, nullptr, a.stream};
   if (config == kConfigAuto && gemm::gemm_skinny_can_run(a.M, a.K)) {
-    gemm::launch_gemm_skinny(g);
+    gemm::launch_gemm_skinny(g, 0, 0, /*weight_is_constant=*/false);  // the expansion writes it
   } else if (config == kConfigMma || (config == kConfigAuto && !sm90_can_run(a, out, multiplier_per_channel))) {
     gemm::launch_gemm_mma(g);
   } else {
