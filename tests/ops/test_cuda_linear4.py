@@ -195,6 +195,23 @@ def test_w4a8_gemm_sm90_configs_match_reference(M, N, K, G, out_dtype, config):
     check_w4a8(lambda case, out: run_w4a8_gemm(case, out, config), M, N, K, G, out_dtype)
 
 
+@pytest.mark.parametrize("M", [17, 64])
+def test_w4a8_gemm_reads_its_expansion_after_it_is_written(M):
+    """Above 8 rows W4A8 expands its weight into a temporary that the caching allocator hands out
+    again at the same address, and the GEMM after it may launch before the expansion ends
+    (programmatic launch). With two weights of one shape taking turns, a GEMM that read the weight
+    before the expansion was done would see the other weight's codes."""
+    seed_for("w4a8 expansion then gemm", M)
+    N, K, G = 10240, 2560, 128
+    cases = [w4a8_case(M, N, K, G, torch.int8) for _ in range(2)]
+    references = [w4a8_reference(case) for case in cases]
+    for _ in range(10):
+        for case, reference in zip(cases, references):
+            out = poisoned_out(M, N, torch.int8)
+            run_w4a8_gemm(case, out)
+            assert_exact(out, reference)
+
+
 @pytest.mark.parametrize("out_dtype", [torch.int8, torch.float16], ids=str)
 @pytest.mark.parametrize("M", [1, 5, 8])
 def test_small_w4a8_gemv_is_exact_for_any_multiplier(M, out_dtype):
