@@ -9,6 +9,11 @@ choices are checked. Every call reads its own copy of the operands (common.time_
 weights come from device memory.
 
     python benchmarks/bench_gemm4.py [--out results.json] [--quick] [--decode_m 1,2,...,8] [--no_prefill]
+                                     [--gemm_m 16,32,64,...]
+
+--gemm_m replaces the prefill sizes: at 9 to 64 rows (decode at batch 9 to 64, compute capability
+9.0) W4A8 takes the skinny GEMM on the packed weight, timed also on its own (w4a8_skinny_us)
+beside the expansion and W8A8 GEMM it replaces.
 """
 from __future__ import annotations
 
@@ -32,6 +37,7 @@ GEMV_SHAPES = ([(rows, splits, 1) for rows in (4, 16) for splits in (1, 2, 4)]
                + [(16, splits, x_loads) for splits in (8, 16) for x_loads in (1, 2)]
                + [(16, splits, 2) for splits in (1, 2, 4)])
 W4A16_CORE_MAX_M = 1  # rows 4 (CUDA cores) take M = 1
+SKINNY_MAX_M = 64
 TRANSPOSED_BATCH = 8  # sequences of the transposed prefill activations (Layer.transposed_us)
 
 
@@ -161,6 +167,8 @@ def bench_prefill(layer):
     return {**layer.row(), "fp16_us": fp16, "w4a8_us": w4a8, "w4a8_speedup": fp16 / w4a8,
             "w4a16_us": w4a16, "w4a16_speedup": fp16 / w4a16, "expand_us": layer.expand_us(),
             "w8a8_gemm_us": layer.w8a8_us(), "dequant_us": layer.dequantize_us(),
+            "w4a8_skinny_us": (layer.w4a8_us(torch.ops.quamba.w4a8_skinny_out)
+                               if layer.M <= SKINNY_MAX_M and torch.cuda.get_device_capability() >= (9, 0) else None),
             "fp16_transposed_us": fp16_t, "w4a16_transposed_us": w4a16_t,
             "w4a16_transposed_speedup": fp16_t / w4a16_t, "w4a16_copied_us": layer.transposed_us("copied")}
 
@@ -201,7 +209,11 @@ def totals(rows, stage):
 
 
 def main():
-    args = parse_args(__doc__.splitlines()[0], decode_options(DECODE_M))
+    def options(parser):
+        decode_options(DECODE_M)(parser)
+        parser.add_argument("--gemm_m", type=lambda text: [int(m) for m in text.split(",")],
+                            help="row counts of the prefill table, comma-separated (default: 1024,2048)")
+    args = parse_args(__doc__.splitlines()[0], options)
     try:
         import quamba._C  # noqa: F401
     except ImportError as exc:
@@ -211,6 +223,8 @@ def main():
     meta = run_metadata()
     copy_gbs = copy_bandwidth_gbs()
     prefill_m, decode_m = (PREFILL_M[-1:], args.decode_m[:1]) if args.quick else (PREFILL_M, args.decode_m)
+    if args.gemm_m:
+        prefill_m = args.gemm_m
     if args.no_prefill:
         prefill_m = []
     decode = [bench_decode(Layer(name, N, K, dt, M), copy_gbs) for M in decode_m for name, N, K, dt in LAYERS]
@@ -226,7 +240,7 @@ def main():
                                 "best_w4a16_gemv", "best_w4a16_gemv_us"],
                        "\nW4A8 / W4A16 GEMV (decode) vs fp16 F.linear (GB/s: packed weight bytes only)"))
     print(format_table(prefill, ["layer", "M", "N", "K", "out", "fp16_us", "w4a8_us", "w4a8_speedup", "expand_us",
-                                 "w8a8_gemm_us", "w4a16_us", "w4a16_speedup", "dequant_us"],
+                                 "w8a8_gemm_us", "w4a8_skinny_us", "w4a16_us", "w4a16_speedup", "dequant_us"],
                        "\nW4A8 / W4A16 prefill vs fp16 F.linear"))
     print(format_table(prefill, ["layer", "M", "fp16_transposed_us", "w4a16_transposed_us",
                                  "w4a16_transposed_speedup", "w4a16_copied_us"],

@@ -47,6 +47,12 @@ void launch_gemm_mma(const GemmArgs& args);
 constexpr int kSkinnyMaxM = 64;
 bool gemm_skinny_can_run(int M, int K);
 void launch_gemm_skinny(const GemmArgs& args, int warp_tiles = 0, int splits = 0, bool weight_is_constant = true);
+// The same kernel on a 4-bit weight (args.w: the packed uint8 [N, K / 2] of gemm4/gemm4.h) and its
+// int8 group multipliers [N, K / group_size], with no expanded weight: group_size % 128 == 0, or
+// one group of K <= 128 codes (w4a8_skinny_can_run).
+bool w4a8_skinny_can_run(int M, int K, int group_size);
+void launch_w4a8_skinny(const GemmArgs& args, const int8_t* group_multiplier, int group_size, int warp_tiles = 0,
+                        int splits = 0);
 
 // CUTLASS 3.x wgmma GEMM for sm_90a: int8/fp16/bf16 out; needs 16-byte aligned rows of out.
 // config is in 0..kSm90Configs-1 (listed in gemm_sm90.cuh); -1 picks one from the shape.

@@ -1,21 +1,22 @@
-// W8A8 GEMM for a few rows of x (decode at batch 9 to 64) on sm_90: the weight is streamed once,
-// straight from global memory into tensor-core fragments, and the K dimension is split over the
-// blocks of a thread-block cluster, which add their int32 partial sums through distributed shared
-// memory. The wgmma GEMM's tiles are at least 64 rows of x, so at 32 rows it multiplies half zeros
-// and spreads too few tiles over the SMs: in_proj of Mamba-2.8B at M = 32 took 15.7 us, cuBLAS
-// fp16 17.7 us, for twice the bytes (benchmarks/RESULTS.md).
+// W8A8 and W4A8 GEMM for a few rows of x (decode at batch 9 to 64) on sm_90: the weight is
+// streamed once, straight from global memory into tensor-core fragments, and the K dimension is
+// split over the blocks of a thread-block cluster, which add their int32 partial sums through
+// distributed shared memory. The wgmma GEMM's tiles are at least 64 rows of x, so at 32 rows it
+// multiplies half zeros and spreads too few tiles over the SMs: in_proj of Mamba-2.8B at M = 32
+// took 15.7 us, cuBLAS fp16 17.7 us, for twice the bytes (benchmarks/RESULTS.md). W4A8 reads its
+// packed 4-bit codes and group multipliers itself, with no int8 copy of the weight.
 //
-// Each warp waits for one step's weight loads (16 per lane, in registers) before it issues the
-// next: a cp.async ring of 4 stages per warp, tried instead (benchmarks/RESULTS.md), was faster at
-// M <= 16 but slower at 32 and 64, where its shared memory left two blocks per SM.
+// Each warp waits for one iteration's weight loads (16 per lane, in registers) before it issues
+// the next: a cp.async ring of 4 stages per warp, tried instead (benchmarks/RESULTS.md), was faster
+// at M <= 16 but slower at 32 and 64, where its shared memory left two blocks per SM.
 //
 // Roles are swapped against gemm_mma.cu: weight rows are the MMA's M dimension (m16) and x's rows
 // its N dimension (n8), so a warp's 16 * WR weight rows meet all of x's 8 * NT rows at once.
-// Permuted K: lane (g, t) loads 16 contiguous bytes [16 t, 16 t + 16) of a 64-byte K chunk, of
-// weight rows g and g + 8 and of x row g, and feeds bytes 0-7 to one m16n8k32 and 8-15 to a
-// second. The MMA's own k order differs from memory order, but identically in both operands, so
-// each sum is still over every k once: no shared memory or ldmatrix for the weight, 16-byte loads
-// for both operands. x (a block's K range of all its rows) is staged in shared memory once and
+// Permuted K: in a step, lane (g, t) loads 16 contiguous bytes at byte 16 t of weight rows g and
+// g + 8 and reads the same codes of x row g, and feeds them to m16n8k32 MMAs in an order of k that
+// differs from memory order, but identically in both operands, so each sum is still over every k
+// once: no shared memory or ldmatrix for the weight, 16-byte loads for both operands (the weight
+// formats below say how). x (a block's K range of all its rows) is staged in shared memory once and
 // read by the block's 4 warps.
 #include <ATen/cuda/CUDAContextLight.h>
 #include <c10/cuda/CUDAException.h>
@@ -35,125 +36,204 @@ namespace cg = cooperative_groups;
 
 constexpr int kBlockWarps = 4;
 constexpr int kBlockThreads = 32 * kBlockWarps;
-constexpr int kChunk = 64;              // bytes of K a warp multiplies per step: 16 per lane of a quad
-constexpr int kSplitAlign = 128;        // a split's K range is a multiple of this many bytes
+constexpr int kSplitAlign = 128;        // a split's K range is a multiple of this many codes
 constexpr int kWeightLoadsPerLane = 16; // 16-byte weight loads in flight per lane
 constexpr int kMaxSplits = 16;          // the largest (non-portable) cluster on sm_90
 constexpr int kMaxStagedBytes = 96 * 1024;
-
-// Staged x rows start k_per_split + 64 bytes apart: k_per_split is a multiple of 128, so the two
-// rows an 8-lane phase of a 16-byte load reads fall in opposite halves of the 32 banks.
-constexpr int kXRowPad = 64;
 // Partial sums are stored [x row][weight row], rows kRows + 4 ints apart: the 32 lanes' stores of
 // one accumulator register then hit 32 different banks.
 constexpr int kPartialPad = 4;
+
+// ---------------------------------------------------------------------------------------------
+// Weight formats: what W8A8 and W4A8 differ in. A warp's step covers kStepCodes of K: lane (g, t)
+// loads the 16 bytes at byte 16 t of the step's part of weight rows g and g + 8 of each m16 tile,
+// and reads the same codes of x rows g + 8 nt from shared memory.
+
+// int8 weight [N, K]: a step is 64 codes, a lane's bytes 0-7 and 8-15 two m16n8k32.
+struct Int8Codes {
+  static constexpr int kStepCodes = 64;
+  static constexpr int kCodesPerByte = 1;
+  static constexpr int kMaxWarpTiles = 2;
+  // Staged x rows start k_per_split + 64 bytes apart (k_per_split % 128 == 0): the two rows an
+  // 8-lane phase of a lane's 16-byte load reads fall in opposite halves of the 32 banks.
+  static constexpr int kXRowPad = 64;
+
+  template <int NT, int WR>
+  __device__ __forceinline__ static void step(int (&acc)[WR][NT][4], const int4 (&w)[WR][2], const int8_t* x_lane,
+                                              int x_row_bytes, const int8_t* const (&)[WR][2], int) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const int4 xv = *reinterpret_cast<const int4*>(x_lane + nt * 8 * x_row_bytes);
+#pragma unroll
+      for (int r = 0; r < WR; ++r) {
+        const int4 lo = w[r][0], hi = w[r][1];
+        mma_s8(acc[r][nt], {uint32_t(lo.x), uint32_t(hi.x), uint32_t(lo.y), uint32_t(hi.y)}, xv.x, xv.y);
+        mma_s8(acc[r][nt], {uint32_t(lo.z), uint32_t(hi.z), uint32_t(lo.w), uint32_t(hi.w)}, xv.z, xv.w);
+      }
+    }
+  }
+};
+
+// 4-bit weight (the format of gemm4/gemm4.h: uint8 [N, K / 2], the even k in the low nibble; int8
+// group multipliers [N, K / G]) with G % 128 == 0 or G == K <= 128, so that a step, 128 codes, lies
+// in one group. Packed word j of a lane's 16 bytes holds codes 8 j ... 8 j + 7: (w << 4) &
+// 0xF0F0F0F0 is 16 x its even codes and w & 0xF0F0F0F0 16 x its odd codes, as int8, against the
+// even and odd bytes of the same 8 activations (x is staged so permuted: per 8 bytes the even ones
+// first, then the odd). The step's int32 sum is exact; divided by 16 exactly and multiplied by the
+// group's multiplier it is exact for any int8 multiplier, with no expanded weight.
+struct Int4Codes {
+  static constexpr int kStepCodes = 128;
+  static constexpr int kCodesPerByte = 2;
+  // Its per-step sums double the accumulators: two m16 tiles a warp spill at 64 rows of x.
+  static constexpr int kMaxWarpTiles = 1;
+  // A lane reads 32 bytes at byte 32 t of x row g: rows k_per_split + 16 bytes apart put the two
+  // rows of an 8-lane phase on different banks.
+  static constexpr int kXRowPad = 16;
+
+  template <int NT, int WR>
+  __device__ __forceinline__ static void step(int (&acc)[WR][NT][4], const int4 (&w)[WR][2], const int8_t* x_lane,
+                                              int x_row_bytes, const int8_t* const (&multipliers)[WR][2],
+                                              int group) {
+    int sums[WR][NT][4] = {};
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const uint4* xv = reinterpret_cast<const uint4*>(x_lane + nt * 8 * x_row_bytes);
+      const uint4 x0 = xv[0], x1 = xv[1];
+      const uint32_t x_words[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};  // even, odd of word j
+#pragma unroll
+      for (int r = 0; r < WR; ++r) {
+        const uint32_t lo[4] = {uint32_t(w[r][0].x), uint32_t(w[r][0].y), uint32_t(w[r][0].z), uint32_t(w[r][0].w)};
+        const uint32_t hi[4] = {uint32_t(w[r][1].x), uint32_t(w[r][1].y), uint32_t(w[r][1].z), uint32_t(w[r][1].w)};
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+          mma_s8(sums[r][nt],
+                 {(lo[j] << 4) & 0xF0F0F0F0u, (hi[j] << 4) & 0xF0F0F0F0u, lo[j] & 0xF0F0F0F0u, hi[j] & 0xF0F0F0F0u},
+                 x_words[2 * j], x_words[2 * j + 1]);
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < WR; ++r) {
+      const int row_g = __ldg(multipliers[r][0] + group), row_g8 = __ldg(multipliers[r][1] + group);
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int v = 0; v < 4; ++v) acc[r][nt][v] += (sums[r][nt][v] >> 4) * (v < 2 ? row_g : row_g8);
+    }
+  }
+};
+
+// The group multipliers of a W4A8 weight (null for W8A8).
+struct Groups {
+  const int8_t* multipliers;  // [N, K / group_size]
+  int group_size;
+};
 
 __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
 }
 
-template <int NT, int WR>
+template <typename Codes, int NT, int WR>
 struct Tile {
   static constexpr int kRows = 16 * WR * kBlockWarps;  // weight rows of a block
   static constexpr int kXRows = 8 * NT;                // x rows of a block (past M: zeros)
-  static constexpr int kSteps = kWeightLoadsPerLane / (2 * WR);  // K chunks per loop iteration
+  static constexpr int kSteps = kWeightLoadsPerLane / (2 * WR);  // steps per loop iteration
+  static constexpr int kIterationCodes = kSteps * Codes::kStepCodes;
   static constexpr int kPartialStride = kRows + kPartialPad;
 
   static int smem_bytes(int k_per_split) {
-    return std::max(kXRows * (k_per_split + kXRowPad), kXRows * kPartialStride * 4);
+    return std::max(kXRows * (k_per_split + Codes::kXRowPad), kXRows * kPartialStride * 4);
   }
 };
 
 // Copies x[0:M, k_begin:k_end] to shared memory, rows x_row_bytes apart; rows past M and chunks
-// past k_end are zero-filled.
-template <int kXRows>
-__device__ __forceinline__ void stage_x(uint32_t staged, const int8_t* x, int x_stride, int M, int k_begin,
-                                        int k_end, int k_per_split, int x_row_bytes) {
+// past k_end are zero-filled. W4A8 then permutes every 8 bytes to their even bytes, then odd.
+template <typename Codes, int kXRows>
+__device__ __forceinline__ void stage_x(uint8_t* staged, const int8_t* x, int x_stride, int M, int k_begin, int k_end,
+                                        int k_per_split, int x_row_bytes) {
+  const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(staged));
   const int chunks = k_per_split / 16;
   for (int i = threadIdx.x; i < kXRows * chunks; i += kBlockThreads) {
     const int row = i / chunks, chunk = i % chunks;
     const int k = k_begin + 16 * chunk;
     const bool valid = row < M && k < k_end;
-    cp_async_16(staged + row * x_row_bytes + 16 * chunk, valid ? x + static_cast<int64_t>(row) * x_stride + k : x,
-                valid);
+    cp_async_16(base + row * x_row_bytes + 16 * chunk, valid ? x + static_cast<int64_t>(row) * x_stride + k : x, valid);
   }
   asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;" ::: "memory");
+  if constexpr (Codes::kCodesPerByte == 2) {
+    __syncthreads();
+    for (int i = threadIdx.x; i < kXRows * x_row_bytes / 16; i += kBlockThreads) {
+      uint4* p = reinterpret_cast<uint4*>(staged) + i;
+      const uint4 v = *p;
+      *p = make_uint4(__byte_perm(v.x, v.y, 0x6420), __byte_perm(v.x, v.y, 0x7531), __byte_perm(v.z, v.w, 0x6420),
+                      __byte_perm(v.z, v.w, 0x7531));
+    }
+  }
 }
 
-// 16-byte pieces of weight rows g and g + 8 of each m16 tile, for kSteps chunks from k.
-template <int WR, int kSteps>
-__device__ __forceinline__ void load_weights(int4 (&wv)[kSteps][WR][2], const int8_t* const (&rows)[WR][2], int k,
+// 16-byte pieces of weight rows g and g + 8 of each m16 tile, for kSteps steps from code k.
+template <typename Codes, int WR, int kSteps>
+__device__ __forceinline__ void load_weights(int4 (&wv)[kSteps][WR][2], const uint8_t* const (&rows)[WR][2], int k,
                                              int k_end, int t) {
 #pragma unroll
   for (int s = 0; s < kSteps; ++s) {
-    const int at = k + s * kChunk + 16 * t;
+    const int at = k + s * Codes::kStepCodes + t * (Codes::kStepCodes / 4);
 #pragma unroll
     for (int r = 0; r < WR; ++r)
 #pragma unroll
       for (int h = 0; h < 2; ++h)
-        wv[s][r][h] = at < k_end ? __ldcs(reinterpret_cast<const int4*>(rows[r][h] + at)) : make_int4(0, 0, 0, 0);
-  }
-}
-
-template <int NT, int WR, int kSteps>
-__device__ __forceinline__ void multiply(int (&acc)[WR][NT][4], const int4 (&wv)[kSteps][WR][2],
-                                         const int8_t* x_lane, int x_row_bytes, int offset, int k_left) {
-#pragma unroll
-  for (int s = 0; s < kSteps; ++s) {
-    if (s * kChunk >= k_left) break;  // the same for the whole warp
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      const int4 xv = *reinterpret_cast<const int4*>(x_lane + nt * 8 * x_row_bytes + offset + s * kChunk);
-#pragma unroll
-      for (int r = 0; r < WR; ++r) {
-        const int4 lo = wv[s][r][0], hi = wv[s][r][1];
-        const uint32_t first[4] = {uint32_t(lo.x), uint32_t(hi.x), uint32_t(lo.y), uint32_t(hi.y)};
-        const uint32_t second[4] = {uint32_t(lo.z), uint32_t(hi.z), uint32_t(lo.w), uint32_t(hi.w)};
-        mma_s8(acc[r][nt], first, uint32_t(xv.x), uint32_t(xv.y));
-        mma_s8(acc[r][nt], second, uint32_t(xv.z), uint32_t(xv.w));
-      }
-    }
+        wv[s][r][h] = at < k_end ? __ldcs(reinterpret_cast<const int4*>(rows[r][h] + at / Codes::kCodesPerByte))
+                                 : make_int4(0, 0, 0, 0);
   }
 }
 
 // grid (ceil(N / kRows), splits), cluster (1, splits): block (i, s) sums rows [i kRows, (i+1) kRows)
 // of the weight over K range s; the blocks of a cluster then each finish a share of the tile.
-template <int NT, int WR, typename OutT>
+template <typename Codes, int NT, int WR, typename OutT>
 __global__ void __launch_bounds__(kBlockThreads)
-gemm_skinny_kernel(const int8_t* __restrict__ x, int x_stride, const int8_t* __restrict__ w, OutT* __restrict__ out,
-                   int M, int N, int K, int k_per_split, bool weight_is_constant, Epilogue epilogue) {
+gemm_skinny_kernel(const int8_t* __restrict__ x, int x_stride, const uint8_t* __restrict__ w, OutT* __restrict__ out,
+                   int M, int N, int K, int k_per_split, bool weight_is_constant, Groups groups, Epilogue epilogue) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  using T = Tile<NT, WR>;
+  using T = Tile<Codes, NT, WR>;
   extern __shared__ __align__(16) uint8_t smem[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
   const int k_begin = blockIdx.y * k_per_split;
   const int k_end = min(K, k_begin + k_per_split);
-  const int x_row_bytes = k_per_split + kXRowPad;
+  const int x_row_bytes = k_per_split + Codes::kXRowPad;
 
   const int row0 = blockIdx.x * T::kRows + warp * 16 * WR;
-  const int8_t* rows[WR][2];
+  const int groups_per_row = groups.multipliers ? K / groups.group_size : 0;
+  const uint8_t* rows[WR][2];
+  const int8_t* multipliers[WR][2];
 #pragma unroll
   for (int r = 0; r < WR; ++r)
 #pragma unroll
-    for (int h = 0; h < 2; ++h) rows[r][h] = w + static_cast<int64_t>(min(row0 + 16 * r + g + 8 * h, N - 1)) * K;
+    for (int h = 0; h < 2; ++h) {
+      const int64_t row = min(row0 + 16 * r + g + 8 * h, N - 1);
+      rows[r][h] = w + row * (K / Codes::kCodesPerByte);
+      multipliers[r][h] = groups.multipliers + row * groups_per_row;
+    }
 
   // A constant weight is loaded before the wait, while the kernel before may still run; one that
   // kernel wrote (W4A8's expansion) only after it.
   int4 wv[T::kSteps][WR][2];
-  if (weight_is_constant) load_weights(wv, rows, k_begin, k_end, t);
+  if (weight_is_constant) load_weights<Codes>(wv, rows, k_begin, k_end, t);
   pdl_wait();
-  if (!weight_is_constant) load_weights(wv, rows, k_begin, k_end, t);
-  stage_x<T::kXRows>(static_cast<uint32_t>(__cvta_generic_to_shared(smem)), x, x_stride, M, k_begin, k_end,
-                     k_per_split, x_row_bytes);
+  if (!weight_is_constant) load_weights<Codes>(wv, rows, k_begin, k_end, t);
+  stage_x<Codes, T::kXRows>(smem, x, x_stride, M, k_begin, k_end, k_per_split, x_row_bytes);
   __syncthreads();
 
   int acc[WR][NT][4] = {};
-  const int8_t* x_lane = reinterpret_cast<const int8_t*>(smem) + g * x_row_bytes + 16 * t;
-  constexpr int kStep = T::kSteps * kChunk;
-  for (int k = k_begin; k < k_end; k += kStep) {
-    multiply(acc, wv, x_lane, x_row_bytes, k - k_begin, k_end - k);
-    if (k + kStep < k_end) load_weights(wv, rows, k + kStep, k_end, t);
+  const int8_t* x_lane = reinterpret_cast<const int8_t*>(smem) + g * x_row_bytes + t * (Codes::kStepCodes / 4);
+  for (int k = k_begin; k < k_end; k += T::kIterationCodes) {
+#pragma unroll
+    for (int s = 0; s < T::kSteps; ++s) {
+      const int step_k = k + s * Codes::kStepCodes;
+      if (step_k >= k_end) break;  // the same for the whole warp
+      Codes::step(acc, wv[s], x_lane + (step_k - k_begin), x_row_bytes, multipliers,
+                  groups_per_row ? step_k / groups.group_size : 0);
+    }
+    if (k + T::kIterationCodes < k_end) load_weights<Codes>(wv, rows, k + T::kIterationCodes, k_end, t);
   }
   pdl_launch_dependents();
 
@@ -172,9 +252,9 @@ gemm_skinny_kernel(const int8_t* __restrict__ x, int x_stride, const int8_t* __r
   cluster.sync();
 
   // Block s of the cluster finishes every splits-th group of 4 outputs of the tile's M x kRows.
-  const int splits = gridDim.y, groups = M * T::kRows / 4;
+  const int splits = gridDim.y, quads = M * T::kRows / 4;
   const int n_base = blockIdx.x * T::kRows;
-  for (int i = blockIdx.y * kBlockThreads + threadIdx.x; i < groups; i += splits * kBlockThreads) {
+  for (int i = blockIdx.y * kBlockThreads + threadIdx.x; i < quads; i += splits * kBlockThreads) {
     const int m = 4 * i / T::kRows, n_local = 4 * i % T::kRows;
     const int at = m * T::kPartialStride + n_local;
     int4 sum = make_int4(0, 0, 0, 0);
@@ -207,7 +287,7 @@ int tiles_of(int N, int warp_tiles) {
 
 int x_tiles_of(int M) { return M <= 16 ? 2 : M <= 32 ? 4 : 8; }
 
-// Splits K into at most `splits` ranges of a multiple of kSplitAlign bytes; returns the ranges used.
+// Splits K into at most `splits` ranges of a multiple of kSplitAlign codes; returns the ranges used.
 Plan split_k(int K, int warp_tiles, int splits) {
   const int per_split = ((K + splits - 1) / splits + kSplitAlign - 1) / kSplitAlign * kSplitAlign;
   return {warp_tiles, (K + per_split - 1) / per_split, per_split};
@@ -215,14 +295,15 @@ Plan split_k(int K, int warp_tiles, int splits) {
 
 int most_splits_of(int K) { return std::min(kMaxSplits, (K + kSplitAlign - 1) / kSplitAlign); }
 
-int staged_bytes(int M, int k_per_split) { return 8 * x_tiles_of(M) * (k_per_split + kXRowPad); }
+// Shared memory x takes (at most kXRowPad = 64 bytes of padding a row).
+int staged_bytes(int M, int k_per_split) { return 8 * x_tiles_of(M) * (k_per_split + Int8Codes::kXRowPad); }
 
 // About two blocks per SM: two m16 tiles of weight rows per warp where the tiles alone fill 8
 // splits' worth of blocks, else one; the fewest splits of K that reach 2 * sms blocks, and as many
 // as it takes for x's staged range to fit in shared memory.
-Plan choose_plan(int M, int N, int K, int sms) {
+Plan choose_plan(int M, int N, int K, int sms, int max_warp_tiles) {
   const int most_splits = most_splits_of(K);
-  const int warp_tiles = tiles_of(N, 2) * std::min(8, most_splits) >= 2 * sms ? 2 : 1;
+  const int warp_tiles = max_warp_tiles == 2 && tiles_of(N, 2) * std::min(8, most_splits) >= 2 * sms ? 2 : 1;
   int splits = 1;
   while (splits < most_splits && (tiles_of(N, warp_tiles) * splits < 2 * sms ||
                                   staged_bytes(M, split_k(K, warp_tiles, splits).k_per_split) > kMaxStagedBytes))
@@ -230,13 +311,13 @@ Plan choose_plan(int M, int N, int K, int sms) {
   return split_k(K, warp_tiles, std::min(splits, most_splits));
 }
 
-template <int NT, int WR, typename OutT>
-void launch(const GemmArgs& a, const Plan& p, bool weight_is_constant) {
-  const auto kernel = gemm_skinny_kernel<NT, WR, OutT>;
-  check_kernel_image(reinterpret_cast<const void*>(kernel), "w8a8 GEMM (skinny)");
-  const int smem = Tile<NT, WR>::smem_bytes(p.k_per_split);
+template <typename Codes, int NT, int WR, typename OutT>
+void launch(const GemmArgs& a, const Plan& p, bool weight_is_constant, const Groups& groups) {
+  const auto kernel = gemm_skinny_kernel<Codes, NT, WR, OutT>;
+  check_kernel_image(reinterpret_cast<const void*>(kernel), "skinny GEMM");
+  const int smem = Tile<Codes, NT, WR>::smem_bytes(p.k_per_split);
   const int staged = staged_bytes(a.M, p.k_per_split);
-  TORCH_CHECK(staged <= kMaxStagedBytes, "w8a8 GEMM (skinny): K = ", a.K, " in ", p.splits, " splits stages ", staged,
+  TORCH_CHECK(staged <= kMaxStagedBytes, "skinny GEMM: K = ", a.K, " in ", p.splits, " splits stages ", staged,
               " bytes of x, more than ", kMaxStagedBytes);
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   if (p.splits > 8) C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
@@ -254,14 +335,38 @@ void launch(const GemmArgs& a, const Plan& p, bool weight_is_constant) {
   config.stream = a.stream;
   config.attrs = attributes;
   config.numAttrs = 2;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, a.x, a.x_stride, a.w, static_cast<OutT*>(a.out), a.M, a.N,
-                                    a.K, p.k_per_split, weight_is_constant, Epilogue::from(a)));
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, a.x, a.x_stride, reinterpret_cast<const uint8_t*>(a.w),
+                                    static_cast<OutT*>(a.out), a.M, a.N, a.K, p.k_per_split, weight_is_constant, groups,
+                                    Epilogue::from(a)));
 }
 
-template <int NT, typename OutT>
-void launch_with_tiles(const GemmArgs& a, const Plan& p, bool weight_is_constant) {
-  if (p.warp_tiles == 2) return launch<NT, 2, OutT>(a, p, weight_is_constant);
-  launch<NT, 1, OutT>(a, p, weight_is_constant);
+// The plan from the shape, or as given (warp_tiles, splits: 0 = chosen), then the kernel of the
+// weight format, x's row tiles, the warp tiles and the output type.
+template <typename Codes>
+void launch_planned(const GemmArgs& a, int warp_tiles, int splits, bool weight_is_constant, const Groups& groups) {
+  TORCH_CHECK(a.M >= 1 && a.M <= kSkinnyMaxM, "skinny GEMM: x must have 1 to ", kSkinnyMaxM, " rows, got ", a.M);
+  TORCH_CHECK(warp_tiles >= 0 && warp_tiles <= Codes::kMaxWarpTiles, "skinny GEMM: warp_tiles must be 1 to ",
+              Codes::kMaxWarpTiles, " (0: chosen), got ", warp_tiles);
+  TORCH_CHECK(splits >= 0 && splits <= kMaxSplits, "skinny GEMM: splits must be 1 to ", kMaxSplits,
+              " (0: chosen), got ", splits);
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  Plan p = choose_plan(a.M, a.N, a.K, sms, Codes::kMaxWarpTiles);
+  if (warp_tiles != 0 || splits != 0)
+    p = split_k(a.K, warp_tiles != 0 ? warp_tiles : p.warp_tiles, splits != 0 ? splits : p.splits);
+  dispatch_out_type(a.out_type, [&](auto tag) {
+    using OutT = decltype(tag);
+    const auto with_tiles = [&](auto x_tiles) {
+      constexpr int NT = decltype(x_tiles)::value;
+      if constexpr (Codes::kMaxWarpTiles == 2)
+        if (p.warp_tiles == 2) return launch<Codes, NT, 2, OutT>(a, p, weight_is_constant, groups);
+      launch<Codes, NT, 1, OutT>(a, p, weight_is_constant, groups);
+    };
+    switch (x_tiles_of(a.M)) {
+      case 2: return with_tiles(std::integral_constant<int, 2>{});
+      case 4: return with_tiles(std::integral_constant<int, 4>{});
+      default: return with_tiles(std::integral_constant<int, 8>{});
+    }
+  });
 }
 
 }  // namespace
@@ -271,25 +376,20 @@ bool gemm_skinny_can_run(int M, int K) {
   return staged_bytes(M, split_k(K, 1, most_splits_of(K)).k_per_split) <= kMaxStagedBytes;
 }
 
+bool w4a8_skinny_can_run(int M, int K, int group_size) {
+  return (group_size % Int4Codes::kStepCodes == 0 || (group_size == K && K <= Int4Codes::kStepCodes)) &&
+         gemm_skinny_can_run(M, K);
+}
+
 void launch_gemm_skinny(const GemmArgs& a, int warp_tiles, int splits, bool weight_is_constant) {
-  TORCH_CHECK(a.M >= 1 && a.M <= kSkinnyMaxM, "w8a8 GEMM (skinny): x must have 1 to ", kSkinnyMaxM, " rows, got ",
-              a.M);
-  TORCH_CHECK(warp_tiles >= 0 && warp_tiles <= 2, "w8a8 GEMM (skinny): warp_tiles must be 1 or 2 (0: chosen), got ",
-              warp_tiles);
-  TORCH_CHECK(splits >= 0 && splits <= kMaxSplits, "w8a8 GEMM (skinny): splits must be 1 to ", kMaxSplits,
-              " (0: chosen), got ", splits);
-  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  Plan p = choose_plan(a.M, a.N, a.K, sms);
-  if (warp_tiles != 0 || splits != 0)
-    p = split_k(a.K, warp_tiles != 0 ? warp_tiles : p.warp_tiles, splits != 0 ? splits : p.splits);
-  dispatch_out_type(a.out_type, [&](auto tag) {
-    using OutT = decltype(tag);
-    switch (x_tiles_of(a.M)) {
-      case 2: return launch_with_tiles<2, OutT>(a, p, weight_is_constant);
-      case 4: return launch_with_tiles<4, OutT>(a, p, weight_is_constant);
-      default: return launch_with_tiles<8, OutT>(a, p, weight_is_constant);
-    }
-  });
+  launch_planned<Int8Codes>(a, warp_tiles, splits, weight_is_constant, Groups{nullptr, 0});
+}
+
+void launch_w4a8_skinny(const GemmArgs& a, const int8_t* group_multiplier, int group_size, int warp_tiles,
+                        int splits) {
+  TORCH_CHECK(w4a8_skinny_can_run(a.M, a.K, group_size), "skinny W4A8 GEMM: needs group_size % 128 == 0 or one group "
+              "of at most 128 codes, got K = ", a.K, ", group_size = ", group_size);
+  launch_planned<Int4Codes>(a, warp_tiles, splits, /*weight_is_constant=*/true, Groups{group_multiplier, group_size});
 }
 
 }  // namespace quamba::gemm

@@ -4,8 +4,8 @@
 //   w4a8_linear(x, weight_packed, group_multiplier, group_size, multiplier, multiplier_per_channel,
 //               out_dtype) -> out
 //   w4a8_linear_out(..., out)           the same into a preallocated out
-//   w4a8_gemv_out(..., out, rows, splits, x_loads) / w4a8_gemm_out(..., out, config)
-//                                       one path, for tests and benchmarks
+//   w4a8_gemv_out(..., out, rows, splits, x_loads) / w4a8_skinny_out(..., out, warp_tiles, splits) /
+//   w4a8_gemm_out(..., out, config)     one path, for tests and benchmarks
 //   w4a8_expand_out(weight_packed, group_multiplier, group_size, out, overflow)
 //                                       int8 [N, K] = code * multiplier; sets overflow[0] = 1 when a
 //                                       product is outside [-128, 127]
@@ -21,7 +21,9 @@
 // per channel (multiplier_per_channel fp32 [N]) or as one number; W4A16 out is float16, bfloat16
 // or float32.
 //
-// Paths: M <= 8 takes the GEMV (gemv4.cu), exact for any int8 group multiplier. M > 8 expands the
+// Paths: M <= 8 takes the GEMV (gemv4.cu), exact for any int8 group multiplier. M = 9-64 takes the
+// skinny GEMM on the packed weight (gemm/gemm_skinny.cu; compute capability 9.0, group_size % 128
+// == 0 or one group of K <= 128), also exact for any multiplier. Otherwise M > 8 expands the
 // weight to a temporary int8 [N, K] (code * multiplier, from the caching allocator) and runs the
 // W8A8 GEMM (the skinny GEMM at 9-64 rows on compute capability 9.0, CUTLASS wgmma above them on
 // sm_90a, mma.sync elsewhere) with the same epilogue. Where the skinny or the wgmma GEMM runs, both
@@ -154,13 +156,20 @@ bool sm90_can_run(const W4A8Args& a, const at::Tensor& out, const std::optional<
 
 constexpr int64_t kConfigAuto = -1, kConfigMma = -2;
 
-// Expansion into a temporary int8 [N, K] weight, then the W8A8 GEMM.
+gemm::GemmArgs gemm_args(const W4A8Args& a, const void* weight) {
+  return gemm::GemmArgs{a.x, static_cast<const int8_t*>(weight), a.out, a.M, a.N, a.K, a.K, a.out_type,
+                        a.multiplier, a.multiplier_per_channel, nullptr, a.stream};
+}
+
+// The skinny GEMM on the packed weight where it can take the shape, else an expansion into a
+// temporary int8 [N, K] weight, then the W8A8 GEMM.
 void run_w4a8_gemm(const W4A8Args& a, const at::Tensor& x, const at::Tensor& out,
                    const std::optional<at::Tensor>& multiplier_per_channel, int64_t config) {
+  if (config == kConfigAuto && gemm::w4a8_skinny_can_run(a.M, a.K, a.group_size))
+    return gemm::launch_w4a8_skinny(gemm_args(a, a.w), a.group_multiplier, a.group_size);
   at::Tensor expanded = at::empty({a.N, a.K}, x.options().dtype(at::kChar));
   launch_w4a8_expand(a.w, a.group_multiplier, expanded.data_ptr<int8_t>(), a.N, a.K, a.group_size, nullptr, a.stream);
-  const gemm::GemmArgs g{a.x, expanded.data_ptr<int8_t>(), a.out, a.M, a.N, a.K, a.K, a.out_type, a.multiplier,
-                         a.multiplier_per_channel, nullptr, a.stream};
+  const gemm::GemmArgs g = gemm_args(a, expanded.data_ptr<int8_t>());
   if (config == kConfigAuto && gemm::gemm_skinny_can_run(a.M, a.K)) {
     gemm::launch_gemm_skinny(g, 0, 0, /*weight_is_constant=*/false);  // the expansion writes it
   } else if (config == kConfigMma || (config == kConfigAuto && !sm90_can_run(a, out, multiplier_per_channel))) {
@@ -200,6 +209,19 @@ void w4a8_gemv_out(const at::Tensor& x, const at::Tensor& weight_packed, const a
   TORCH_CHECK(a.M >= 1 && a.M <= kGemvMaxM, "w4a8_gemv: x must have 1 to ", kGemvMaxM, " rows, got ", a.M);
   launch_w4a8_gemv(a, static_cast<int>(rows), static_cast<int>(splits),
                    static_cast<XLoads>(static_cast<int>(x_loads)));
+}
+
+void w4a8_skinny_out(const at::Tensor& x, const at::Tensor& weight_packed, const at::Tensor& group_multiplier,
+                     int64_t group_size, double multiplier, const std::optional<at::Tensor>& multiplier_per_channel,
+                     at::Tensor& out, int64_t warp_tiles, int64_t splits) {
+  const auto guard = guard_for("w4a8_skinny", x);
+  const W4A8Args a = make_w4a8_args("w4a8_skinny", x, weight_packed, group_multiplier, group_size, multiplier,
+                                    multiplier_per_channel, out);
+  TORCH_CHECK(gemm::w4a8_skinny_can_run(a.M, a.K, a.group_size), "w4a8_skinny: needs a GPU of compute capability "
+              "9.0 or newer, x of 1 to ", gemm::kSkinnyMaxM, " rows, group_size % 128 == 0 or one group of at most "
+              "128, and K that fits its plan; got x ", x.sizes(), ", group_size ", group_size);
+  gemm::launch_w4a8_skinny(gemm_args(a, a.w), a.group_multiplier, a.group_size, static_cast<int>(warp_tiles),
+                           static_cast<int>(splits));
 }
 
 void w4a8_gemm_out(const at::Tensor& x, const at::Tensor& weight_packed, const at::Tensor& group_multiplier,
@@ -324,6 +346,7 @@ void register_impls(torch::Library& m) {
   m.impl("w4a8_linear", &w4a8_linear);
   m.impl("w4a8_linear_out", &w4a8_linear_out);
   m.impl("w4a8_gemv_out", &w4a8_gemv_out);
+  m.impl("w4a8_skinny_out", &w4a8_skinny_out);
   m.impl("w4a8_gemm_out", &w4a8_gemm_out);
   m.impl("w4a8_expand_out", &w4a8_expand_out);
   m.impl("w4a16_linear", &w4a16_linear);
@@ -343,6 +366,8 @@ TORCH_LIBRARY_FRAGMENT(quamba, m) {
         "Tensor? multiplier_per_channel, Tensor(a!) out) -> ()");
   m.def("w4a8_gemv_out(Tensor x, Tensor weight_packed, Tensor group_multiplier, int group_size, float multiplier, "
         "Tensor? multiplier_per_channel, Tensor(a!) out, int rows=0, int splits=0, int x_loads=0) -> ()");
+  m.def("w4a8_skinny_out(Tensor x, Tensor weight_packed, Tensor group_multiplier, int group_size, float multiplier, "
+        "Tensor? multiplier_per_channel, Tensor(a!) out, int warp_tiles=0, int splits=0) -> ()");
   m.def("w4a8_gemm_out(Tensor x, Tensor weight_packed, Tensor group_multiplier, int group_size, float multiplier, "
         "Tensor? multiplier_per_channel, Tensor(a!) out, int config=-1) -> ()");
   m.def("w4a8_expand_out(Tensor weight_packed, Tensor group_multiplier, int group_size, Tensor(a!) out, "

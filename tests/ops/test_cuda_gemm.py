@@ -464,7 +464,7 @@ def test_skinny_rejects_more_than_64_rows_and_unknown_plans():
     with pytest.raises(RuntimeError, match="x of 1 to 64 rows"):
         call(ops.w8a8_gemm_skinny_out, valid_arguments(M=65))
     a = valid_arguments(M=20)
-    with pytest.raises(RuntimeError, match="warp_tiles must be 1 or 2"):
+    with pytest.raises(RuntimeError, match="warp_tiles must be 1 to 2"):
         ops.w8a8_gemm_skinny_out(a["x"], a["weight"], a["multiplier"], None, None, a["out"], 3, 0)
     with pytest.raises(RuntimeError, match="splits must be 1 to 16"):
         ops.w8a8_gemm_skinny_out(a["x"], a["weight"], a["multiplier"], None, None, a["out"], 0, 17)

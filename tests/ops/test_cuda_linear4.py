@@ -45,12 +45,17 @@ MAMBA_2_8B = [(10240, 2560, 128), (2560, 5120, 128), (192, 5120, 128)]
 SMALL_SHAPES = [(80, 64, 64), (200, 128, 128), (96, 192, 64), (136, 384, 64), (72, 256, 32), (40, 96, 96),
                 (48, 320, 160), (33, 1024, 128)]
 DECODE_M = [1, 2, 3, 4, 5, 6, 7, 8]
-PREFILL_M = [9, 17, 100, 1024, 2048]
+PREFILL_M = [9, 17, 64, 100, 1024, 2048]
 W4A8_OUT = [torch.int8, torch.float16, torch.bfloat16, torch.float32]
 W4A16_OUT = [torch.float16, torch.bfloat16, torch.float32]
 
 SM90_CONFIGS = ops.w8a8_gemm_sm90_configs()
 IS_SM90 = torch.cuda.get_device_capability() == (9, 0)
+HAS_CLUSTERS = torch.cuda.get_device_capability() >= (9, 0)
+needs_clusters = pytest.mark.skipif(not HAS_CLUSTERS, reason="needs thread-block clusters (compute capability 9.0)")
+# Shapes the skinny W4A8 GEMM takes: groups of a multiple of 128, or one group of K <= 128.
+SKINNY_SHAPES = MAMBA_2_8B + [(200, 128, 128), (40, 96, 96), (80, 64, 64), (33, 1024, 128), (50, 768, 256)]
+SKINNY_M = [1, 9, 16, 17, 32, 33, 63, 64]
 
 
 @pytest.fixture(autouse=True)
@@ -125,6 +130,10 @@ def run_w4a8_gemm(case, out, config=-1):
     ops.w4a8_gemm_out(*w4a8_op_arguments(case), out, config)
 
 
+def run_w4a8_skinny(case, out, warp_tiles=0, splits=0):
+    ops.w4a8_skinny_out(*w4a8_op_arguments(case), out, warp_tiles, splits)
+
+
 def run_w4a8_linear(case, out):
     ops.w4a8_linear_out(*w4a8_op_arguments(case), out)
 
@@ -172,7 +181,8 @@ def test_w4a8_gemv_both_x_loads(M, N, K, G, splits, x_loads):
 @pytest.mark.parametrize("N,K,G", MAMBA_2_8B + SMALL_SHAPES)
 @pytest.mark.parametrize("M", PREFILL_M)
 def test_w4a8_linear_prefill_matches_reference(M, N, K, G, out_dtype):
-    """The dispatching op: expansion + the W8A8 GEMM the device gets (sm90 where it can run)."""
+    """The dispatching op: the skinny GEMM at 9-64 rows where it takes the groups, else expansion +
+    the W8A8 GEMM the device gets (sm90 where it can run)."""
     seed_for("w4a8 gemm", M, N, K, G, out_dtype)
     check_w4a8(run_w4a8_linear, M, N, K, G, out_dtype)
 
@@ -200,9 +210,10 @@ def test_w4a8_gemm_reads_its_expansion_after_it_is_written(M):
     """Above 8 rows W4A8 expands its weight into a temporary that the caching allocator hands out
     again at the same address, and the GEMM after it may launch before the expansion ends
     (programmatic launch). With two weights of one shape taking turns, a GEMM that read the weight
-    before the expansion was done would see the other weight's codes."""
+    before the expansion was done would see the other weight's codes. Groups of 64: the skinny
+    GEMM does not take them on the packed weight, so the expansion runs."""
     seed_for("w4a8 expansion then gemm", M)
-    N, K, G = 10240, 2560, 128
+    N, K, G = 10240, 2560, 64
     cases = [w4a8_case(M, N, K, G, torch.int8) for _ in range(2)]
     references = [w4a8_reference(case) for case in cases]
     for _ in range(10):
@@ -210,6 +221,34 @@ def test_w4a8_gemm_reads_its_expansion_after_it_is_written(M):
             out = poisoned_out(M, N, torch.int8)
             run_w4a8_gemm(case, out)
             assert_exact(out, reference)
+
+
+@needs_clusters
+@pytest.mark.parametrize("out_dtype", W4A8_OUT, ids=str)
+@pytest.mark.parametrize("N,K,G", SKINNY_SHAPES)
+@pytest.mark.parametrize("M", SKINNY_M)
+def test_w4a8_skinny_matches_reference(M, N, K, G, out_dtype):
+    """The skinny GEMM on the packed weight, exact for any int8 multiplier (up to 127 here)."""
+    seed_for("w4a8 skinny", M, N, K, G, out_dtype)
+    check_w4a8(run_w4a8_skinny, M, N, K, G, out_dtype, max_multiplier=127)
+
+
+@needs_clusters
+@pytest.mark.parametrize("splits", [1, 2, 3, 8, 16])
+@pytest.mark.parametrize("M", [9, 40, 64])
+@pytest.mark.parametrize("N,K,G", [(192, 5120, 128), (100, 1024, 256), (33, 1024, 128)])
+def test_w4a8_skinny_every_split(M, N, K, G, splits):
+    seed_for("w4a8 skinny splits", M, N, K, G, splits)
+    check_w4a8(lambda case, out: run_w4a8_skinny(case, out, 1, splits), M, N, K, G, torch.int8)
+
+
+@needs_clusters
+def test_w4a8_skinny_refuses_groups_that_straddle_its_steps():
+    case = w4a8_case(16, 72, 256, 32, torch.int8)
+    with pytest.raises(RuntimeError, match="group_size % 128 == 0 or one group of at most 128"):
+        run_w4a8_skinny(case, poisoned_out(16, 72, torch.int8))
+    with pytest.raises(RuntimeError, match="warp_tiles must be 1 to 1"):
+        run_w4a8_skinny(w4a8_case(16, 72, 256, 128, torch.int8), poisoned_out(16, 72, torch.int8), 2, 0)
 
 
 @pytest.mark.parametrize("out_dtype", [torch.int8, torch.float16], ids=str)
@@ -441,6 +480,8 @@ def test_small_every_path_small_shapes(M, N, K, G):
     w4a8_runs = [run_w4a8_linear, lambda case, out: run_w4a8_gemm(case, out, -2)]
     if M <= 8:
         w4a8_runs.append(run_w4a8_gemv)
+    if HAS_CLUSTERS and (G % 128 == 0 or G == K <= 128):
+        w4a8_runs.append(run_w4a8_skinny)
     for run in w4a8_runs:
         check_w4a8(run, M, N, K, G, torch.int8)
         check_w4a8(run, M, N, K, G, torch.float16)
