@@ -14,6 +14,7 @@ import torch
 from quamba.ops import backend
 from quamba.ops.qlinear import int8_matmul, w8a8_linear
 from quamba.ops.quant import requant_multiplier
+from tests.ops.skinny_plans import SKINNY_MAX_STAGED_BYTES, skinny_staged_bytes
 
 pytestmark = pytest.mark.gpu
 
@@ -170,17 +171,6 @@ def test_gemm_sm90_matches_reference(M, N, K, out_dtype, config):
 def test_gemm_skinny_matches_reference(M, N, K, out_dtype):
     seed_for("skinny", M, N, K, out_dtype)
     check_path(run_skinny, M, N, K, out_dtype, per_channel=True, with_bias=out_dtype != torch.int8)
-
-
-SKINNY_MAX_STAGED_BYTES = 96 * 1024
-
-
-def skinny_staged_bytes(M, K, splits):
-    """Shared memory the skinny kernel stages x in: its rows rounded up to 16, 32 or 64, each a
-    split's K range (a multiple of 128 bytes) and 64 bytes of padding."""
-    x_rows = 16 if M <= 16 else 32 if M <= 32 else 64
-    per_split = -(-K // splits)
-    return x_rows * (-(-per_split // 128) * 128 + 64)
 
 
 @needs_clusters

@@ -22,6 +22,7 @@ from quamba.errors import QuambaError
 from quamba.ops import backend
 from quamba.ops.qlinear4 import w4a8_linear, w4a16_linear, w4a16_linear_channel_major
 from quamba.ops.quant4 import dequantize_int4, pack_int4
+from tests.ops.skinny_plans import SKINNY_MAX_STAGED_BYTES, skinny_staged_bytes
 
 pytestmark = pytest.mark.gpu
 
@@ -181,7 +182,7 @@ def test_w4a8_gemv_both_x_loads(M, N, K, G, splits, x_loads):
 @pytest.mark.parametrize("N,K,G", MAMBA_2_8B + SMALL_SHAPES)
 @pytest.mark.parametrize("M", PREFILL_M)
 def test_w4a8_linear_prefill_matches_reference(M, N, K, G, out_dtype):
-    """The dispatching op: the skinny GEMM at 9-64 rows where it takes the groups, else expansion +
+    """The dispatching op: the skinny GEMM at 9-32 rows where it takes the groups, else expansion +
     the W8A8 GEMM the device gets (sm90 where it can run)."""
     seed_for("w4a8 gemm", M, N, K, G, out_dtype)
     check_w4a8(run_w4a8_linear, M, N, K, G, out_dtype)
@@ -238,8 +239,17 @@ def test_w4a8_skinny_matches_reference(M, N, K, G, out_dtype):
 @pytest.mark.parametrize("M", [9, 40, 64])
 @pytest.mark.parametrize("N,K,G", [(192, 5120, 128), (100, 1024, 256), (33, 1024, 128)])
 def test_w4a8_skinny_every_split(M, N, K, G, splits):
+    """Every cluster size; a plan whose K range of x does not fit in shared memory is refused."""
     seed_for("w4a8 skinny splits", M, N, K, G, splits)
-    check_w4a8(lambda case, out: run_w4a8_skinny(case, out, 1, splits), M, N, K, G, torch.int8)
+
+    def run(case, out):
+        run_w4a8_skinny(case, out, 1, splits)
+
+    if skinny_staged_bytes(M, K, splits) > SKINNY_MAX_STAGED_BYTES:
+        with pytest.raises(RuntimeError, match=f"K = {K} in .* splits stages .* bytes of x, more than"):
+            check_w4a8(run, M, N, K, G, torch.int8)
+    else:
+        check_w4a8(run, M, N, K, G, torch.int8)
 
 
 @needs_clusters
