@@ -11,9 +11,9 @@ weights come from device memory.
     python benchmarks/bench_gemm4.py [--out results.json] [--quick] [--decode_m 1,2,...,8] [--no_prefill]
                                      [--gemm_m 16,32,64,...]
 
---gemm_m replaces the prefill sizes: at 9 to 64 rows (decode at batch 9 to 64, compute capability
-9.0) W4A8 takes the skinny GEMM on the packed weight, timed also on its own (w4a8_skinny_us)
-beside the expansion and W8A8 GEMM it replaces.
+--gemm_m replaces the prefill sizes: at 9 to 32 rows (decode at batch 9 to 32, compute capability
+9.0) W4A8 takes the skinny GEMM on the packed weight; at 9 to 64 rows that kernel is timed on its
+own (w4a8_skinny_us) beside the expansion and the W8A8 GEMM that are the other path.
 """
 from __future__ import annotations
 

@@ -3,14 +3,17 @@
 
 Up to 8 rows run the decode GEMVs (W4A8: exact for any int8 group multiplier; W4A16: fp32
 accumulation, on tensor cores, or on CUDA cores for one row of a layer with few weight rows).
-More rows run the prefill GEMMs: W4A8 expands the codes to an int8 weight (code × group
-multiplier) and runs the W8A8 GEMM, which is exact only while every product fits int8 —
-multipliers in 1…18 for codes in -7…7 (quamba.ops.quant4). That is checked here, on the device,
-once per weight: the verdict is cached per (packed weight, group multiplier) tensor
-pair and their ``_version`` counters, so later calls cost no host sync (the first prefill call of a
-weight does one; run it before any CUDA-graph capture of a prefill). A weight that overflows is
-refused with an error. W4A16 dequantizes to x's dtype and calls cuBLAS on x as strided as it comes;
-float32 activations (no kernel) run the reference computation on the GPU.
+More rows run the prefill GEMMs. At 9–32 rows on compute capability 9.0, with groups of a
+multiple of 128, W4A8 runs the skinny GEMM on the packed codes, exact for any multiplier; otherwise
+it expands the codes to an int8 weight (code × group multiplier) and runs the W8A8 GEMM, which is
+exact only while every product fits int8 — multipliers in 1…18 for codes in -7…7
+(quamba.ops.quant4). Above 8 rows that is checked here, on the device, whichever path runs (a
+weight that longer prompts would refuse is refused at once), once per weight: the verdict is
+cached per (packed weight, group multiplier) tensor pair and their ``_version`` counters, so later
+calls cost no host sync (the first prefill call of a weight does one; run it before any CUDA-graph
+capture of a prefill). A weight that overflows is refused with an error. W4A16 dequantizes to x's
+dtype and calls cuBLAS on x as strided as it comes; float32 activations (no kernel) run the
+reference computation on the GPU.
 
 The fp32 epilogue multiplier of W4A8 is computed by the W8A8 backend's ``_epilogue_multiplier``
 (the same function as the torch reference), so both backends round identically.
