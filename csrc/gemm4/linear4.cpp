@@ -156,7 +156,7 @@ bool sm90_can_run(const W4A8Args& a, const at::Tensor& out, const std::optional<
 
 constexpr int64_t kConfigAuto = -1, kConfigMma = -2;
 // Rows up to which the skinny GEMM on the packed weight beats expansion + the int8 skinny GEMM
-// (Mamba-2.8B in_proj on an H200: 12.9 vs 24.9 us at 16 rows, 14.8 vs 25.7 at 32; 34.5 vs 31.0 at 64).
+// (Mamba-2.8B in_proj on an H200: 12.9 vs 24.9 us at 16 rows, 14.8 vs 25.7 at 32; 34.5 vs 31.1 at 64).
 constexpr int kPackedSkinnyMaxM = 32;
 
 gemm::GemmArgs gemm_args(const W4A8Args& a, const void* weight) {
