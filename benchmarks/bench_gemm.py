@@ -10,9 +10,9 @@ how the dispatcher's choices were made. Every call reads its own copy of the ope
                                     [--gemm_m 16,32,64,...]
 
 --gemm_m replaces the prefill sizes (M = 1024, 2048) of the GEMM table: decode past the GEMV (M 9
-to 64, batch 9 to 64) takes the skinny GEMM (compute capability 9.0), whose plans it also sweeps. The table's int_mm_us column times cuBLASLt's int8 GEMM
-(torch._int_mm, int32 out, no epilogue: a lower bound for routing these sizes through cuBLAS; empty
-where torch refuses the shape).
+to 64, batch 9 to 64) takes the skinny GEMM (compute capability 9.0), whose plans it also sweeps.
+The table's int_mm_us column times cuBLASLt's int8 GEMM (torch._int_mm, int32 out, no epilogue: a
+lower bound for routing these sizes through cuBLAS; empty where torch refuses the shape).
 """
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ import sys
 
 import torch
 
-from common import (copy_bandwidth_gbs, decode_options, format_table, fp16_linear_us, parse_args, run_metadata,
-                    time_graph_ms, write_json)
+from common import (copy_bandwidth_gbs, format_table, fp16_linear_us, gemm_options, parse_args, row_counts,
+                    run_metadata, skinny_gemm_runs, time_graph_ms, write_json)
 
 # name, N, K, output dtype (Mamba-2.8B: d_model 2560, d_inner 5120, dt_rank 160, d_state 16)
 LAYERS = [("in_proj", 10240, 2560, torch.int8), ("x_proj", 192, 5120, torch.int8),
@@ -29,7 +29,6 @@ LAYERS = [("in_proj", 10240, 2560, torch.int8), ("x_proj", 192, 5120, torch.int8
 PREFILL_M = [1024, 2048]
 DECODE_M = [1, 2, 4, 8]
 GEMV_SHAPES = [(rows, splits) for rows in (1, 2, 4, 8) for splits in (1, 2, 4)]
-SKINNY_MAX_M = 64
 SKINNY_PLANS = [(warp_tiles, splits) for warp_tiles in (1, 2) for splits in (1, 2, 4, 8, 16)]
 
 
@@ -83,7 +82,7 @@ def bench_prefill(layer):
            "fp16_TFLOPS": ops / fp16 / 1e6, "w8a8_TOPS": ops / w8a8 / 1e6}
     for config in range(torch.ops.quamba.w8a8_gemm_sm90_configs()):
         row[f"sm90_c{config}_us"] = layer.w8a8_us(torch.ops.quamba.w8a8_gemm_sm90_out, config)
-    if layer.M <= SKINNY_MAX_M and torch.cuda.get_device_capability() >= (9, 0):
+    if skinny_gemm_runs(layer.M):
         row["skinny_us"] = layer.w8a8_us(torch.ops.quamba.w8a8_gemm_skinny_out)
         for warp_tiles, splits in SKINNY_PLANS:
             try:
@@ -118,22 +117,14 @@ def totals(rows, stage):
 
 
 def main():
-    def options(parser):
-        decode_options(DECODE_M)(parser)
-        parser.add_argument("--gemm_m", type=lambda text: [int(m) for m in text.split(",")],
-                            help="row counts of the GEMM table, comma-separated (default: 1024,2048)")
-    args = parse_args(__doc__.splitlines()[0], options)
+    args = parse_args(__doc__.splitlines()[0], gemm_options(DECODE_M))
     try:
         import quamba._C  # noqa: F401
     except ImportError as exc:
         sys.exit(f"bench_gemm: quamba._C is not built ({exc})")
     meta = run_metadata()
     copy_gbs = copy_bandwidth_gbs()
-    prefill_m, decode_m = (PREFILL_M[-1:], args.decode_m[:1]) if args.quick else (PREFILL_M, args.decode_m)
-    if args.gemm_m:
-        prefill_m = args.gemm_m
-    if args.no_prefill:
-        prefill_m = []
+    prefill_m, decode_m = row_counts(args, PREFILL_M)
     prefill = [bench_prefill(Layer(name, N, K, dt, M)) for M in prefill_m for name, N, K, dt in LAYERS]
     decode = [bench_decode(Layer(name, N, K, dt, M), copy_gbs) for M in decode_m for name, N, K, dt in LAYERS]
     summary = totals(prefill, "prefill") + totals(decode, "decode")

@@ -21,8 +21,8 @@ import sys
 
 import torch
 
-from common import (copy_bandwidth_gbs, decode_options, format_table, fp16_linear_us, parse_args, run_metadata,
-                    time_graph_ms, write_json)
+from common import (copy_bandwidth_gbs, format_table, fp16_linear_us, gemm_options, parse_args, row_counts,
+                    run_metadata, skinny_gemm_runs, time_graph_ms, write_json)
 from quamba.ops.qlinear4 import w4a16_linear
 
 # name, N, K, W4A8 output dtype (Mamba-2.8B: d_model 2560, d_inner 5120, dt_rank 160, d_state 16)
@@ -37,7 +37,6 @@ GEMV_SHAPES = ([(rows, splits, 1) for rows in (4, 16) for splits in (1, 2, 4)]
                + [(16, splits, x_loads) for splits in (8, 16) for x_loads in (1, 2)]
                + [(16, splits, 2) for splits in (1, 2, 4)])
 W4A16_CORE_MAX_M = 1  # rows 4 (CUDA cores) take M = 1
-SKINNY_MAX_M = 64
 TRANSPOSED_BATCH = 8  # sequences of the transposed prefill activations (Layer.transposed_us)
 
 
@@ -168,7 +167,7 @@ def bench_prefill(layer):
             "w4a16_us": w4a16, "w4a16_speedup": fp16 / w4a16, "expand_us": layer.expand_us(),
             "w8a8_gemm_us": layer.w8a8_us(), "dequant_us": layer.dequantize_us(),
             "w4a8_skinny_us": (layer.w4a8_us(torch.ops.quamba.w4a8_skinny_out)
-                               if layer.M <= SKINNY_MAX_M and torch.cuda.get_device_capability() >= (9, 0) else None),
+                               if skinny_gemm_runs(layer.M) else None),
             "fp16_transposed_us": fp16_t, "w4a16_transposed_us": w4a16_t,
             "w4a16_transposed_speedup": fp16_t / w4a16_t, "w4a16_copied_us": layer.transposed_us("copied")}
 
@@ -209,11 +208,7 @@ def totals(rows, stage):
 
 
 def main():
-    def options(parser):
-        decode_options(DECODE_M)(parser)
-        parser.add_argument("--gemm_m", type=lambda text: [int(m) for m in text.split(",")],
-                            help="row counts of the prefill table, comma-separated (default: 1024,2048)")
-    args = parse_args(__doc__.splitlines()[0], options)
+    args = parse_args(__doc__.splitlines()[0], gemm_options(DECODE_M))
     try:
         import quamba._C  # noqa: F401
     except ImportError as exc:
@@ -222,11 +217,7 @@ def main():
         sys.exit("bench_gemm4: quamba._C was built without the gemm4 kernel family")
     meta = run_metadata()
     copy_gbs = copy_bandwidth_gbs()
-    prefill_m, decode_m = (PREFILL_M[-1:], args.decode_m[:1]) if args.quick else (PREFILL_M, args.decode_m)
-    if args.gemm_m:
-        prefill_m = args.gemm_m
-    if args.no_prefill:
-        prefill_m = []
+    prefill_m, decode_m = row_counts(args, PREFILL_M)
     decode = [bench_decode(Layer(name, N, K, dt, M), copy_gbs) for M in decode_m for name, N, K, dt in LAYERS]
     prefill = [bench_prefill(Layer(name, N, K, dt, M)) for M in prefill_m for name, N, K, dt in LAYERS]
     summary = totals(prefill, "prefill") + totals(decode, "decode")

@@ -46,13 +46,32 @@ def decode_sizes(text: str) -> list[int]:
     return sizes
 
 
-def decode_options(default: list[int]) -> Callable[[argparse.ArgumentParser], None]:
-    """--decode_m (the GEMV batch sizes) and --no_prefill of the GEMM benchmarks."""
+def gemm_options(default: list[int]) -> Callable[[argparse.ArgumentParser], None]:
+    """--decode_m (the GEMV batch sizes), --no_prefill and --gemm_m of the GEMM benchmarks."""
     def add(parser):
         parser.add_argument("--decode_m", type=decode_sizes, default=default,
                             help="decode batch sizes, comma-separated (1..8)")
         parser.add_argument("--no_prefill", action="store_true", help="time the decode GEMVs only")
+        parser.add_argument("--gemm_m", type=lambda text: [int(m) for m in text.split(",")],
+                            help="row counts of the prefill table, comma-separated (default: 1024,2048)")
     return add
+
+
+def row_counts(args, prefill_m: list[int]) -> tuple[list[int], list[int]]:
+    """(prefill, decode) row counts of a GEMM benchmark from gemm_options' arguments: --quick keeps
+    the largest prefill size and the first decode size, --gemm_m replaces the prefill sizes."""
+    prefill_m, decode_m = (prefill_m[-1:], args.decode_m[:1]) if args.quick else (prefill_m, args.decode_m)
+    if args.gemm_m:
+        prefill_m = args.gemm_m
+    return ([] if args.no_prefill else prefill_m), decode_m
+
+
+SKINNY_MAX_M = 64
+
+
+def skinny_gemm_runs(M: int) -> bool:
+    """Whether quamba's skinny GEMM takes M rows here (compute capability 9.0: clusters)."""
+    return M <= SKINNY_MAX_M and torch.cuda.get_device_capability() >= (9, 0)
 
 
 def time_ms(fn: Callable[[], object], warmup_ms: float = 25, rep_ms: float = 100) -> float:
