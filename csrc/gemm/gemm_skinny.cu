@@ -369,6 +369,11 @@ void launch_planned(const GemmArgs& a, int warp_tiles, int splits, bool weight_i
   });
 }
 
+// Every 128-code step of the 4-bit format lies in one group.
+bool groups_hold_steps(int K, int group_size) {
+  return group_size % Int4Codes::kStepCodes == 0 || (group_size == K && K <= Int4Codes::kStepCodes);
+}
+
 }  // namespace
 
 bool gemm_skinny_can_run(int M, int K) {
@@ -377,8 +382,7 @@ bool gemm_skinny_can_run(int M, int K) {
 }
 
 bool w4a8_skinny_can_run(int M, int K, int group_size) {
-  return (group_size % Int4Codes::kStepCodes == 0 || (group_size == K && K <= Int4Codes::kStepCodes)) &&
-         gemm_skinny_can_run(M, K);
+  return groups_hold_steps(K, group_size) && gemm_skinny_can_run(M, K);
 }
 
 void launch_gemm_skinny(const GemmArgs& a, int warp_tiles, int splits, bool weight_is_constant) {
@@ -387,8 +391,8 @@ void launch_gemm_skinny(const GemmArgs& a, int warp_tiles, int splits, bool weig
 
 void launch_w4a8_skinny(const GemmArgs& a, const int8_t* group_multiplier, int group_size, int warp_tiles,
                         int splits) {
-  TORCH_CHECK(w4a8_skinny_can_run(a.M, a.K, group_size), "skinny W4A8 GEMM: needs group_size % 128 == 0 or one group "
-              "of at most 128 codes, got K = ", a.K, ", group_size = ", group_size);
+  TORCH_CHECK(groups_hold_steps(a.K, group_size), "skinny W4A8 GEMM: needs group_size % 128 == 0 or one group of at "
+              "most 128 codes, got K = ", a.K, ", group_size = ", group_size);
   launch_planned<Int4Codes>(a, warp_tiles, splits, /*weight_is_constant=*/true, Groups{group_multiplier, group_size});
 }
 
