@@ -1,14 +1,16 @@
 """One quantized Mamba1 layer's SSM side at decode: the four quamba kernels of the unfused step
-(qconv1d_update, x_proj's GEMV, dt_proj's GEMV, qsscan_update) against the two Triton kernels of
-qmixer_ssm_step (quamba.ops.fused_decode), at Mamba-2.8B's shapes (d_inner 5120, d_state 16,
-dt_rank 160, conv width 4), batch 1 and 8, W8A8 and W4A8 x_proj, int8 and fp32 SSM state.
+(qconv1d_update, x_proj's GEMV, dt_proj's GEMV, qsscan_update) against qmixer_ssm_step's
+(quamba.ops.fused_decode) two Triton kernels and its cluster kernel (csrc/fused_decode, W8A8
+x_proj only), at Mamba-2.8B's shapes (d_inner 5120, d_state 16, dt_rank 160, conv width 4),
+batch 1 and 8, W8A8 and W4A8 x_proj, int8 and fp32 SSM state.
 
-Both are timed as CUDA-graph replays of many layers' steps, each with its own weights and states
+Each is timed as CUDA-graph replays of many layers' steps, each with its own weights and states
 (common.time_graph_ms: together three times the L2 cache), as a graphed decode step runs them;
 ``us`` is per layer, ``floor_us`` the bytes a layer's step must move (weights, states read and
-written) over the device's copy bandwidth, ``speedup`` the unfused time over the fused one.
+written) over the device's copy bandwidth, ``speedup`` the unfused time over the op's (the cluster
+kernel where it runs, else the Triton kernels).
 
-``--tiles`` also times the fused kernels at other tile choices (channels per conv + x_proj
+``--tiles`` also times the Triton kernels at other tile choices (channels per conv + x_proj
 program, channels per scan program, warps), W8A8 x_proj and an int8 state.
 
     python benchmarks/bench_fused_decode.py [--out results.json] [--quick] [--tiles]
@@ -23,7 +25,7 @@ import torch
 import common
 from quamba.ops import backend
 from quamba.ops.fused_decode import (ConvWeights, StepScales, W4A8Weight, W8A8Weight,
-                                     qmixer_ssm_step, x_proj_forward)
+                                     x_proj_forward)
 from quamba.ops.qconv1d import qconv1d_update
 from quamba.ops.qlinear import w8a8_linear
 from quamba.ops.qsscan import SSMParams, qsscan_update
@@ -34,7 +36,8 @@ DT_RANK = math.ceil(D_MODEL / 16)
 N_OUT = DT_RANK + 2 * D_STATE
 GROUP = 128
 BATCHES = (1, 8)
-COLUMNS = ("x_proj", "state", "batch", "unfused_us", "fused_us", "speedup", "floor_us")
+COLUMNS = ("x_proj", "state", "batch", "unfused_us", "triton_us", "cluster_us", "speedup",
+           "floor_us")
 # (CONV_CHANNELS, SCAN_CHANNELS, NUM_WARPS) of quamba.ops.fused_decode_kernel tried by --tiles
 TILES = ((64, 64, 8), (128, 32, 4), (128, 64, 4), (256, 64, 8), (128, 128, 8), (64, 32, 4))
 TILE_COLUMNS = ("batch", "conv_channels", "scan_channels", "warps", "fused_us")
@@ -77,8 +80,20 @@ def unfused_step(x, z, conv_state, ssm_state, conv, x_proj, dt_proj, params, sca
                          scales.xdbl, z, scales.xz, params, backend_name="cuda")
 
 
-def fused_step(**step):
-    return qmixer_ssm_step(**step, backend_name="cuda")
+def triton_step(**step):
+    from quamba.ops import fused_decode_kernel
+    return fused_decode_kernel.ssm_step(**step, out_dtype=torch.float16)
+
+
+def cluster_step(**step):
+    from quamba.ops.cuda_backend import mixer_step
+    return mixer_step.ssm_step(**step, out_dtype=torch.float16)
+
+
+def cluster_runs(step: dict) -> bool:
+    from quamba.ops.cuda_backend import mixer_step
+    return mixer_step.lacks(step["x"], step["conv"], step["x_proj"], step["dt_proj"],
+                            step["ssm_state"]) is None
 
 
 def layer_bytes(x_proj_kind: str, state_kind: str, batch: int) -> int:
@@ -94,15 +109,20 @@ def layer_bytes(x_proj_kind: str, state_kind: str, batch: int) -> int:
 
 def bench(x_proj_kind, state_kind, batch, bandwidth, replays) -> dict:
     nbytes = layer_bytes(x_proj_kind, state_kind, batch)
+    steps = {"unfused": unfused_step, "triton": triton_step}
+    if cluster_runs(layer_step(x_proj_kind, state_kind, batch)):
+        steps["cluster"] = cluster_step
     times = {}
-    for name, step in (("unfused", unfused_step), ("fused", fused_step)):
+    for name, step in steps.items():
         def make(_, step=step):
             arguments = layer_step(x_proj_kind, state_kind, batch)
             return lambda: step(**arguments)
         times[name] = 1e3 * common.time_graph_ms(make, nbytes, replays=replays)
+    fused = times.get("cluster", times["triton"])
     return {"x_proj": x_proj_kind, "state": state_kind, "batch": batch,
-            "unfused_us": times["unfused"], "fused_us": times["fused"],
-            "speedup": times["unfused"] / times["fused"], "floor_us": nbytes / bandwidth / 1e3}
+            "unfused_us": times["unfused"], "triton_us": times["triton"],
+            "cluster_us": times.get("cluster"), "speedup": times["unfused"] / fused,
+            "floor_us": nbytes / bandwidth / 1e3}
 
 
 def bench_tiles(replays) -> list[dict]:
@@ -117,7 +137,7 @@ def bench_tiles(replays) -> list[dict]:
 
                 def make(_, batch=batch):
                     arguments = layer_step("w8a8", "int8", batch)
-                    return lambda: fused_step(**arguments)
+                    return lambda: triton_step(**arguments)
                 nbytes = layer_bytes("w8a8", "int8", batch)
                 rows.append(dict(zip(TILE_COLUMNS, (batch, *tiles, 1e3 * common.time_graph_ms(
                     make, nbytes, replays=replays)))))

@@ -4,6 +4,7 @@
 #include <torch/library.h>
 
 #include "../ssm_common/ssm_common.cuh"
+#include "conv_epilogue.cuh"
 #include "pdl.cuh"
 
 namespace quamba_ssm {
@@ -13,35 +14,6 @@ constexpr int kThreads = 128;
 constexpr int kRun = 16;           // time steps of one thread in the channel-fast layout
 constexpr int kTimeRun = 4;        // time steps of one thread in the time-fast layout
 constexpr int kTimeFastRows = 8;   // channels of one block in the time-fast layout
-
-struct Epilogue {
-  float multiplier;     // x_scale · weight_scale, fp32
-  const int8_t* bias;   // [dim] or nullptr
-  float bias_scale;
-  float out_inv_scale;  // used when the output is int8
-  bool silu;
-  // Per-channel scales (Quamba2's xBC conv, qconv1d_channelwise): [dim] fp32 replacing
-  // multiplier and out_inv_scale where not null.
-  const float* multipliers;
-  const float* out_inv_scales;
-
-  // The dequantized bias of channel d, or -0.0f (adding it leaves every y unchanged).
-  __device__ __forceinline__ float bias_of(int d) const {
-    return bias != nullptr ? __fmul_rn(static_cast<float>(bias[d]), bias_scale) : -0.f;
-  }
-  __device__ __forceinline__ float multiplier_of(int d) const {
-    return multipliers != nullptr ? multipliers[d] : multiplier;
-  }
-  __device__ __forceinline__ float out_inv_of(int d) const {
-    return out_inv_scales != nullptr ? out_inv_scales[d] : out_inv_scale;
-  }
-  bool per_channel() const { return multipliers != nullptr; }
-
-  __device__ __forceinline__ float apply(int acc, float bias_value, float channel_multiplier) const {
-    const float y = __fadd_rn(__fmul_rn(static_cast<float>(acc), channel_multiplier), bias_value);
-    return silu ? silu_rn(y) : y;
-  }
-};
 
 // One output value: int8 codes for out_inv (the channel's 1 / out_scale), or fp32.
 template <typename Out>
@@ -61,7 +33,7 @@ __device__ __forceinline__ void store<float>(float* out, int64_t offset, float y
 template <int W, typename Out>
 __global__ void __launch_bounds__(kThreads)
 qconv1d_channel_fast_kernel(const int8_t* __restrict__ x, Strides3 xs, Out* __restrict__ out,
-                            Strides3 os, const int8_t* __restrict__ weight, Epilogue ep, int dim,
+                            Strides3 os, const int8_t* __restrict__ weight, ConvEpilogue ep, int dim,
                             int seqlen) {
   const int d = blockIdx.x * kThreads + threadIdx.x;
   if (d >= dim) return;
@@ -98,7 +70,7 @@ qconv1d_channel_fast_kernel(const int8_t* __restrict__ x, Strides3 xs, Out* __re
 template <int W, typename Out>
 __global__ void __launch_bounds__(kThreads)
 qconv1d_time_fast_kernel(const int8_t* __restrict__ x, Strides3 xs, Out* __restrict__ out,
-                         Strides3 os, const int8_t* __restrict__ weight, Epilogue ep, int dim,
+                         Strides3 os, const int8_t* __restrict__ weight, ConvEpilogue ep, int dim,
                          int seqlen) {
   const int t0 = (blockIdx.x * kThreads + threadIdx.x) * kTimeRun;
   if (t0 >= seqlen) return;
@@ -167,7 +139,7 @@ __device__ __forceinline__ unsigned pack_codes(unsigned q0, unsigned q1, unsigne
 
 // Channel d's multiplier and output inverse scale, held in registers (the compiler otherwise
 // reloads them per element).
-__device__ __forceinline__ void channel_constants(const Epilogue& ep, int d, float& multiplier,
+__device__ __forceinline__ void channel_constants(const ConvEpilogue& ep, int d, float& multiplier,
                                                   float& out_inv) {
   multiplier = ep.multiplier_of(d);
   out_inv = ep.out_inv_of(d);
@@ -197,7 +169,7 @@ constexpr int kTimeVecRun = 16;      // time steps of one of its threads
 template <int W, bool kSilu, bool kPerChannel>
 __global__ void __launch_bounds__(kThreads, 5)
 qconv1d_channel_vec_kernel(const int8_t* __restrict__ x, Strides3 xs, int8_t* __restrict__ out,
-                           Strides3 os, const int8_t* __restrict__ weight, Epilogue ep, int dim,
+                           Strides3 os, const int8_t* __restrict__ weight, ConvEpilogue ep, int dim,
                            int seqlen) {
   const int d0 = (blockIdx.x * 32 + threadIdx.x % 32) * kVecChannels;
   const int t0 = (blockIdx.y * kVecRunsPerBlock + threadIdx.x / 32) * kVecRun;
@@ -255,7 +227,7 @@ qconv1d_channel_vec_kernel(const int8_t* __restrict__ x, Strides3 xs, int8_t* __
 template <int W, bool kSilu>
 __global__ void __launch_bounds__(kTimeVecThreads)
 qconv1d_time_vec_kernel(const int8_t* __restrict__ x, Strides3 xs, int8_t* __restrict__ out,
-                        Strides3 os, const int8_t* __restrict__ weight, Epilogue ep, int seqlen) {
+                        Strides3 os, const int8_t* __restrict__ weight, ConvEpilogue ep, int seqlen) {
   const int d = blockIdx.x, b = blockIdx.z;
   const int t0 = (blockIdx.y * kTimeVecThreads + threadIdx.x) * kTimeVecRun;
   if (t0 >= seqlen) return;
@@ -303,7 +275,7 @@ bool vector_layout(const at::Tensor& x, const at::Tensor& out, bool channel_fast
 }
 
 template <int W, bool kSilu>
-void launch_vec(const at::Tensor& x, const at::Tensor& weight, Epilogue ep, at::Tensor& out,
+void launch_vec(const at::Tensor& x, const at::Tensor& weight, ConvEpilogue ep, at::Tensor& out,
                 bool channel_fast) {
   const int batch = x.size(0), dim = x.size(1), seqlen = x.size(2);
   const Strides3 xs{x.stride(0), x.stride(1), x.stride(2)};
@@ -329,7 +301,7 @@ void launch_vec(const at::Tensor& x, const at::Tensor& weight, Epilogue ep, at::
 }
 
 template <bool kSilu>
-void dispatch_vec_width(int width, const at::Tensor& x, const at::Tensor& weight, Epilogue ep,
+void dispatch_vec_width(int width, const at::Tensor& x, const at::Tensor& weight, ConvEpilogue ep,
                         at::Tensor& out, bool channel_fast) {
   switch (width) {
     case 2: return launch_vec<2, kSilu>(x, weight, ep, out, channel_fast);
@@ -339,7 +311,7 @@ void dispatch_vec_width(int width, const at::Tensor& x, const at::Tensor& weight
 }
 
 template <int W, typename Out>
-void launch_qconv1d(const at::Tensor& x, const at::Tensor& weight, Epilogue ep, at::Tensor& out,
+void launch_qconv1d(const at::Tensor& x, const at::Tensor& weight, ConvEpilogue ep, at::Tensor& out,
                     bool channel_fast) {
   const int batch = x.size(0), dim = x.size(1), seqlen = x.size(2);
   const Strides3 xs{x.stride(0), x.stride(1), x.stride(2)};
@@ -362,7 +334,7 @@ void launch_qconv1d(const at::Tensor& x, const at::Tensor& weight, Epilogue ep, 
 }
 
 template <typename Out>
-void dispatch_width(int width, const at::Tensor& x, const at::Tensor& weight, Epilogue ep,
+void dispatch_width(int width, const at::Tensor& x, const at::Tensor& weight, ConvEpilogue ep,
                     at::Tensor& out, bool channel_fast) {
   switch (width) {
     case 2: return launch_qconv1d<2, Out>(x, weight, ep, out, channel_fast);
@@ -393,9 +365,9 @@ void check_conv_params(const at::Tensor& x, const at::Tensor& weight,
   if (out_inv_scale.has_value()) check_positive_scale(*out_inv_scale, "out_inv_scale");
 }
 
-Epilogue make_epilogue(const c10::optional<at::Tensor>& bias, double multiplier,
+ConvEpilogue make_epilogue(const c10::optional<at::Tensor>& bias, double multiplier,
                        double bias_scale, c10::optional<double> out_inv_scale, bool silu) {
-  return Epilogue{to_fp32(multiplier),
+  return ConvEpilogue{to_fp32(multiplier),
                   bias.has_value() ? bias->data_ptr<int8_t>() : nullptr,
                   to_fp32(bias_scale),
                   out_inv_scale.has_value() ? to_fp32(*out_inv_scale) : 0.f,
@@ -413,14 +385,14 @@ void check_channel_scales(const at::Tensor& scales, const at::Tensor& x, int64_t
   TORCH_CHECK(scales.is_contiguous(), name, " must be contiguous");
 }
 
-// Epilogue of qconv1d_channelwise: per-channel multipliers and output inverse scales.
-Epilogue make_channel_epilogue(const at::Tensor& x, const c10::optional<at::Tensor>& bias,
+// ConvEpilogue of qconv1d_channelwise: per-channel multipliers and output inverse scales.
+ConvEpilogue make_channel_epilogue(const at::Tensor& x, const c10::optional<at::Tensor>& bias,
                                const at::Tensor& multipliers, double bias_scale,
                                const c10::optional<at::Tensor>& out_inv_scales, bool silu) {
   const int64_t dim = x.size(1);
   check_channel_scales(multipliers, x, dim, "multipliers");
   if (out_inv_scales.has_value()) check_channel_scales(*out_inv_scales, x, dim, "out_inv_scales");
-  Epilogue ep = make_epilogue(bias, 1.0, bias_scale, c10::nullopt, silu);
+  ConvEpilogue ep = make_epilogue(bias, 1.0, bias_scale, c10::nullopt, silu);
   ep.multipliers = multipliers.data_ptr<float>();
   ep.out_inv_scales = out_inv_scales.has_value() ? out_inv_scales->data_ptr<float>() : nullptr;
   return ep;
@@ -437,7 +409,7 @@ void check_conv_input(const at::Tensor& x) {
 // The conv of a checked x with the epilogue ep; int8 out if int8_out, else fp32. The output keeps
 // x's layout family: channel-fast (a transposed [batch, seqlen, dim] tensor, what x_proj reads
 // next) when x.stride(1) == 1, else contiguous [batch, dim, seqlen].
-at::Tensor run_qconv1d(const at::Tensor& x, const at::Tensor& weight, const Epilogue& ep,
+at::Tensor run_qconv1d(const at::Tensor& x, const at::Tensor& weight, const ConvEpilogue& ep,
                        bool int8_out) {
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t batch = x.size(0), dim = x.size(1), seqlen = x.size(2);
@@ -491,7 +463,7 @@ template <int W, typename Out>
 __global__ void __launch_bounds__(kThreads)
 qconv1d_update_kernel(const int8_t* __restrict__ x, int64_t x_batch_stride, int64_t x_dim_stride,
                       int8_t* __restrict__ state, Out* __restrict__ out,
-                      const int8_t* __restrict__ weight, Epilogue ep, int dim, int batch) {
+                      const int8_t* __restrict__ weight, ConvEpilogue ep, int dim, int batch) {
   quamba::pdl_launch_dependents();  // x_proj's GEMV may start loading its weights (pdl.cuh)
   const int index = blockIdx.x * kThreads + threadIdx.x;
   if (index >= batch * dim) return;
@@ -510,7 +482,7 @@ qconv1d_update_kernel(const int8_t* __restrict__ x, int64_t x_batch_stride, int6
 }
 
 template <int W, typename Out>
-void launch_update(const at::Tensor& x, at::Tensor& state, const at::Tensor& weight, Epilogue ep,
+void launch_update(const at::Tensor& x, at::Tensor& state, const at::Tensor& weight, ConvEpilogue ep,
                    at::Tensor& out) {
   const int batch = x.size(0), dim = x.size(1);
   auto kernel = qconv1d_update_kernel<W, Out>;
@@ -524,7 +496,7 @@ void launch_update(const at::Tensor& x, at::Tensor& state, const at::Tensor& wei
 
 template <typename Out>
 void dispatch_update(int width, const at::Tensor& x, at::Tensor& state, const at::Tensor& weight,
-                     Epilogue ep, at::Tensor& out) {
+                     ConvEpilogue ep, at::Tensor& out) {
   switch (width) {
     case 2: return launch_update<2, Out>(x, state, weight, ep, out);
     case 3: return launch_update<3, Out>(x, state, weight, ep, out);
@@ -541,7 +513,7 @@ void check_update_input(const at::Tensor& x) {
 
 // One decode step of a checked x with the epilogue ep (see qconv1d_update).
 at::Tensor run_qconv1d_update(const at::Tensor& x, at::Tensor& conv_state,
-                              const at::Tensor& weight, const Epilogue& ep, bool int8_out) {
+                              const at::Tensor& weight, const ConvEpilogue& ep, bool int8_out) {
   const int64_t batch = x.size(0), dim = x.size(1);
   const int64_t width = weight.size(1);
   check_same_device(conv_state, x, "conv_state");

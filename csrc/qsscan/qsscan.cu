@@ -22,6 +22,7 @@
 #include "qsscan_chunked.h"
 #include "scan_args.h"
 #include "scan_math.cuh"
+#include "scan_step.cuh"
 
 namespace quamba_ssm {
 namespace {
@@ -621,32 +622,6 @@ FloatSource float_source(const at::Tensor& t, double scale, const char* name,
 
 Strides3 strides3(const at::Tensor& t) { return Strides3{t.stride(0), t.stride(1), t.stride(2)}; }
 
-// A_log [dim, dstate], D and dt_bias [dim]: contiguous int8 codes with positive scales.
-void check_ssm_params(const at::Tensor& ref, const at::Tensor& A_log, double A_log_scale,
-                      const at::Tensor& D, double D_scale, const at::Tensor& dt_bias,
-                      double dt_bias_scale, int64_t dim, int64_t dstate) {
-  const std::pair<const at::Tensor*, const char*> params[] = {
-      {&A_log, "A_log"}, {&D, "D"}, {&dt_bias, "dt_bias"}};
-  for (const auto& [t, name] : params) {
-    check_same_device(*t, ref, name);
-    check_dtype(*t, at::kChar, name);
-    TORCH_CHECK(t->is_contiguous(), name, " must be contiguous");
-  }
-  check_shape(A_log, {dim, dstate}, "A_log");
-  check_shape(D, {dim}, "D");
-  check_shape(dt_bias, {dim}, "dt_bias");
-  check_positive_scale(A_log_scale, "A_log_scale");
-  check_positive_scale(D_scale, "D_scale");
-  check_positive_scale(dt_bias_scale, "dt_bias_scale");
-}
-
-// The int8 SSM parameters and their fp32 scales, for the arguments of either kernel.
-SsmParams ssm_params(const at::Tensor& A_log, double A_log_scale, const at::Tensor& D,
-                     double D_scale, const at::Tensor& dt_bias, double dt_bias_scale) {
-  return {A_log.data_ptr<int8_t>(), to_fp32(A_log_scale), D.data_ptr<int8_t>(), to_fp32(D_scale),
-          dt_bias.data_ptr<int8_t>(), to_fp32(dt_bias_scale)};
-}
-
 void check_out_dtype(at::ScalarType out_dtype) {
   TORCH_CHECK(out_dtype == at::kHalf || out_dtype == at::kBFloat16 || out_dtype == at::kFloat,
               "out_dtype must be float16, bfloat16 or float32, got ", out_dtype);
@@ -784,181 +759,7 @@ std::tuple<at::Tensor, at::Tensor> qsscan(
 
 // ---- decode step ---------------------------------------------------------------------------
 
-struct StepArgs {
-  FloatSource u, dt, z, B, C;  // z.data == nullptr: no gate
-  int64_t u_st[2], dt_st[2], z_st[2], B_st[2], C_st[2];  // (batch, element) strides
-  SsmParams params;
-  void* state;  // contiguous [batch, dim, dstate], int8 (with state_scale) or fp32, in place
-  bool state_int8;
-  float state_scale, state_inv_scale;
-  void* y;  // contiguous [batch, dim]
-  int batch, dim, dstate;
-  float* drive;  // foh: contiguous fp32 [batch, dim, dstate], v_{t-1} in, v_t out
-  // state and A_log 16-byte aligned and dstate a multiple of 16: a lane's states are whole rows
-  bool rows_aligned;
-};
-
 constexpr int kStepThreads = 128;
-
-// Δ of channel d of row b: softplus(dt + dt_bias), once per lane.
-__device__ __forceinline__ float step_delta(const StepArgs& a, int b, int d) {
-  const float dt = a.dt.load(b * a.dt_st[0] + d * a.dt_st[1]);
-  return softplus(__fadd_rn(dt, a.params.bias(d)));
-}
-
-// What the step of one state reads besides its state: A_n, B_n, C_n (and foh's drive v_{t-1}).
-struct StateInputs {
-  float A, B, C, drive;
-};
-
-// kCount consecutive values at p (aligned to 16 bytes or to the row's size) in WideChunk pieces.
-template <int kCount, typename T>
-__device__ __forceinline__ void load_row(const T* p, T (&out)[kCount]) {
-  using Chunk = WideChunk<kCount * sizeof(T)>;
-#pragma unroll
-  for (int i = 0; i < static_cast<int>(kCount * sizeof(T) / sizeof(Chunk)); ++i) {
-    const Chunk chunk = reinterpret_cast<const Chunk*>(p)[i];
-    memcpy(reinterpret_cast<char*>(out) + sizeof(Chunk) * i, &chunk, sizeof(Chunk));
-  }
-}
-
-template <int kCount, typename T>
-__device__ __forceinline__ void store_row(T* p, const T (&values)[kCount]) {
-  using Chunk = WideChunk<kCount * sizeof(T)>;
-#pragma unroll
-  for (int i = 0; i < static_cast<int>(kCount * sizeof(T) / sizeof(Chunk)); ++i) {
-    Chunk chunk;
-    memcpy(&chunk, reinterpret_cast<const char*>(values) + sizeof(Chunk) * i, sizeof(Chunk));
-    reinterpret_cast<Chunk*>(p)[i] = chunk;
-  }
-}
-
-// The new state h_new of one state from its old state h, and its term C_n · h_new of y. The
-// arithmetic follows selective_state_update operation by operation: decay · h + (Δ u) · B for
-// zoh, else decay · h + (gain · v_t + previous gain · v_{t-1}), v = u · B, each operation
-// rounded. foh writes v_t to its drive at ``offset``.
-template <Discretization kMethod>
-__device__ __forceinline__ float step_state(const StepArgs& a, const StateInputs& in, float h,
-                                            float u, float delta, int64_t offset, float& term) {
-  const float z = __fmul_rn(delta, in.A);
-  StepCoefficients c{};  // zoh uses the decay only
-  if constexpr (kMethod == Discretization::kZoh) {
-    c.decay = expf(z);
-  } else {
-    c = exact_coefficients<kMethod>(delta, z);
-  }
-  float step_input;
-  if constexpr (kMethod == Discretization::kZoh) {
-    step_input = __fmul_rn(__fmul_rn(delta, u), in.B);
-  } else {
-    const float v = __fmul_rn(u, in.B);
-    step_input = __fmul_rn(c.gain, v);
-    if constexpr (kMethod == Discretization::kFoh) {
-      step_input = __fadd_rn(step_input, __fmul_rn(c.previous_gain, in.drive));
-      a.drive[offset] = v;
-    }
-  }
-  const float h_new = __fadd_rn(__fmul_rn(c.decay, h), step_input);
-  term = __fmul_rn(h_new, in.C);
-  return h_new;
-}
-
-// A_n = −exp(A_log_n) of channel d's states first ... first + count − 1 (count at most kStates;
-// read as a row where it is whole and aligned).
-template <int kStates>
-__device__ __forceinline__ void load_A(const StepArgs& a, int d, int first, int count,
-                                       float (&A)[kStates]) {
-  const int8_t* A_log = a.params.A_log + d * a.dstate + first;
-  int8_t codes[kStates];
-  if (count == kStates && a.rows_aligned) {
-    load_row<kStates>(A_log, codes);
-  } else {
-#pragma unroll
-    for (int s = 0; s < kStates; ++s) {
-      if (s < count) codes[s] = A_log[s];
-    }
-  }
-#pragma unroll
-  for (int s = 0; s < kStates; ++s) {
-    if (s < count) A[s] = -expf(dequantize(codes[s], a.params.A_log_scale));
-  }
-}
-
-// Steps ``count`` (at most kStates) states of one (b, d) at ``offset`` in the state, given their
-// A, B and C (B and C in registers or shared memory), and returns the sum of their terms of y as a
-// pairwise tree, adjacent states first (quamba.ops.selective_scan.state_readout's order), zero
-// past count. The tree is built as the terms come: pending[k] holds the sum of the last whole
-// block of 2^k terms, so that at most log2(kStates) + 1 partial sums are live. State is int8
-// codes or fp32; a lane's states are read and written as a row where they are whole and aligned.
-template <Discretization kMethod, int kStates, typename State>
-__device__ __forceinline__ float step_lane(const StepArgs& a, int count, int64_t offset, float u,
-                                           float delta, const float (&A)[kStates], const float* B,
-                                           const float* C) {
-  State* state = static_cast<State*>(a.state) + offset;
-  const bool rows = count == kStates && a.rows_aligned;
-  State old_state[kStates];
-  if (rows) {
-    load_row<kStates>(state, old_state);
-  } else {
-#pragma unroll
-    for (int s = 0; s < kStates; ++s) {
-      if (s < count) old_state[s] = state[s];
-    }
-  }
-  State new_state[kStates];
-  constexpr int kLevels = kStates == 1 ? 1 : kStates == 4 ? 3 : 5;
-  static_assert(kStates == 1 || kStates == 4 || kStates == 16, "states a lane: 1, 4 or 16");
-  float pending[kLevels];
-#pragma unroll
-  for (int s = 0; s < kStates; ++s) {
-    float term = 0.f;
-    if (s < count) {
-      const StateInputs in{A[s], B[s], C[s], a.drive != nullptr ? a.drive[offset + s] : 0.f};
-      float h;
-      if constexpr (std::is_same_v<State, int8_t>) {
-        h = dequantize(old_state[s], a.state_scale);
-      } else {
-        h = old_state[s];
-      }
-      const float h_new = step_state<kMethod>(a, in, h, u, delta, offset + s, term);
-      if constexpr (std::is_same_v<State, int8_t>) {
-        new_state[s] = quantize_rn(h_new, a.state_inv_scale);
-      } else {
-        new_state[s] = h_new;
-      }
-    }
-    int level = 0;
-#pragma unroll
-    for (; (s >> level) & 1; ++level) term = __fadd_rn(pending[level], term);
-    pending[level] = term;
-  }
-  if (rows) {
-    store_row<kStates>(state, new_state);
-  } else {
-#pragma unroll
-    for (int s = 0; s < kStates; ++s) {
-      if (s < count) state[s] = new_state[s];
-    }
-  }
-  return pending[kLevels - 1];
-}
-
-template <Discretization kMethod, int kStates>
-__device__ __forceinline__ float step_lane(const StepArgs& a, int count, int64_t offset, float u,
-                                           float delta, const float (&A)[kStates], const float* B,
-                                           const float* C) {
-  return a.state_int8
-             ? step_lane<kMethod, kStates, int8_t>(a, count, offset, u, delta, A, B, C)
-             : step_lane<kMethod, kStates, float>(a, count, offset, u, delta, A, B, C);
-}
-
-// y of (b, d) from its sum of C · h: + D u, times SiLU(z).
-template <typename Out>
-__device__ __forceinline__ void store_y(const StepArgs& a, int b, int d, float sum, float u) {
-  float y = __fadd_rn(sum, __fmul_rn(u, a.params.skip(d)));
-  if (a.z.data != nullptr) y = __fmul_rn(y, silu_rn(a.z.load(b * a.z_st[0] + d * a.z_st[1])));
-  static_cast<Out*>(a.y)[static_cast<int64_t>(b) * a.dim + d] = from_float<Out>(y);
-}
 
 // One group of kLanes lanes per (batch, channel): lane l steps states l·kStates ...
 // (l+1)·kStates − 1 (those below dstate) and sums its terms of C · h, and the group adds the

@@ -1,5 +1,5 @@
-// The arguments of the QSScan prefill kernels (qsscan.cu, qsscan_chunked.cu): the op's tensors,
-// strides and scales as qsscan() checked them.
+// The arguments of the QSScan kernels (qsscan.cu, qsscan_chunked.cu; the SSM parameters also the
+// fused mixer step's): the op's tensors, strides and scales as qsscan() checked them.
 #pragma once
 
 #include "../ssm_common/ssm_common.cuh"
@@ -18,6 +18,32 @@ struct SsmParams {
   __device__ __forceinline__ float skip(int d) const { return dequantize(D[d], D_scale); }
   __device__ __forceinline__ float bias(int d) const { return dequantize(dt_bias[d], dt_bias_scale); }
 };
+
+// A_log [dim, dstate], D and dt_bias [dim]: contiguous int8 codes with positive scales.
+inline void check_ssm_params(const at::Tensor& ref, const at::Tensor& A_log, double A_log_scale,
+                             const at::Tensor& D, double D_scale, const at::Tensor& dt_bias,
+                             double dt_bias_scale, int64_t dim, int64_t dstate) {
+  const std::pair<const at::Tensor*, const char*> params[] = {
+      {&A_log, "A_log"}, {&D, "D"}, {&dt_bias, "dt_bias"}};
+  for (const auto& [t, name] : params) {
+    check_same_device(*t, ref, name);
+    check_dtype(*t, at::kChar, name);
+    TORCH_CHECK(t->is_contiguous(), name, " must be contiguous");
+  }
+  check_shape(A_log, {dim, dstate}, "A_log");
+  check_shape(D, {dim}, "D");
+  check_shape(dt_bias, {dim}, "dt_bias");
+  check_positive_scale(A_log_scale, "A_log_scale");
+  check_positive_scale(D_scale, "D_scale");
+  check_positive_scale(dt_bias_scale, "dt_bias_scale");
+}
+
+// The int8 SSM parameters and their fp32 scales, for the arguments of either kernel.
+inline SsmParams ssm_params(const at::Tensor& A_log, double A_log_scale, const at::Tensor& D,
+                            double D_scale, const at::Tensor& dt_bias, double dt_bias_scale) {
+  return {A_log.data_ptr<int8_t>(), to_fp32(A_log_scale), D.data_ptr<int8_t>(), to_fp32(D_scale),
+          dt_bias.data_ptr<int8_t>(), to_fp32(dt_bias_scale)};
+}
 
 struct ScanArgs {
   FloatSource u, dt, z, B, C;  // z.data == nullptr: no gate

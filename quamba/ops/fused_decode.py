@@ -9,14 +9,17 @@ The step between in_proj and out_proj in the int8 mode, zoh discretization:
 
 Its torch reference is exactly that chain of the reference ops (qconv1d_update, w8a8_linear or
 w4a8_linear, w8a8_linear, qsscan_update), so the mixer computes the same numbers through it as
-through the separate ops. Its cuda backend is two Triton kernels (quamba.ops.fused_decode_kernel)
-instead of the chain's four CUDA kernels and their launches: on a GPU the decode step is mostly
-fixed per-kernel time. The other SSM modes and discretizations keep the separate ops (the mixer
+through the separate ops. Its cuda backend is one CUDA kernel, a thread-block cluster a batch row
+(quamba.ops.cuda_backend.mixer_step), where that applies (a W8A8 x_proj, compute capability 9.0),
+else two Triton kernels (quamba.ops.fused_decode_kernel), instead of the chain's four CUDA kernels
+and their launches: on a GPU the decode step is mostly fixed per-kernel time. The other SSM modes and discretizations keep the separate ops (the mixer
 chooses); what the kernels lack (a per-channel W8A8 weight scale, an out-of-range d_state) runs
 the reference under ``auto`` and is a BackendError under ``cuda``.
 """
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +29,8 @@ from quamba.ops.qconv1d import qconv1d_update
 from quamba.ops.qlinear import w8a8_linear
 from quamba.ops.qlinear4 import w4a8_linear
 from quamba.ops.qsscan import SSMParams, qsscan_update
+
+log = logging.getLogger("quamba")
 
 OP = "qmixer_ssm_step"
 KERNEL_MAX_D_STATE = 256  # the scan kernel keeps a block's [rows, channels, d_state] state tile
@@ -182,6 +187,20 @@ def _qmixer_ssm_step_torch(x, z, conv_state, ssm_state, conv, x_proj, dt_proj, p
 @backend.register(OP, "cuda", kernels=())
 def _qmixer_ssm_step_cuda(x, z, conv_state, ssm_state, conv, x_proj, dt_proj, params, scales,
                           out_dtype):
+    cluster_lacks = backend.cuda_extension_error()
+    if cluster_lacks is None:
+        from quamba.ops.cuda_backend import mixer_step
+        cluster_lacks = mixer_step.lacks(x, conv, x_proj, dt_proj, ssm_state)
+        if cluster_lacks is None:
+            return mixer_step.ssm_step(x, z, conv_state, ssm_state, conv, x_proj, dt_proj, params,
+                                       scales, out_dtype)
+    _log_triton_step(cluster_lacks)
     from quamba.ops import fused_decode_kernel
     return fused_decode_kernel.ssm_step(x, z, conv_state, ssm_state, conv, x_proj, dt_proj, params,
                                         scales, out_dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _log_triton_step(why: str) -> None:
+    """Says once per reason that the step runs the two Triton kernels, not the cluster kernel."""
+    log.info("%s runs its two Triton kernels, not the cluster kernel: %s", OP, why)

@@ -41,7 +41,7 @@ from triton.runtime.interpreter import InterpretedFunction
 from quamba.ops import backend
 from quamba.ops.constants import cached
 from quamba.ops.fused_decode import W4A8Weight
-from quamba.ops.quant import fp32_reciprocal, fp32_value, requant_multiplier
+from quamba.ops.quant import fp32_multiplier, fp32_reciprocal, fp32_value, requant_multiplier
 
 MAX_ROWS = 8  # batch rows per program
 # Elements of a program's largest tile (the conv's [rows, channels, 4] window, a broadcast
@@ -339,7 +339,7 @@ def _launch(x, z, conv_state, ssm_state, conv, x_proj, dt_proj, params, scales, 
         conv.weight if conv.bias is None else conv.bias, u,
         x_proj.packed if int4 else x_proj.weight, x_proj.group_multiplier if int4 else partial,
         partial, batch, d_inner, x_proj.group_size if int4 else 1,
-        _multiplier(scales.xz, conv.weight_scale), fp32_value(float(conv.bias_scale)),
+        fp32_multiplier(scales.xz, conv.weight_scale), fp32_value(float(conv.bias_scale)),
         fp32_reciprocal(float(scales.u)), N_OUT=n_out,
         WIDTH=conv.weight.shape[1], HAS_BIAS=conv.bias is not None, INT4=int4, BLOCK_M=rows,
         BLOCK_K=block_k, BLOCK_J=_block(n_out, TILE // (rows * block_k)),
@@ -356,7 +356,7 @@ def _launch(x, z, conv_state, ssm_state, conv, x_proj, dt_proj, params, scales, 
         z.stride(1), dt_proj.weight.contiguous(), ssm_state, y, params.A_log, params.D,
         params.dt_bias, u if codes is None else codes[1], u if codes is None else codes[2],
         batch, d_inner, d_state, xdbl_multiplier,
-        _requant_multiplier(dt_proj.in_scale, dt_proj.weight_scale, dt_proj.out_scale),
+        fp32_multiplier(dt_proj.in_scale, dt_proj.weight_scale, dt_proj.out_scale),
         *(fp32_value(float(s)) for s in (scales.u, scales.xdbl, scales.dt, scales.xz)),
         state_scale, fp32_reciprocal(state_scale) if int8_state else 1.0,
         *(fp32_value(float(s)) for s in (params.A_log_scale, params.D_scale, params.dt_bias_scale)),
@@ -386,21 +386,11 @@ def _k_chunk(k_blocks: int, tile: int) -> int:
     return _block(k_blocks, TILE // tile)
 
 
-@functools.lru_cache(maxsize=4096)
-def _multiplier(x_scale: float, weight_scale: float) -> float:
-    return float(requant_multiplier(float(x_scale), float(weight_scale)))
-
-
-@functools.lru_cache(maxsize=4096)
-def _requant_multiplier(in_scale: float, weight_scale: float, out_scale: float) -> float:
-    return float(requant_multiplier(float(in_scale), float(weight_scale), float(out_scale)))
-
-
 def _x_proj_multipliers(x_proj, device) -> tuple[torch.Tensor | None, float]:
     """(fp32 [N] per-channel multipliers of W4A8, or None; W8A8's one multiplier, or 0.0). W4A8's
     are kept per version of its channel_scale (quamba.ops.constants), not made in every step."""
     if not isinstance(x_proj, W4A8Weight):
-        return None, _requant_multiplier(x_proj.in_scale, x_proj.weight_scale, x_proj.out_scale)
+        return None, fp32_multiplier(x_proj.in_scale, x_proj.weight_scale, x_proj.out_scale)
     in_scale, out_scale = float(x_proj.in_scale), float(x_proj.out_scale)
     def make():
         return requant_multiplier(in_scale, x_proj.channel_scale, out_scale).to(device).contiguous()

@@ -100,6 +100,14 @@ def requant_multiplier(in_scale, weight_scale, out_scale=None):
     return multiplier if out_scale is None else to_fp32(multiplier * reciprocal(out_scale))
 
 
+@functools.lru_cache(maxsize=4096)
+def fp32_multiplier(in_scale: float, weight_scale: float, out_scale: float | None = None) -> float:
+    """:func:`requant_multiplier` of Python float scales, cached: kernel launchers pass it per
+    call, and it rounds through small CPU tensors."""
+    return float(requant_multiplier(float(in_scale), float(weight_scale),
+                                    None if out_scale is None else float(out_scale)))
+
+
 def requantize(acc: torch.Tensor, multiplier) -> torch.Tensor:
     """int8 codes of an int32 accumulator times the fp32 ``multiplier``."""
     if isinstance(multiplier, torch.Tensor):

@@ -1,10 +1,11 @@
-"""qmixer_ssm_step's Triton kernels compiled on a GPU: against the chain of reference ops on the
+"""qmixer_ssm_step's kernels on a GPU: its Triton kernels against the chain of reference ops on the
 same CUDA tensors, at small and Mamba-2.8B shapes (tests/ops/fused_step_cases.py says how each
-output is compared), and greedy decoding of a random-weight model with Mamba-2.8B's layers
-(2 of them) fused against unfused, eager and from a CUDA graph, over 128 tokens.
+output is compared), both its Triton kernels and its cluster kernel (csrc/fused_decode) against the
+chain of CUDA ops bit for bit, and greedy decoding of a random-weight model with Mamba-2.8B's
+layers (2 of them) fused against unfused, eager and from a CUDA graph, over 128 tokens.
 
-The kernel tests need Triton only; the op's cuda backend and the model tests need quamba._C
-(the unfused step and the rest of the model run its kernels)."""
+The Triton kernel tests need Triton only; the cluster kernel, the op's cuda backend and the model
+tests need quamba._C (the unfused step and the rest of the model run its kernels)."""
 import pytest
 import torch
 
@@ -31,6 +32,10 @@ SHAPES = [(3, 300, 16, 19), (1, 5120, 16, 160), (8, 5120, 16, 160), (13, 1536, 1
 # (each of the QSScan step's lanes-per-channel variants) and 7 (padded to 8 lanes)
 CHAIN_SHAPES = [(3, 384, 16, 19), (1, 5120, 16, 160), (8, 5120, 16, 160), (13, 5120, 16, 160),
                 (5, 320, 7, 12)]
+# The cluster kernel's (batch, d_inner, d_state, dt_rank, conv width), W8A8 x_proj
+CLUSTER_SHAPES = [(1, 5120, 16, 160, 4), (8, 5120, 16, 160, 4), (13, 5120, 16, 160, 4),
+                  (3, 384, 16, 20, 4), (2, 1536, 16, 48, 2), (5, 1008, 12, 64, 3),
+                  (1, 48, 16, 8, 4)]
 N_LAYER, VOCAB, PROMPT_LEN, NEW_TOKENS = 2, 4096, 16, 128
 
 
@@ -70,6 +75,65 @@ def test_kernel_steps_are_the_cuda_chain_bit_for_bit(shape, int4, int8_state):
         assert torch.equal(ran["conv_state"], case["conv_state"]), "conv state"
         assert torch.equal(ran["ssm_state"].view(torch.int8),
                            case["ssm_state"].view(torch.int8)), "SSM state"
+
+
+def cluster_step(out_dtype, **case):
+    """The cluster kernel (csrc/fused_decode) with the step's integer intermediates, as
+    kernel_step returns them."""
+    from quamba.ops.cuda_backend import mixer_step
+    batch, d_inner = case["x"].shape
+    n_out = case["x_proj"].weight.shape[0]
+    codes = tuple(torch.empty(batch, n, dtype=torch.int8, device=DEVICE)
+                  for n in (d_inner, n_out, d_inner))
+    lacks = mixer_step.lacks(case["x"], case["conv"], case["x_proj"], case["dt_proj"],
+                             case["ssm_state"])
+    if lacks is not None:
+        pytest.skip(f"the cluster kernel cannot run here: {lacks}")
+    y = mixer_step.ssm_step(**case, out_dtype=out_dtype, codes=codes)
+    return (y, *codes)
+
+
+@needs_extension
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16, torch.float32],
+                         ids=["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("int8_state", [True, False], ids=["int8-state", "fp32-state"])
+@pytest.mark.parametrize("shape", CLUSTER_SHAPES, ids=str)
+def test_cluster_kernel_steps_are_the_cuda_chain_bit_for_bit(shape, int8_state, out_dtype):
+    """The cluster kernel's y, codes and states against the chain of CUDA ops, four steps from
+    the same states: clusters of 16 blocks (Mamba-2.8B, 130m's d_inner), of 6 and of one, a last
+    block with fewer channels (1008 = 15 · 64 + 48), d_state 12 (states read one by one), conv
+    width 2 and the one-lane QSScan step of batch 13."""
+    batch, d_inner, d_state, dt_rank, width = shape
+    case = step_case(batch, d_inner, d_state, dt_rank, width=width, int8_state=int8_state,
+                     device=DEVICE)
+    for _ in range(4):
+        ran = cloned_states(case)
+        fused = cluster_step(out_dtype, **ran)
+        chain = chain_step(**case, out_dtype=out_dtype, backend_name="cuda")
+        for name, out, ref in zip(("y", "u", "x_proj codes", "dt codes"), fused, chain):
+            assert torch.equal(out.view(torch.int8), ref.view(torch.int8)), name
+        assert torch.equal(ran["conv_state"], case["conv_state"]), "conv state"
+        assert torch.equal(ran["ssm_state"].view(torch.int8),
+                           case["ssm_state"].view(torch.int8)), "SSM state"
+
+
+@needs_extension
+def test_cluster_kernel_rejects_what_it_cannot_step():
+    """Sizes outside the kernel get the reason from qmixer_ssm_step_lacks, and a call with them
+    a one-line error rather than a launch."""
+    lacks = torch.ops.quamba.qmixer_ssm_step_lacks
+    assert lacks(5120, 160, 16) == ""
+    assert "multiple of 16" in lacks(5000, 160, 16)
+    assert "dt_rank" in lacks(5120, 162, 16)
+    assert "d_state" in lacks(5120, 160, 8)
+    assert "shared memory" in lacks(8192, 512, 16)
+    case = step_case(1, 384, 8, 20, device=DEVICE)
+    with pytest.raises(RuntimeError, match="d_state must be 9 to 16"):
+        torch.ops.quamba.qmixer_ssm_step(
+            case["x"], case["z"], 1.0, case["conv_state"], case["ssm_state"], 1.0,
+            case["conv"].weight, None, 1.0, 1.0, 1.0, case["x_proj"].weight, 1.0,
+            case["dt_proj"].weight, 1.0, 1.0, 1.0, 1.0, case["params"].A_log, 1.0,
+            case["params"].D, 1.0, case["params"].dt_bias, 1.0, torch.float16)
 
 
 @needs_extension

@@ -1,0 +1,220 @@
+// The QSScan decode step's arithmetic for one channel (qsscan.cu's step kernels and the fused
+// mixer step, csrc/fused_decode/): Δ, the state update of a lane's states with their terms of y
+// summed in state_readout's order, and the gated output. Specification: quamba.ops.qsscan.
+#pragma once
+
+#include "../ssm_common/ssm_common.cuh"
+#include "scan_args.h"
+
+namespace quamba_ssm {
+
+struct StepArgs {
+  FloatSource u, dt, z, B, C;  // z.data == nullptr: no gate
+  int64_t u_st[2], dt_st[2], z_st[2], B_st[2], C_st[2];  // (batch, element) strides
+  SsmParams params;
+  void* state;  // contiguous [batch, dim, dstate], int8 (with state_scale) or fp32, in place
+  bool state_int8;
+  float state_scale, state_inv_scale;
+  void* y;  // contiguous [batch, dim]
+  int batch, dim, dstate;
+  float* drive;  // foh: contiguous fp32 [batch, dim, dstate], v_{t-1} in, v_t out
+  // state and A_log 16-byte aligned and dstate a multiple of 16: a lane's states are whole rows
+  bool rows_aligned;
+};
+
+// Δ of channel d from its dt: softplus(dt + dt_bias).
+__device__ __forceinline__ float delta_of(const StepArgs& a, float dt, int d) {
+  return softplus(__fadd_rn(dt, a.params.bias(d)));
+}
+
+// Δ of channel d of row b, once per lane.
+__device__ __forceinline__ float step_delta(const StepArgs& a, int b, int d) {
+  return delta_of(a, a.dt.load(b * a.dt_st[0] + d * a.dt_st[1]), d);
+}
+
+// What the step of one state reads besides its state: A_n, B_n, C_n (and foh's drive v_{t-1}).
+struct StateInputs {
+  float A, B, C, drive;
+};
+
+// kCount consecutive values at p (aligned to 16 bytes or to the row's size) in WideChunk pieces.
+template <int kCount, typename T>
+__device__ __forceinline__ void load_row(const T* p, T (&out)[kCount]) {
+  using Chunk = WideChunk<kCount * sizeof(T)>;
+#pragma unroll
+  for (int i = 0; i < static_cast<int>(kCount * sizeof(T) / sizeof(Chunk)); ++i) {
+    const Chunk chunk = reinterpret_cast<const Chunk*>(p)[i];
+    memcpy(reinterpret_cast<char*>(out) + sizeof(Chunk) * i, &chunk, sizeof(Chunk));
+  }
+}
+
+template <int kCount, typename T>
+__device__ __forceinline__ void store_row(T* p, const T (&values)[kCount]) {
+  using Chunk = WideChunk<kCount * sizeof(T)>;
+#pragma unroll
+  for (int i = 0; i < static_cast<int>(kCount * sizeof(T) / sizeof(Chunk)); ++i) {
+    Chunk chunk;
+    memcpy(&chunk, reinterpret_cast<const char*>(values) + sizeof(Chunk) * i, sizeof(Chunk));
+    reinterpret_cast<Chunk*>(p)[i] = chunk;
+  }
+}
+
+// The new state h_new of one state from its old state h, and its term C_n · h_new of y. The
+// arithmetic follows selective_state_update operation by operation: decay · h + (Δ u) · B for
+// zoh, else decay · h + (gain · v_t + previous gain · v_{t-1}), v = u · B, each operation
+// rounded. foh writes v_t to its drive at ``offset``.
+template <Discretization kMethod>
+__device__ __forceinline__ float step_state(const StepArgs& a, const StateInputs& in, float h,
+                                            float u, float delta, int64_t offset, float& term) {
+  const float z = __fmul_rn(delta, in.A);
+  StepCoefficients c{};  // zoh uses the decay only
+  if constexpr (kMethod == Discretization::kZoh) {
+    c.decay = expf(z);
+  } else {
+    c = exact_coefficients<kMethod>(delta, z);
+  }
+  float step_input;
+  if constexpr (kMethod == Discretization::kZoh) {
+    step_input = __fmul_rn(__fmul_rn(delta, u), in.B);
+  } else {
+    const float v = __fmul_rn(u, in.B);
+    step_input = __fmul_rn(c.gain, v);
+    if constexpr (kMethod == Discretization::kFoh) {
+      step_input = __fadd_rn(step_input, __fmul_rn(c.previous_gain, in.drive));
+      a.drive[offset] = v;
+    }
+  }
+  const float h_new = __fadd_rn(__fmul_rn(c.decay, h), step_input);
+  term = __fmul_rn(h_new, in.C);
+  return h_new;
+}
+
+// A_n = −exp(A_log_n) of channel d's states first ... first + count − 1 (count at most kStates;
+// read as a row where it is whole and aligned).
+template <int kStates>
+__device__ __forceinline__ void load_A(const StepArgs& a, int d, int first, int count,
+                                       float (&A)[kStates]) {
+  const int8_t* A_log = a.params.A_log + d * a.dstate + first;
+  int8_t codes[kStates];
+  if (count == kStates && a.rows_aligned) {
+    load_row<kStates>(A_log, codes);
+  } else {
+#pragma unroll
+    for (int s = 0; s < kStates; ++s) {
+      if (s < count) codes[s] = A_log[s];
+    }
+  }
+#pragma unroll
+  for (int s = 0; s < kStates; ++s) {
+    if (s < count) A[s] = -expf(dequantize(codes[s], a.params.A_log_scale));
+  }
+}
+
+// Steps ``count`` (at most kStates) states of one (b, d) at ``offset`` in the state from their
+// old values, given their A, B and C (B and C in registers or shared memory): their new values,
+// and the sum of their terms of y as a pairwise tree, adjacent states first
+// (quamba.ops.selective_scan.state_readout's order), zero past count. The tree is built as the
+// terms come: pending[k] holds the sum of the last whole block of 2^k terms, so that at most
+// log2(kStates) + 1 partial sums are live. State is int8 codes or fp32.
+template <Discretization kMethod, int kStates, typename State>
+__device__ __forceinline__ float step_states(const StepArgs& a, int count, int64_t offset, float u,
+                                             float delta, const float (&A)[kStates],
+                                             const float* B, const float* C,
+                                             const State (&old_state)[kStates],
+                                             State (&new_state)[kStates]) {
+  constexpr int kLevels = kStates == 1 ? 1 : kStates == 4 ? 3 : 5;
+  static_assert(kStates == 1 || kStates == 4 || kStates == 16, "states a lane: 1, 4 or 16");
+  float pending[kLevels];
+#pragma unroll
+  for (int s = 0; s < kStates; ++s) {
+    float term = 0.f;
+    if (s < count) {
+      const StateInputs in{A[s], B[s], C[s], a.drive != nullptr ? a.drive[offset + s] : 0.f};
+      float h;
+      if constexpr (std::is_same_v<State, int8_t>) {
+        h = dequantize(old_state[s], a.state_scale);
+      } else {
+        h = old_state[s];
+      }
+      const float h_new = step_state<kMethod>(a, in, h, u, delta, offset + s, term);
+      if constexpr (std::is_same_v<State, int8_t>) {
+        new_state[s] = quantize_rn(h_new, a.state_inv_scale);
+      } else {
+        new_state[s] = h_new;
+      }
+    }
+    int level = 0;
+#pragma unroll
+    for (; (s >> level) & 1; ++level) term = __fadd_rn(pending[level], term);
+    pending[level] = term;
+  }
+  return pending[kLevels - 1];
+}
+
+// A lane's ``count`` (at most kStates) states at ``offset`` in a.state, read and written as a row
+// where they are whole and aligned, else one by one.
+template <int kStates, typename State>
+__device__ __forceinline__ void load_lane_states(const StepArgs& a, int count, int64_t offset,
+                                                 State (&h)[kStates]) {
+  const State* state = static_cast<const State*>(a.state) + offset;
+  if (count == kStates && a.rows_aligned) {
+    load_row<kStates>(state, h);
+  } else {
+#pragma unroll
+    for (int s = 0; s < kStates; ++s) {
+      if (s < count) h[s] = state[s];
+    }
+  }
+}
+
+template <int kStates, typename State>
+__device__ __forceinline__ void store_lane_states(const StepArgs& a, int count, int64_t offset,
+                                                  const State (&h)[kStates]) {
+  State* state = static_cast<State*>(a.state) + offset;
+  if (count == kStates && a.rows_aligned) {
+    store_row<kStates>(state, h);
+  } else {
+#pragma unroll
+    for (int s = 0; s < kStates; ++s) {
+      if (s < count) state[s] = h[s];
+    }
+  }
+}
+
+// step_states on the states at ``offset`` in a.state, updated in place.
+template <Discretization kMethod, int kStates, typename State>
+__device__ __forceinline__ float step_lane(const StepArgs& a, int count, int64_t offset, float u,
+                                           float delta, const float (&A)[kStates], const float* B,
+                                           const float* C) {
+  State old_state[kStates], new_state[kStates];
+  load_lane_states<kStates>(a, count, offset, old_state);
+  const float sum =
+      step_states<kMethod, kStates>(a, count, offset, u, delta, A, B, C, old_state, new_state);
+  store_lane_states<kStates>(a, count, offset, new_state);
+  return sum;
+}
+
+template <Discretization kMethod, int kStates>
+__device__ __forceinline__ float step_lane(const StepArgs& a, int count, int64_t offset, float u,
+                                           float delta, const float (&A)[kStates], const float* B,
+                                           const float* C) {
+  return a.state_int8
+             ? step_lane<kMethod, kStates, int8_t>(a, count, offset, u, delta, A, B, C)
+             : step_lane<kMethod, kStates, float>(a, count, offset, u, delta, A, B, C);
+}
+
+// y of a channel from its sum of C · h: + D u, times SiLU(z) where gated.
+__device__ __forceinline__ float gated_y(float sum, float u, float skip, bool gated, float z) {
+  const float y = __fadd_rn(sum, __fmul_rn(u, skip));
+  return gated ? __fmul_rn(y, silu_rn(z)) : y;
+}
+
+template <typename Out>
+__device__ __forceinline__ void store_y(const StepArgs& a, int b, int d, float sum, float u) {
+  const bool gated = a.z.data != nullptr;
+  const float z = gated ? a.z.load(b * a.z_st[0] + d * a.z_st[1]) : 0.f;
+  static_cast<Out*>(a.y)[static_cast<int64_t>(b) * a.dim + d] =
+      from_float<Out>(gated_y(sum, u, a.params.skip(d), gated, z));
+}
+
+}  // namespace quamba_ssm
