@@ -2,9 +2,9 @@
 // kernel; specification: quamba/ops/fused_decode.py, the chain of qconv1d_update, w8a8_linear
 // (x_proj), w8a8_linear (dt_proj) and qsscan_update on in_proj's int8 codes x and z).
 //
-// The step has two reductions over all d_inner channels: x_proj (its dt_low, B and C feed every
-// channel's dt_proj and scan) and nothing else, so one thread-block cluster per batch row does it
-// with one exchange through distributed shared memory. Block r of the cluster owns a slice of
+// The step has one reduction over all d_inner channels, x_proj (its dt_low, B and C feed every
+// channel's dt_proj and scan), so one thread-block cluster per batch row does it with one exchange
+// through distributed shared memory. Block r of the cluster owns a slice of
 // channels: before it waits for in_proj (programmatic launch) it copies its slice's columns of
 // x_proj and rows of dt_proj into shared memory and computes its channels' A. Then it steps the
 // conv of its channels (u codes), sums x_proj over its slice for every output, and the cluster
@@ -67,7 +67,7 @@ struct SmemLayout {
     auto align16 = [](int v) { return (v + 15) / 16 * 16; };
     dt_proj = n_out * pitch;
     partial = align16(dt_proj + slice * dt_rank);
-    u = partial + n_out * 2 * 4;
+    u = align16(partial + n_out * 2 * 4);  // read as 16-byte chunks
     dt = align16(u + slice);
     xdbl = align16(dt + slice);
     bc = align16(xdbl + n_out);
