@@ -410,8 +410,7 @@ at::Tensor qmixer_ssm_step(const at::Tensor& x, const c10::optional<at::Tensor>&
   const std::string lacks = shape_lacks(dim, dt_rank, dstate);
   TORCH_CHECK(lacks.empty(), "qmixer_ssm_step's cluster kernel: ", lacks);
   check_ssm_params(x, A_log, A_log_scale, D, D_scale, dt_bias, dt_bias_scale, dim, dstate);
-  TORCH_CHECK(out_dtype == at::kHalf || out_dtype == at::kBFloat16 || out_dtype == at::kFloat,
-              "out_dtype must be float16, bfloat16 or float32, got ", out_dtype);
+  check_out_dtype(out_dtype);
   const c10::cuda::CUDAGuard guard(x.device());
   TORCH_CHECK(at::cuda::getCurrentDeviceProperties()->major >= 9,
               "qmixer_ssm_step's cluster kernel needs compute capability 9.0 or newer");

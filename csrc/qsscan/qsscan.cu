@@ -622,11 +622,6 @@ FloatSource float_source(const at::Tensor& t, double scale, const char* name,
 
 Strides3 strides3(const at::Tensor& t) { return Strides3{t.stride(0), t.stride(1), t.stride(2)}; }
 
-void check_out_dtype(at::ScalarType out_dtype) {
-  TORCH_CHECK(out_dtype == at::kHalf || out_dtype == at::kBFloat16 || out_dtype == at::kFloat,
-              "out_dtype must be float16, bfloat16 or float32, got ", out_dtype);
-}
-
 bool aligned_runs(const at::Tensor& t, bool channel_fast) {
   if (reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 != 0) return false;
   const int64_t fast = channel_fast ? 1 : 2, other = channel_fast ? 2 : 1;

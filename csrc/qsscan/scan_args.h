@@ -45,6 +45,11 @@ inline SsmParams ssm_params(const at::Tensor& A_log, double A_log_scale, const a
           dt_bias.data_ptr<int8_t>(), to_fp32(dt_bias_scale)};
 }
 
+inline void check_out_dtype(at::ScalarType out_dtype) {
+  TORCH_CHECK(out_dtype == at::kHalf || out_dtype == at::kBFloat16 || out_dtype == at::kFloat,
+              "out_dtype must be float16, bfloat16 or float32, got ", out_dtype);
+}
+
 struct ScanArgs {
   FloatSource u, dt, z, B, C;  // z.data == nullptr: no gate
   Strides3 u_st, dt_st, z_st, B_st, C_st;

@@ -12,8 +12,8 @@ w4a8_linear, w8a8_linear, qsscan_update), so the mixer computes the same numbers
 through the separate ops. Its cuda backend is one CUDA kernel, a thread-block cluster a batch row
 (quamba.ops.cuda_backend.mixer_step), where that applies (a W8A8 x_proj, compute capability 9.0),
 else two Triton kernels (quamba.ops.fused_decode_kernel), instead of the chain's four CUDA kernels
-and their launches: on a GPU the decode step is mostly fixed per-kernel time. The other SSM modes and discretizations keep the separate ops (the mixer
-chooses); what the kernels lack (a per-channel W8A8 weight scale, an out-of-range d_state) runs
+and their launches: on a GPU the decode step is mostly fixed per-kernel time. The other SSM modes
+and discretizations keep the separate ops (the mixer chooses); what the kernels lack (a per-channel W8A8 weight scale, an out-of-range d_state) runs
 the reference under ``auto`` and is a BackendError under ``cuda``.
 """
 from __future__ import annotations

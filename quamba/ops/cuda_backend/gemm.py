@@ -6,14 +6,13 @@ picks the GEMV for up to 8 rows, else the GEMM for the device.
 """
 from __future__ import annotations
 
-import functools
 
 import torch
 
 import quamba._C  # noqa: F401  loads torch.ops.quamba.*
 from quamba.ops import backend
 from quamba.ops.constants import cached
-from quamba.ops.quant import requant_multiplier
+from quamba.ops.quant import fp32_multiplier, requant_multiplier
 
 K_ALIGN = 16  # the GEMM and GEMV kernels read K in 16-byte steps
 
@@ -57,7 +56,7 @@ def _epilogue_multiplier(x_scale, weight_scale, out_scale, weight):
     (quamba.ops.constants) unless x_scale is a tensor or one of them an inference tensor."""
     scales = (x_scale, weight_scale, out_scale)
     if all(s is None or isinstance(s, (int, float)) for s in scales):
-        return _scalar_multiplier(*scales), None
+        return fp32_multiplier(*scales), None
 
     def make():
         multiplier = requant_multiplier(*scales)
@@ -75,7 +74,3 @@ def _epilogue_multiplier(x_scale, weight_scale, out_scale, weight):
     return (multiplier, None) if isinstance(multiplier, float) else (0.0, multiplier)
 
 
-@functools.lru_cache(maxsize=4096)
-def _scalar_multiplier(x_scale, weight_scale, out_scale) -> float:
-    # Cached: requant_multiplier rounds through small CPU tensors, too slow for every decode step.
-    return float(requant_multiplier(x_scale, weight_scale, out_scale))

@@ -14,17 +14,26 @@ from quamba.ops.quant import fp32_multiplier, fp32_reciprocal
 
 
 def lacks(x, conv, x_proj, dt_proj, ssm_state) -> str | None:
-    """Why the cluster kernel cannot run this step (None: it can)."""
-    if not hasattr(torch.ops.quamba, "qmixer_ssm_step"):
-        return "this build of quamba._C has no cluster kernel (csrc/fused_decode)"
-    if torch.cuda.get_device_capability(x.device)[0] < 9:
-        return "its thread-block clusters need compute capability 9.0"
+    """Why the cluster kernel cannot run this step (None: it can). Runs at every eager step: what
+    depends only on the build and the device is asked once."""
+    why = _device_lacks(x.device)
+    if why:
+        return why
     if not isinstance(x_proj, W8A8Weight):
         return "it takes a W8A8 x_proj"
     weights = (x_proj.weight, dt_proj.weight)
     if not all(w.is_contiguous() and w.data_ptr() % 16 == 0 for w in weights):
         return "it reads contiguous, 16-byte aligned x_proj and dt_proj weights"
     return _shape_lacks(x.shape[1], dt_proj.weight.shape[1], ssm_state.shape[2]) or None
+
+
+@functools.lru_cache(maxsize=None)
+def _device_lacks(device: torch.device) -> str:
+    if not hasattr(torch.ops.quamba, "qmixer_ssm_step"):
+        return "this build of quamba._C has no cluster kernel (csrc/fused_decode)"
+    if torch.cuda.get_device_capability(device)[0] < 9:
+        return "its thread-block clusters need compute capability 9.0"
+    return ""
 
 
 @functools.lru_cache(maxsize=64)

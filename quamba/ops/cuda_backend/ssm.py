@@ -26,12 +26,8 @@ from quamba.ops import backend
 from quamba.ops.constants import cached
 from quamba.ops.discretization import DEFAULT
 from quamba.ops.hadamard import hadamard_factors, hadamard_sign_matrix
-from quamba.ops.quant import fp32_reciprocal, fp32_value, reciprocal, requant_multiplier
-
-
-@functools.lru_cache(maxsize=4096)
-def _multiplier(x_scale: float, weight_scale: float) -> float:
-    return float(requant_multiplier(x_scale, weight_scale))
+from quamba.ops.quant import (fp32_multiplier, fp32_reciprocal, fp32_value, reciprocal,
+                              requant_multiplier)
 
 
 def _scale(value) -> float | None:
@@ -50,7 +46,7 @@ def _silu_flag(activation) -> bool:
 
 
 def _conv_constants(x_scale, weight_scale, bias, bias_scale, out_scale):
-    multiplier = _multiplier(_scale(x_scale), _scale(weight_scale))
+    multiplier = fp32_multiplier(_scale(x_scale), _scale(weight_scale))
     bias_scale32 = fp32_value(_scale(bias_scale)) if bias is not None else 1.0
     return multiplier, bias_scale32, _inverse_or_none(out_scale)
 
