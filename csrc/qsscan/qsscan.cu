@@ -793,34 +793,66 @@ __global__ void __launch_bounds__(kStepThreads) qsscan_update_kernel(const StepA
 }
 
 constexpr int kOneLaneStates = 16;  // the one-lane layout's states a thread (dstate <= 16)
+constexpr int kTileChannels = 32;   // the one-lane layout's channels a block: a warp's lanes
+constexpr int kTileRows = kStepThreads / kTileChannels;  // and its batch rows, a warp each
+// Floats between two channels' rows of A in shared memory: the 16-byte reads of 8 lanes (one
+// shared-memory wavefront) then fall on 32 distinct banks.
+constexpr int kAPitch = 20;
 
-// The one-lane layout: thread d of a block steps channel d's states for the block's batch row,
-// whose B and C the block dequantizes once into shared memory, where every thread reads them as
-// broadcasts. Suits many channels (large batch), where the step is bound by instruction issue:
-// it spares each thread the loads and conversions of B and C. Same arithmetic as the lanes
-// layouts. (A computed once for several rows a thread was tried: no faster, RESULTS.md.)
-template <Discretization kMethod, typename Out>
+// The one-lane layout: a block steps kTileChannels channels for kTileRows batch rows, a thread
+// one (row, channel) with all its states. The block computes its channels' A = -exp(A_log) once
+// for all its rows and dequantizes its rows' B and C once for all its channels, into shared
+// memory, where the threads read them as broadcasts. Suits many channels (large batch), where
+// the step is bound by instruction issue. kWhole: dstate is 16 and the rows are aligned, so a
+// thread's states, A and B, C are whole 16-byte rows and no state needs a bounds check. Same
+// arithmetic as the lanes layouts.
+template <Discretization kMethod, bool kWhole, typename Out>
 __global__ void __launch_bounds__(kStepThreads) qsscan_update_lane_kernel(const StepArgs a) {
   quamba::pdl_launch_dependents();  // the Hadamard kernel after it may launch (pdl.cuh)
-  __shared__ float B_row[kOneLaneStates], C_row[kOneLaneStates];
-  const int channel_blocks = (a.dim + kStepThreads - 1) / kStepThreads;
-  const int b = blockIdx.x / channel_blocks;
-  const int d = (blockIdx.x % channel_blocks) * kStepThreads + threadIdx.x;
-  if (threadIdx.x < kOneLaneStates) {
-    const int s = threadIdx.x;
-    const bool valid = s < a.dstate;
-    B_row[s] = valid ? a.B.load(b * a.B_st[0] + s * a.B_st[1]) : 0.f;
-    C_row[s] = valid ? a.C.load(b * a.C_st[0] + s * a.C_st[1]) : 0.f;
+  __shared__ __align__(16) float A_tile[kTileChannels * kAPitch];
+  __shared__ __align__(16) float B_rows[kTileRows][kOneLaneStates];
+  __shared__ __align__(16) float C_rows[kTileRows][kOneLaneStates];
+  const int channel_tiles = (a.dim + kTileChannels - 1) / kTileChannels;
+  const int first_channel = (blockIdx.x % channel_tiles) * kTileChannels;
+  const int first_row = (blockIdx.x / channel_tiles) * kTileRows;
+  if constexpr (kWhole) {  // 4 consecutive states a thread, read as one word
+    static_assert(kTileChannels * kOneLaneStates == 4 * kStepThreads, "A: 4 states a thread");
+    const int c = threadIdx.x / 4, first = threadIdx.x % 4 * 4, d = first_channel + c;
+    int8_t codes[4] = {};
+    if (d < a.dim) load_row<4>(a.params.A_log + d * kOneLaneStates + first, codes);
+    float A[4];
+#pragma unroll
+    for (int s = 0; s < 4; ++s) A[s] = -expf(dequantize(codes[s], a.params.A_log_scale));
+    store_row<4>(A_tile + c * kAPitch + first, A);
+  } else {
+    for (int i = threadIdx.x; i < kTileChannels * kOneLaneStates; i += kStepThreads) {
+      const int c = i / kOneLaneStates, s = i % kOneLaneStates, d = first_channel + c;
+      float A = 0.f;
+      if (d < a.dim && s < a.dstate) {
+        A = -expf(dequantize(a.params.A_log[d * a.dstate + s], a.params.A_log_scale));
+      }
+      A_tile[c * kAPitch + s] = A;
+    }
+  }
+  if (threadIdx.x < kTileRows * kOneLaneStates) {
+    const int r = threadIdx.x / kOneLaneStates, s = threadIdx.x % kOneLaneStates;
+    const int b = first_row + r;
+    const bool valid = b < a.batch && s < a.dstate;
+    B_rows[r][s] = valid ? a.B.load(b * a.B_st[0] + s * a.B_st[1]) : 0.f;
+    C_rows[r][s] = valid ? a.C.load(b * a.C_st[0] + s * a.C_st[1]) : 0.f;
   }
   __syncthreads();
-  if (d >= a.dim) return;
+  const int c = threadIdx.x % kTileChannels, r = threadIdx.x / kTileChannels;
+  const int d = first_channel + c, b = first_row + r;
+  if (d >= a.dim || b >= a.batch) return;
   float A[kOneLaneStates];
-  load_A<kOneLaneStates>(a, d, 0, a.dstate, A);
+  load_row<kOneLaneStates>(A_tile + c * kAPitch, A);
   const float u = a.u.load(b * a.u_st[0] + d * a.u_st[1]);
   const float delta = step_delta(a, b, d);
   const int64_t offset = (static_cast<int64_t>(b) * a.dim + d) * a.dstate;
+  const int count = kWhole ? kOneLaneStates : a.dstate;
   const float sum =
-      step_lane<kMethod, kOneLaneStates>(a, a.dstate, offset, u, delta, A, B_row, C_row);
+      step_lane<kMethod, kOneLaneStates>(a, count, offset, u, delta, A, B_rows[r], C_rows[r]);
   store_y<Out>(a, b, d, sum, u);
 }
 
@@ -836,18 +868,22 @@ void launch_step_group(const StepArgs& args) {
 
 template <Discretization kMethod, typename Out>
 void launch_step_one_lane(const StepArgs& args) {
-  auto kernel = qsscan_update_lane_kernel<kMethod, Out>;
+  const bool whole = args.dstate == kOneLaneStates && args.rows_aligned;
+  auto kernel = whole ? qsscan_update_lane_kernel<kMethod, true, Out>
+                      : qsscan_update_lane_kernel<kMethod, false, Out>;
   check_kernel_image(kernel, "qsscan_update");
-  const int64_t blocks = int64_t{args.batch} * ceil_div(args.dim, kStepThreads);
+  const int64_t blocks =
+      ceil_div(int64_t{args.dim}, kTileChannels) * ceil_div(int64_t{args.batch}, kTileRows);
   kernel<<<blocks, kStepThreads, 0, current_stream()>>>(args);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// Channels (batch · dim) from which a step takes 4 lanes a channel, and 1 lane; fewer take one
-// lane a state, to keep enough threads in flight. Measured on the H200 at Mamba-2.8B's 5120
-// channels (benchmarks/RESULTS.md, µs, 16 / 4 / 1 lanes): batch 1 7.65 / 8.19 / 9.79, batch 8
-// 14.8 / 8.90 / 9.95, batch 16 22.8 / 13.7 / 11.2, batch 64 68.7 / 33.8 / 22.9.
-constexpr int64_t kFourLaneChannels = 16384, kOneLaneChannels = 65536;
+// Channels (batch · dim) from which a step takes one lane a channel; fewer take one lane a state,
+// to keep enough threads in flight. Measured on the H200 at Mamba-2.8B's 5120 channels, int8
+// state (benchmarks/RESULTS.md, µs, 16 / 4 / 1 lanes): batch 2 4.27 / 4.53 / 4.63, batch 4
+// 7.52 / 5.21 / 5.12, batch 8 11.1 / 6.14 / 5.42; batch 64 30.9 / 13.7 (4 / 1). Four lanes a channel
+// is never the fastest by more than 2% (fp32 state at batch 4–8); it stays selectable.
+constexpr int64_t kOneLaneChannels = 16384;
 
 // The lanes per channel of a step: ``lanes`` if given (0: chosen from the shape). dstate <= 16
 // takes one lane a state (8 or 16), 4 or 1; a larger dstate one lane a state (32).
@@ -856,8 +892,7 @@ int step_lanes(const StepArgs& args, int64_t lanes) {
   const bool grouped = args.dstate <= 16;
   if (lanes == 0) {
     const int64_t channels = int64_t{args.batch} * args.dim;
-    if (!grouped || channels < kFourLaneChannels) return state_lanes;
-    return channels < kOneLaneChannels ? 4 : 1;
+    return !grouped || channels < kOneLaneChannels ? state_lanes : 1;
   }
   TORCH_CHECK(lanes == state_lanes || (grouped && (lanes == 1 || lanes == 4)),
               "qsscan_update: lanes must be 0 (chosen), ", state_lanes,

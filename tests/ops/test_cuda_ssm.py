@@ -550,6 +550,38 @@ def step_with_lanes(state, state_scale, step, params, method, lanes, drive=None)
         *_param_args(params), torch.float16, drive=drive, discretization=method, lanes=lanes)
 
 
+@pytest.mark.parametrize("d_state,aligned,int8_state", [
+    (16, False, True), (15, True, True), (12, True, False), (8, True, True), (1, True, False)])
+def test_small_qsscan_update_one_lane_odd_states(d_state, aligned, int8_state):
+    """The one-lane layout where its states are not whole 16-byte rows (d_state below 16, a state
+    tensor off 16-byte alignment), on partial channel and row tiles (5 rows of 72 channels):
+    y and the state equal the one-lane-a-state layout's bit for bit."""
+    seed_for("scan-update-one-lane", d_state, aligned, int8_state)
+    batch, dim = 5, 72
+    x_dbl = codes(batch, 16 + 2 * d_state)
+    B, C = x_dbl.split([16, d_state, d_state], dim=-1)[1:]
+    u, dt, z = codes(batch, dim), codes(batch, dim), codes(batch, dim)
+    a_log = torch.log(torch.arange(1, d_state + 1, device=DEVICE).float()).expand(dim, d_state)
+    A_log, A_log_scale = quantize_weight(a_log + 0.1 * torch.randn(dim, d_state, device=DEVICE))
+    base = ssm_params(dim)
+    state_dtype = torch.int8 if int8_state else torch.float32
+    numel = batch * dim * d_state
+    storage = (codes(numel + 1) if int8_state
+               else torch.randn(numel + 1, device=DEVICE)).to(state_dtype)
+    first = storage[int(not aligned):][:numel].view(batch, dim, d_state)
+    s = SCALES
+    results = []
+    for lanes in (8 if d_state <= 8 else 16, 1):
+        state = first.clone() if aligned else storage.clone()[1:][:numel].view(batch, dim, d_state)
+        y = torch.ops.quamba.qsscan_update(
+            state, 0.05, u, s["u_scale"], dt, s["dt_scale"], B, s["B_scale"], C, s["C_scale"],
+            z, s["z_scale"], A_log, float(A_log_scale), base.D, base.D_scale, base.dt_bias,
+            base.dt_bias_scale, torch.float16, lanes=lanes)
+        results.append((y.view(torch.int16), state))
+    assert torch.equal(results[0][0], results[1][0])
+    assert torch.equal(results[0][1], results[1][1])
+
+
 def test_small_qsscan_update_rejects_unknown_lanes():
     inputs, params = scan_inputs(1, 64, 1, "module"), ssm_params(64)
     step, s = step_inputs(inputs, 0), SCALES
