@@ -56,10 +56,19 @@ void launch_w4a8_skinny(const GemmArgs& args, const int8_t* group_multiplier, in
 
 // CUTLASS 3.x wgmma GEMM for sm_90a: int8/fp16/bf16 out; needs 16-byte aligned rows of out.
 // config is in 0..kSm90Configs-1 (listed in gemm_sm90.cuh); -1 picks one from the shape.
-constexpr int kSm90Configs = 6;
+constexpr int kSm90Configs = 8;
 bool gemm_sm90_compiled();
 int gemm_sm90_num_configs();
 void launch_gemm_sm90(const GemmArgs& args, int config = -1);
+
+// Whether the wgmma GEMM, computed swapped (gemm_sm90.cuh's configuration 7), beats the skinny
+// GEMM on M rows of x: 17-64 rows and N > 256, measured on the H200 (benchmarks/RESULTS.md). The
+// skinny GEMM keeps 9-16 rows (out_proj 7.3 against 7.6 µs at 16), narrow N (x_proj 4.3 against
+// 6.3 at 32) and a sliced x (dt_proj), which the wgmma GEMM would first copy to packed rows.
+constexpr int kSwappedMinM = 17;
+inline bool swapped_sm90_preferred(int M, int N, bool x_packed) {
+  return M >= kSwappedMinM && M <= kSkinnyMaxM && N > 256 && x_packed;
+}
 
 // Fails with a clear message when this binary holds no machine code (nor PTX) for the device.
 void check_kernel_image(const void* kernel, const char* name);

@@ -33,6 +33,7 @@ namespace quamba::gemm::sm90 {
 
 using namespace cute;
 using cutlass::epilogue::fusion::Sm90AccFetch;
+using cutlass::epilogue::fusion::Sm90ColBroadcast;
 using cutlass::epilogue::fusion::Sm90Compute;
 using cutlass::epilogue::fusion::Sm90EVT;
 using cutlass::epilogue::fusion::Sm90RowBroadcast;
@@ -60,33 +61,42 @@ struct ScaleRequant {
   }
 };
 
-template <class TileShape>
-using ColumnVector = Sm90RowBroadcast<0, TileShape, float>;  // one value per output column n
+// One value per output channel n: a column of out [M, N], or a row of out^T [N, M] where the
+// GEMM is computed swapped (kSwapAB below).
+template <class TileShape, bool kSwapAB>
+using ChannelVector = cute::conditional_t<kSwapAB, Sm90ColBroadcast<0, TileShape, float>,
+                                          Sm90RowBroadcast<0, TileShape, float>>;
 
-template <class ElementOut, class TileShape>
+template <class ElementOut, class Channels>
 using Fusion = cute::conditional_t<
     cute::is_same_v<ElementOut, int8_t>,
     Sm90EVT<Sm90Compute<ScaleRequant, int8_t, float, cutlass::FloatRoundStyle::round_to_nearest>,
-            Sm90AccFetch, ColumnVector<TileShape>>,
+            Sm90AccFetch, Channels>,
     Sm90EVT<Sm90Compute<ScaleBias, ElementOut, float, cutlass::FloatRoundStyle::round_to_nearest>,
-            Sm90AccFetch, ColumnVector<TileShape>, ColumnVector<TileShape>>>;
+            Sm90AccFetch, Channels, Channels>>;
 
+// kSwapAB computes out^T = w · x^T: the weight's N rows are the MMA's M side (64 or 128 a tile)
+// and x's few rows its N side (16 to 256), so a decode step's M of 9–64 rows does not fill
+// 128-row tiles mostly with padding. w [N, K] and x [M, K] are then A row-major and B
+// column-major, as x and w are unswapped, and out [M, N] row-major is D [N, M] column-major.
 template <class ElementOut, class TileShape, class ClusterShape, class KernelSchedule, class EpilogueSchedule,
-          class TileScheduler = void>
+          class TileScheduler = void, bool kSwapAB = false>
 struct Config {
+  static constexpr bool kSwap = kSwapAB;
   static constexpr int kAlignOut = 16 / sizeof(ElementOut);
+  using LayoutOut = cute::conditional_t<kSwapAB, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
 
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, int32_t, float,
-      void, cutlass::layout::RowMajor, kAlignOut,  // no C operand
-      ElementOut, cutlass::layout::RowMajor, kAlignOut,
-      EpilogueSchedule, Fusion<ElementOut, TileShape>>::CollectiveOp;
+      void, LayoutOut, kAlignOut,  // no C operand
+      ElementOut, LayoutOut, kAlignOut,
+      EpilogueSchedule, Fusion<ElementOut, ChannelVector<TileShape, kSwapAB>>>::CollectiveOp;
 
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
-      int8_t, cutlass::layout::RowMajor, 16,     // x [M, K]
-      int8_t, cutlass::layout::ColumnMajor, 16,  // w [N, K] is B [K, N] column-major
+      int8_t, cutlass::layout::RowMajor, 16,     // x [M, K] (swapped: w [N, K])
+      int8_t, cutlass::layout::ColumnMajor, 16,  // w [N, K] is B [K, N] column-major (swapped: x)
       int32_t, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<
           static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
@@ -116,10 +126,14 @@ template <class C, class ElementOut>
 void run(const GemmArgs& a) {
   using Gemm = typename C::Gemm;
   using Kernel = typename C::Kernel;
-  const auto stride_x = cutlass::make_cute_packed_stride(typename Kernel::StrideA{}, make_shape(a.M, a.K, 1));
-  const auto stride_w = cutlass::make_cute_packed_stride(typename Kernel::StrideB{}, make_shape(a.N, a.K, 1));
-  const auto stride_c = cutlass::make_cute_packed_stride(typename Kernel::StrideC{}, make_shape(a.M, a.N, 1));
-  const auto stride_d = cutlass::make_cute_packed_stride(typename Kernel::StrideD{}, make_shape(a.M, a.N, 1));
+  // The GEMM's M and N sides, and its A and B operands (x and w, or w and x where swapped).
+  const int gemm_m = C::kSwap ? a.N : a.M, gemm_n = C::kSwap ? a.M : a.N;
+  const int8_t* operand_a = C::kSwap ? a.w : a.x;
+  const int8_t* operand_b = C::kSwap ? a.x : a.w;
+  const auto stride_a = cutlass::make_cute_packed_stride(typename Kernel::StrideA{}, make_shape(gemm_m, a.K, 1));
+  const auto stride_b = cutlass::make_cute_packed_stride(typename Kernel::StrideB{}, make_shape(gemm_n, a.K, 1));
+  const auto stride_c = cutlass::make_cute_packed_stride(typename Kernel::StrideC{}, make_shape(gemm_m, gemm_n, 1));
+  const auto stride_d = cutlass::make_cute_packed_stride(typename Kernel::StrideD{}, make_shape(gemm_m, gemm_n, 1));
 
   cutlass::KernelHardwareInfo hw_info;
   hw_info.device_id = c10::cuda::current_device();
@@ -127,8 +141,8 @@ void run(const GemmArgs& a) {
 
   typename Gemm::Arguments args{
       cutlass::gemm::GemmUniversalMode::kGemm,
-      {a.M, a.N, a.K, 1},
-      {a.x, stride_x, a.w, stride_w},
+      {gemm_m, gemm_n, a.K, 1},
+      {operand_a, stride_a, operand_b, stride_b},
       {fusion_arguments<C, ElementOut>(a), nullptr, stride_c, static_cast<ElementOut*>(a.out), stride_d},
       hw_info};
 
@@ -162,6 +176,10 @@ using StreamK = cutlass::gemm::StreamKScheduler;
 // 4: 128x192 tiles, fewer and larger: out_proj at M = 1024 fits one wave (112 tiles).
 // 5: 256x128 tiles, cooperative: many waves of a long K (out_proj at M = 8192: 145.7 against
 //    163.8 us for config 0 on the H100; at M = 2048, 2.4 waves of 128x128 tiles, it was slower).
+// 6, 7: swapped (w · x^T, Config's kSwapAB) for decode's 9-64 rows of x: 64 weight rows by 64 or
+//    32 rows of x, pingpong. 7 is the fastest of the W8A8 GEMMs at 17-64 rows where N > 256
+//    (H200, Mamba-2.8B's in_proj at 64 rows: 11.0 µs, against 17.5 for the skinny GEMM and 17.0
+//    for config 2); 128-row tiles with stream-K, a cluster of two and K tiles of 256 were slower.
 template <class ElementOut>
 void run_config(const GemmArgs& a, int config) {
   switch (config) {
@@ -171,6 +189,8 @@ void run_config(const GemmArgs& a, int config) {
     case 3: run<Config<ElementOut, Shape<_128, _64, _128>, Shape<_1, _1, _1>, Cooperative, CooperativeEpilogue, StreamK>, ElementOut>(a); break;
     case 4: run<Config<ElementOut, Shape<_128, _192, _128>, Shape<_2, _1, _1>, Cooperative, CooperativeEpilogue>, ElementOut>(a); break;
     case 5: run<Config<ElementOut, Shape<_256, _128, _128>, Shape<_2, _1, _1>, Cooperative, CooperativeEpilogue>, ElementOut>(a); break;
+    case 6: run<Config<ElementOut, Shape<_64, _64, _128>, Shape<_1, _1, _1>, Pingpong, PingpongEpilogue, void, true>, ElementOut>(a); break;
+    case 7: run<Config<ElementOut, Shape<_64, _32, _128>, Shape<_1, _1, _1>, Pingpong, PingpongEpilogue, void, true>, ElementOut>(a); break;
     default: TORCH_CHECK(false, "w8a8 GEMM (CUTLASS sm90): config must be in 0..", kSm90Configs - 1, ", got ", config);
   }
 }

@@ -113,11 +113,13 @@ void w8a8_linear_out(const at::Tensor& x, const at::Tensor& weight, double multi
   GemmArgs args = make_args("w8a8_linear", x, weight, multiplier, multiplier_per_channel, bias, out, Rows::kStrided);
   if (args.M == 0) return;
   if (args.M <= kGemvMaxM) return launch_gemv(args);
-  if (gemm_skinny_can_run(args.M, args.K)) return launch_gemm_skinny(args);
+  const bool sm90 = sm90_can_run(args, out, multiplier_per_channel, bias);
+  const bool swapped = sm90 && swapped_sm90_preferred(args.M, args.N, x.is_contiguous());
+  if (!swapped && gemm_skinny_can_run(args.M, args.K)) return launch_gemm_skinny(args);
   const at::Tensor x_packed = x.contiguous();  // the GEMMs read packed rows; a copy only for a slice
   args.x = x_packed.data_ptr<int8_t>();
   args.x_stride = args.K;
-  if (sm90_can_run(args, out, multiplier_per_channel, bias)) {
+  if (sm90) {
     launch_gemm_sm90(args);
   } else {
     launch_gemm_mma(args);

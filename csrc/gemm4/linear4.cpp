@@ -25,8 +25,8 @@
 // skinny GEMM on the packed weight (gemm/gemm_skinny.cu; compute capability 9.0, group_size % 128
 // == 0 or one group of K <= 128), also exact for any multiplier. Otherwise M > 8 expands the
 // weight to a temporary int8 [N, K] (code * multiplier, from the caching allocator) and runs the
-// W8A8 GEMM (the skinny GEMM at 9-64 rows on compute capability 9.0, CUTLASS wgmma above them on
-// sm_90a, mma.sync elsewhere) with the same epilogue. Where the skinny or the wgmma GEMM runs, both
+// W8A8 GEMM (on compute capability 9.0 the skinny GEMM or, at 33-64 rows where N > 256, CUTLASS
+// wgmma as w8a8_linear chooses; CUTLASS wgmma above 64 rows on sm_90a; mma.sync elsewhere) with the same epilogue. Where the skinny or the wgmma GEMM runs, both
 // launch with programmatic dependence (pdl.cuh), the GEMM reading the weight only after its wait:
 // the GEMM's blocks launch while the expansion's last blocks finish (W4A8 out_proj at M = 1024 on
 // the H100: 32.5 -> 30.1 us). That expansion is exact only while every |code * multiplier| fits
@@ -173,9 +173,11 @@ void run_w4a8_gemm(const W4A8Args& a, const at::Tensor& x, const at::Tensor& out
   at::Tensor expanded = at::empty({a.N, a.K}, x.options().dtype(at::kChar));
   launch_w4a8_expand(a.w, a.group_multiplier, expanded.data_ptr<int8_t>(), a.N, a.K, a.group_size, nullptr, a.stream);
   const gemm::GemmArgs g = gemm_args(a, expanded.data_ptr<int8_t>());
-  if (config == kConfigAuto && gemm::gemm_skinny_can_run(a.M, a.K)) {
+  const bool sm90 = sm90_can_run(a, out, multiplier_per_channel);
+  if (config == kConfigAuto && gemm::gemm_skinny_can_run(a.M, a.K) &&
+      !(sm90 && gemm::swapped_sm90_preferred(a.M, a.N, /*x_packed=*/true))) {
     gemm::launch_gemm_skinny(g, 0, 0, /*weight_is_constant=*/false);  // the expansion writes it
-  } else if (config == kConfigMma || (config == kConfigAuto && !sm90_can_run(a, out, multiplier_per_channel))) {
+  } else if (config == kConfigMma || (config == kConfigAuto && !sm90)) {
     gemm::launch_gemm_mma(g);
   } else {
     gemm::launch_gemm_sm90(g, static_cast<int>(config));

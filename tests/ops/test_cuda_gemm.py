@@ -164,6 +164,17 @@ def test_gemm_sm90_matches_reference(M, N, K, out_dtype, config):
     check_path(lambda case, out: run_sm90(case, out, config), M, N, K, out_dtype)
 
 
+@needs_sm90
+@pytest.mark.parametrize("config", range(SM90_CONFIGS))
+@pytest.mark.parametrize("out_dtype", OUT_DTYPES, ids=str)
+@pytest.mark.parametrize("M", [17, 64, 1000])
+def test_gemm_sm90_per_channel_multiplier_and_bias(M, out_dtype, config):
+    """The epilogue's per-channel vectors, a row of D where a configuration computes w · x^T."""
+    seed_for("sm90-per-channel", M, out_dtype, config)
+    check_path(lambda case, out: run_sm90(case, out, config), M, 2560, 5120, out_dtype,
+               per_channel=True, with_bias=out_dtype != torch.int8)
+
+
 @needs_clusters
 @pytest.mark.parametrize("out_dtype", OUT_DTYPES + [torch.float32], ids=str)
 @pytest.mark.parametrize("N,K", MAMBA_2_8B + MAMBA_130M)
