@@ -1,8 +1,8 @@
 // W8A8 GEMM / GEMV launchers: out[m, n] = epilogue(sum_k x[m, k] * w[n, k]).
 //
 // x is int8 [M, K] and w int8 [N, K], both K-contiguous (w is the column-major B operand); x's rows
-// start x_stride bytes apart, K for the GEMMs, a multiple of 16 >= K for the GEMV (which reads a
-// column slice such as dt_low in place). The int32 accumulator is exact. The epilogue follows
+// start x_stride bytes apart: K for the mma.sync GEMM, a multiple of 16 >= K for the others (which
+// read a column slice such as dt_low in place). The int32 accumulator is exact. The epilogue follows
 // quamba/ops/quant.py: fp32(acc) * multiplier (one number, or one per output channel n), then
 // either round-half-even and saturate to [-127, 127] for an int8 output, or + bias (fp32, optional)
 // and a round-to-nearest cast for a float output. Inputs are checked by the op (w8a8_linear.cpp)
@@ -63,12 +63,10 @@ void launch_gemm_sm90(const GemmArgs& args, int config = -1);
 
 // Whether the wgmma GEMM, computed swapped (gemm_sm90.cuh's configuration 7), beats the skinny
 // GEMM on M rows of x: 17-64 rows and N > 256, measured on the H200 (benchmarks/RESULTS.md). The
-// skinny GEMM keeps 9-16 rows (out_proj 7.3 against 7.6 µs at 16), narrow N (x_proj 4.3 against
-// 6.3 at 32) and a sliced x (dt_proj), which the wgmma GEMM would first copy to packed rows.
+// skinny GEMM keeps 9-16 rows (out_proj 7.2 against 7.3 µs at 16) and narrow N (x_proj 4.4
+// against 6.3 at 32).
 constexpr int kSwappedMinM = 17;
-inline bool swapped_sm90_preferred(int M, int N, bool x_packed) {
-  return M >= kSwappedMinM && M <= kSkinnyMaxM && N > 256 && x_packed;
-}
+inline bool swapped_sm90_preferred(int M, int N) { return M >= kSwappedMinM && M <= kSkinnyMaxM && N > 256; }
 
 // Fails with a clear message when this binary holds no machine code (nor PTX) for the device.
 void check_kernel_image(const void* kernel, const char* name);

@@ -42,7 +42,8 @@ void launch_gemm_sm90(const GemmArgs& a, int config) {
   const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
   TORCH_CHECK(prop->major == 9 && prop->minor == 0, "w8a8 GEMM (CUTLASS sm90) runs on compute capability 9.0 only, "
               "this GPU is ", prop->major, ".", prop->minor);
-  TORCH_CHECK(a.x_stride == a.K, "w8a8 GEMM (CUTLASS sm90): x's rows must be packed (row stride K)");
+  TORCH_CHECK(a.x_stride >= a.K && a.x_stride % 16 == 0,
+              "w8a8 GEMM (CUTLASS sm90): x's rows must start a multiple of 16 bytes apart, at least K");
   if (config < 0) config = choose_config(a.M, a.N, a.K);
   switch (a.out_type) {
     case OutType::kInt8: sm90::run_int8(a, config); break;

@@ -130,10 +130,16 @@ void run(const GemmArgs& a) {
   const int gemm_m = C::kSwap ? a.N : a.M, gemm_n = C::kSwap ? a.M : a.N;
   const int8_t* operand_a = C::kSwap ? a.w : a.x;
   const int8_t* operand_b = C::kSwap ? a.x : a.w;
-  const auto stride_a = cutlass::make_cute_packed_stride(typename Kernel::StrideA{}, make_shape(gemm_m, a.K, 1));
-  const auto stride_b = cutlass::make_cute_packed_stride(typename Kernel::StrideB{}, make_shape(gemm_n, a.K, 1));
+  auto stride_a = cutlass::make_cute_packed_stride(typename Kernel::StrideA{}, make_shape(gemm_m, a.K, 1));
+  auto stride_b = cutlass::make_cute_packed_stride(typename Kernel::StrideB{}, make_shape(gemm_n, a.K, 1));
   const auto stride_c = cutlass::make_cute_packed_stride(typename Kernel::StrideC{}, make_shape(gemm_m, gemm_n, 1));
   const auto stride_d = cutlass::make_cute_packed_stride(typename Kernel::StrideD{}, make_shape(gemm_m, gemm_n, 1));
+  // x's rows where they are (a column slice of a wider tensor too): TMA takes their stride.
+  if constexpr (C::kSwap) {
+    get<0>(stride_b) = a.x_stride;
+  } else {
+    get<0>(stride_a) = a.x_stride;
+  }
 
   cutlass::KernelHardwareInfo hw_info;
   hw_info.device_id = c10::cuda::current_device();

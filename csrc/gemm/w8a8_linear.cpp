@@ -7,9 +7,9 @@
 //   w8a8_gemm_sm90_configs() -> int            CUTLASS sm90 configurations built (0: none)
 //
 // x int8 [M, K] and weight int8 [N, K], K % 16 == 0, 16-byte aligned, weight contiguous; x
-// contiguous for the mma and sm90 GEMM ops, and for the others rows of contiguous values whose
-// starts are a multiple of 16 bytes apart (a column slice: the GEMV and the skinny GEMM read it in
-// place, w8a8_linear copies it to packed rows for the others); multiplier is the fp32 epilogue scale
+// contiguous for the mma GEMM op, and for the others rows of contiguous values whose starts are a
+// multiple of 16 bytes apart (a column slice: the GEMV, the skinny GEMM and the sm90 GEMM read it
+// in place, w8a8_linear copies it to packed rows for mma.sync); multiplier is the fp32 epilogue scale
 // (quamba.ops.quant.requant_multiplier), replaced by multiplier_per_channel (fp32 [N]) when given;
 // bias fp32 [N] for float outputs; out [M, N] of int8, float16, bfloat16 or float32.
 #include <ATen/ATen.h>
@@ -114,16 +114,13 @@ void w8a8_linear_out(const at::Tensor& x, const at::Tensor& weight, double multi
   if (args.M == 0) return;
   if (args.M <= kGemvMaxM) return launch_gemv(args);
   const bool sm90 = sm90_can_run(args, out, multiplier_per_channel, bias);
-  const bool swapped = sm90 && swapped_sm90_preferred(args.M, args.N, x.is_contiguous());
-  if (!swapped && gemm_skinny_can_run(args.M, args.K)) return launch_gemm_skinny(args);
-  const at::Tensor x_packed = x.contiguous();  // the GEMMs read packed rows; a copy only for a slice
+  if (!(sm90 && swapped_sm90_preferred(args.M, args.N)) && gemm_skinny_can_run(args.M, args.K))
+    return launch_gemm_skinny(args);
+  if (sm90) return launch_gemm_sm90(args);  // reads x's rows where they are
+  const at::Tensor x_packed = x.contiguous();  // mma.sync reads packed rows; a copy only for a slice
   args.x = x_packed.data_ptr<int8_t>();
   args.x_stride = args.K;
-  if (sm90) {
-    launch_gemm_sm90(args);
-  } else {
-    launch_gemm_mma(args);
-  }
+  launch_gemm_mma(args);
 }
 
 at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& weight, double multiplier,
@@ -169,7 +166,8 @@ void w8a8_gemm_sm90_out(const at::Tensor& x, const at::Tensor& weight, double mu
                         const std::optional<at::Tensor>& multiplier_per_channel,
                         const std::optional<at::Tensor>& bias, at::Tensor& out, int64_t config) {
   const auto guard = guard_for("w8a8_gemm_sm90", x);
-  const GemmArgs args = make_args("w8a8_gemm_sm90", x, weight, multiplier, multiplier_per_channel, bias, out);
+  const GemmArgs args =
+      make_args("w8a8_gemm_sm90", x, weight, multiplier, multiplier_per_channel, bias, out, Rows::kStrided);
   TORCH_CHECK(sm90_can_run(args, out, multiplier_per_channel, bias) || !gemm_sm90_compiled(),
               "w8a8_gemm_sm90: needs a compute capability 9.0 GPU, an int8/float16/bfloat16 out whose rows are "
               "multiples of 16 bytes, and 16-byte aligned out, multiplier_per_channel and bias");

@@ -175,7 +175,7 @@ void run_w4a8_gemm(const W4A8Args& a, const at::Tensor& x, const at::Tensor& out
   const gemm::GemmArgs g = gemm_args(a, expanded.data_ptr<int8_t>());
   const bool sm90 = sm90_can_run(a, out, multiplier_per_channel);
   if (config == kConfigAuto && gemm::gemm_skinny_can_run(a.M, a.K) &&
-      !(sm90 && gemm::swapped_sm90_preferred(a.M, a.N, /*x_packed=*/true))) {
+      !(sm90 && gemm::swapped_sm90_preferred(a.M, a.N))) {
     gemm::launch_gemm_skinny(g, 0, 0, /*weight_is_constant=*/false);  // the expansion writes it
   } else if (config == kConfigMma || (config == kConfigAuto && !sm90)) {
     gemm::launch_gemm_mma(g);

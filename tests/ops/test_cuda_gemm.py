@@ -217,6 +217,19 @@ def test_gemm_skinny_reads_strided_rows_in_place(M, N, K, extra):
     assert_matches(out, reference(case))
 
 
+@needs_sm90
+@pytest.mark.parametrize("config", range(SM90_CONFIGS))
+@pytest.mark.parametrize("M", [17, 64, 300])
+def test_gemm_sm90_reads_strided_rows_in_place(M, config):
+    """x's rows at their stride (TMA's), dt_low-like: 160 codes of rows 192 bytes apart."""
+    seed_for("sm90 strided", M, config)
+    case = make_case(M, 5120, 160, torch.int8, per_channel=True)
+    x, weight, multiplier, per_channel, bias = op_arguments(case)
+    out = poisoned_out(M, 5120, torch.int8)
+    ops.w8a8_gemm_sm90_out(column_slice(x, 32), weight, multiplier, per_channel, bias, out, config)
+    assert_matches(out, reference(case))
+
+
 def every_path():
     paths = [("gemv", run_gemv), ("mma", run_mma)]
     if HAS_CLUSTERS:
@@ -327,8 +340,8 @@ def test_gemv_both_sides_of_the_staging_limit(M, K, rows, splits):
 
 @pytest.mark.parametrize("M", [1, 8, 9, 64, 100])
 def test_small_w8a8_linear_op_takes_strided_rows(M):
-    """The dispatching op on a column slice: the GEMV and the skinny GEMM in place, the others on
-    a packed copy."""
+    """The dispatching op on a column slice: the GEMV, the skinny and the sm90 GEMMs in place,
+    mma.sync on a packed copy."""
     seed_for("linear strided", M)
     case = make_case(M, 1536, 48, torch.float16, per_channel=True, with_bias=True)
     x, weight, multiplier, per_channel, bias = op_arguments(case)
