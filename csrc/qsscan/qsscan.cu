@@ -759,9 +759,9 @@ constexpr int kStepThreads = 128;
 // One group of kLanes lanes per (batch, channel): lane l steps states l·kStates ...
 // (l+1)·kStates − 1 (those below dstate) and sums its terms of C · h, and the group adds the
 // lanes' sums with shuffles, nearest lanes first: together the pairwise tree of state_readout.
-// Many lanes a channel suit few channels (a batch-1 step: 5120 of them, a lane a state); at
-// larger batch 4 lanes a channel compute Δ once for several states and read and write their
-// states as whole rows.
+// Many lanes a channel suit few channels (a batch-1 step: 5120 of them, a lane a state); 4 lanes
+// a channel compute Δ once for several states and read and write their states as whole rows (a
+// layout kept selectable; the one-lane layout below is chosen from 16384 channels).
 template <Discretization kMethod, int kLanes, int kStates, typename Out>
 __global__ void __launch_bounds__(kStepThreads) qsscan_update_kernel(const StepArgs a) {
   quamba::pdl_launch_dependents();  // the Hadamard kernel after it may launch (pdl.cuh)
