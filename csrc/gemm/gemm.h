@@ -63,8 +63,8 @@ void launch_gemm_sm90(const GemmArgs& args, int config = -1);
 
 // Whether the wgmma GEMM, computed swapped (gemm_sm90.cuh's configuration 7), beats the skinny
 // GEMM on M rows of x: 17-64 rows and N > 256, measured on the H200 (benchmarks/RESULTS.md). The
-// skinny GEMM keeps 9-16 rows (out_proj 7.2 against 7.3 µs at 16) and narrow N (x_proj 4.4
-// against 6.3 at 32).
+// skinny GEMM keeps 9-16 rows (out_proj 7.4 against 7.6 µs at 16) and narrow N (x_proj 4.3
+// against 6.4 at 32).
 constexpr int kSwappedMinM = 17;
 inline bool swapped_sm90_preferred(int M, int N) { return M >= kSwappedMinM && M <= kSkinnyMaxM && N > 256; }
 

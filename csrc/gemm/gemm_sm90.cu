@@ -15,10 +15,10 @@ void run_bf16(const GemmArgs& args, int config);
 
 namespace {
 
-// Chosen by measurement on the H200 and H100 (benchmarks/RESULTS.md): 128x64 tiles for narrow N
-// (N <= 256). Decode past the GEMV (M up to kSmallM rows): the swapped 64x32 tiles of
-// configuration 7 (Mamba-2.8B at M = 32, H200: in_proj 11.3 µs against 18.1 for 128x128 stream-K,
-// out_proj 7.4 against 17.1 for 128x128 pingpong). Prefill: for a long K, larger tiles
+// Chosen by measurement on the H200 and H100 (benchmarks/RESULTS.md). Decode past the GEMV (M up
+// to kSmallM rows): the swapped 64x32 tiles of configuration 7 (Mamba-2.8B at M = 32, H200:
+// in_proj 11.2 µs against 17.3 for 128x128 stream-K, out_proj 7.3 against 17.1 for 128x128
+// pingpong, x_proj 6.4 against 9.5 for 128x64). 128x64 tiles for narrow N (N <= 256). Prefill: for a long K, larger tiles
 // where 128x128 ones would make fewer than two full waves (one wave of 128x192) or at least eight
 // (256x128, cooperative); else 128x128 pingpong.
 constexpr int kSmallM = 64;
@@ -26,8 +26,8 @@ constexpr int kSmallM = 64;
 int choose_config(int M, int N, int K) {
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const int64_t tiles = static_cast<int64_t>((M + 127) / 128) * ((N + 127) / 128);
-  if (N <= 256) return 1;
   if (M <= kSmallM) return 7;
+  if (N <= 256) return 1;
   if (K >= 1024 && tiles < 2 * sms) return 4;
   if (K >= 1024 && tiles >= 8 * sms) return 5;
   return 0;

@@ -564,15 +564,13 @@ def test_small_qsscan_update_one_lane_odd_states(d_state, aligned, int8_state):
     a_log = torch.log(torch.arange(1, d_state + 1, device=DEVICE).float()).expand(dim, d_state)
     A_log, A_log_scale = quantize_weight(a_log + 0.1 * torch.randn(dim, d_state, device=DEVICE))
     base = ssm_params(dim)
-    state_dtype = torch.int8 if int8_state else torch.float32
     numel = batch * dim * d_state
-    storage = (codes(numel + 1) if int8_state
-               else torch.randn(numel + 1, device=DEVICE)).to(state_dtype)
-    first = storage[int(not aligned):][:numel].view(batch, dim, d_state)
+    storage = codes(numel + 1) if int8_state else torch.randn(numel + 1, device=DEVICE)
+    start = 0 if aligned else 1  # one element in: off 16-byte alignment
     s = SCALES
     results = []
     for lanes in (8 if d_state <= 8 else 16, 1):
-        state = first.clone() if aligned else storage.clone()[1:][:numel].view(batch, dim, d_state)
+        state = storage.clone()[start:start + numel].view(batch, dim, d_state)
         y = torch.ops.quamba.qsscan_update(
             state, 0.05, u, s["u_scale"], dt, s["dt_scale"], B, s["B_scale"], C, s["C_scale"],
             z, s["z_scale"], A_log, float(A_log_scale), base.D, base.D_scale, base.dt_bias,
