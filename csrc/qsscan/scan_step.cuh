@@ -59,6 +59,34 @@ __device__ __forceinline__ void store_row(T* p, const T (&values)[kCount]) {
   }
 }
 
+// The first ``count`` (at most kCount) values at p: loaded as a whole row where count is kCount
+// and ``aligned`` (p aligned as load_row needs), else one by one; out past count is left as is.
+template <int kCount, typename T>
+__device__ __forceinline__ void load_partial_row(const T* p, int count, bool aligned,
+                                                 T (&out)[kCount]) {
+  if (count == kCount && aligned) {
+    load_row<kCount>(p, out);
+  } else {
+#pragma unroll
+    for (int i = 0; i < kCount; ++i) {
+      if (i < count) out[i] = p[i];
+    }
+  }
+}
+
+template <int kCount, typename T>
+__device__ __forceinline__ void store_partial_row(T* p, int count, bool aligned,
+                                                  const T (&values)[kCount]) {
+  if (count == kCount && aligned) {
+    store_row<kCount>(p, values);
+  } else {
+#pragma unroll
+    for (int i = 0; i < kCount; ++i) {
+      if (i < count) p[i] = values[i];
+    }
+  }
+}
+
 // The new state h_new of one state from its old state h, and its term C_n · h_new of y. The
 // arithmetic follows selective_state_update operation by operation: decay · h + (Δ u) · B for
 // zoh, else decay · h + (gain · v_t + previous gain · v_{t-1}), v = u · B, each operation
@@ -94,16 +122,8 @@ __device__ __forceinline__ float step_state(const StepArgs& a, const StateInputs
 template <int kStates>
 __device__ __forceinline__ void load_A(const StepArgs& a, int d, int first, int count,
                                        float (&A)[kStates]) {
-  const int8_t* A_log = a.params.A_log + d * a.dstate + first;
   int8_t codes[kStates];
-  if (count == kStates && a.rows_aligned) {
-    load_row<kStates>(A_log, codes);
-  } else {
-#pragma unroll
-    for (int s = 0; s < kStates; ++s) {
-      if (s < count) codes[s] = A_log[s];
-    }
-  }
+  load_partial_row<kStates>(a.params.A_log + d * a.dstate + first, count, a.rows_aligned, codes);
 #pragma unroll
   for (int s = 0; s < kStates; ++s) {
     if (s < count) A[s] = -expf(dequantize(codes[s], a.params.A_log_scale));
@@ -156,29 +176,13 @@ __device__ __forceinline__ float step_states(const StepArgs& a, int count, int64
 template <int kStates, typename State>
 __device__ __forceinline__ void load_lane_states(const StepArgs& a, int count, int64_t offset,
                                                  State (&h)[kStates]) {
-  const State* state = static_cast<const State*>(a.state) + offset;
-  if (count == kStates && a.rows_aligned) {
-    load_row<kStates>(state, h);
-  } else {
-#pragma unroll
-    for (int s = 0; s < kStates; ++s) {
-      if (s < count) h[s] = state[s];
-    }
-  }
+  load_partial_row<kStates>(static_cast<const State*>(a.state) + offset, count, a.rows_aligned, h);
 }
 
 template <int kStates, typename State>
 __device__ __forceinline__ void store_lane_states(const StepArgs& a, int count, int64_t offset,
                                                   const State (&h)[kStates]) {
-  State* state = static_cast<State*>(a.state) + offset;
-  if (count == kStates && a.rows_aligned) {
-    store_row<kStates>(state, h);
-  } else {
-#pragma unroll
-    for (int s = 0; s < kStates; ++s) {
-      if (s < count) state[s] = h[s];
-    }
-  }
+  store_partial_row<kStates>(static_cast<State*>(a.state) + offset, count, a.rows_aligned, h);
 }
 
 // step_states on the states at ``offset`` in a.state, updated in place.
