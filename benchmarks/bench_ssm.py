@@ -5,7 +5,8 @@ vs ``causal_conv1d_fn`` (+SiLU), and the decode steps vs ``selective_state_updat
 Shapes: d_inner 5120, d_state 16 (Mamba-2.8B); the scans at batch 1 and 8 over 1024 and 2048
 tokens and at batch 1 over 4096 and 8192 (``--quick``: the first two), the other prefill ops at
 batch 1, seqlen 1024 and 2048, the decode steps at batch 1, 8, 32 and 64 (``--quick``: 1), the
-scan's step also per lanes-per-channel variant of its kernel. The int8 ops are timed in the module's layout (channel-last views of the
+scan's step also per lanes-per-channel variant of its kernel, and with dt_proj before it (a W8A8
+GEMV/GEMM) against dt_proj folded into it (the mixer's decode step). The int8 ops are timed in the module's layout (channel-last views of the
 GEMM outputs, ``layout=module``) and channel-first (``layout=contiguous``, the layout mamba-ssm is
 given). GB/s counts each input read once and each output written once (y, and the last state);
 ``floor_us`` is those bytes over the device's measured copy bandwidth. The baseline columns are left empty, with a note,
@@ -24,6 +25,7 @@ over zoh's (``vs_zoh``) on the same inputs.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -34,7 +36,9 @@ from quamba.ops.discretization import DEFAULT, METHODS
 from quamba.ops.qconv1d import qconv1d, qconv1d_update
 from quamba.ops.qhadamard import hadamard_quant
 from quamba.ops.qnorm import rmsnorm_quant
-from quamba.ops.qsscan import SSMParams, qsscan, qsscan_update
+from quamba.ops.qlinear import w8a8_linear
+from quamba.ops.qsscan import DtProjection, SSMParams, qsscan, qsscan_update
+from quamba.ops.quant import requant_multiplier
 
 DEVICE = torch.device("cuda")
 BATCH, D_INNER, D_STATE, D_CONV, D_MODEL = 1, 5120, 16, 4, 2560
@@ -272,12 +276,30 @@ def bench_decode(timer, fns, batch):
                       batch=batch),
             timer.row("qconv1d_update int8", "decode", 1, conv_step, conv_step_bytes, base_conv,
                       batch=batch)]
+    rows += bench_folded_dt_proj(timer, ssm_state, u, x_dbl, B, C, z, params, base_scan, batch)
     op_args = _step_op_args(ssm_state, u, dt, B, C, z, params)
     for lanes in (16, 4, 1):
         step = lambda: torch.ops.quamba.qsscan_update(*op_args, lanes=lanes)
         rows.append(timer.row(f"qsscan_update_lanes{lanes}", "decode", 1, step, scan_step_bytes,
                               base_scan, batch=batch))
     return rows
+
+
+def bench_folded_dt_proj(timer, ssm_state, u, x_dbl, B, C, z, params, base_scan, batch):
+    """dt_proj (W8A8, int8 out) then the step, against the step with dt_proj folded in (what the
+    mixer's decode step runs); the baseline is mamba-ssm's step alone, its dt_proj not counted."""
+    dt_low = x_dbl[:, :DT_RANK]
+    weight = codes(D_INNER, DT_RANK)
+    projection = DtProjection(weight, requant_multiplier(0.02, 0.01, 0.02))
+    step = functools.partial(qsscan_update, ssm_state, 0.05, u, 0.03, B=B, B_scale=0.02, C=C,
+                             C_scale=0.02, z=z, z_scale=0.03, params=params, backend_name="cuda")
+    chain = lambda: step(dt=w8a8_linear(dt_low, 0.02, weight, 0.01, 0.02, backend_name="cuda"),
+                         dt_scale=0.02)
+    folded = lambda: step(dt=dt_low, dt_scale=0.02, dt_proj=projection)
+    step_bytes = batch * (D_INNER * (4 + 2 * D_STATE) + 2 * D_STATE)
+    return [timer.row(name, "decode", 1, fn, step_bytes + D_INNER * DT_RANK, base_scan, batch=batch)
+            for name, fn in (("dt_proj + qsscan_update int8", chain),
+                             ("qsscan_update int8, dt_proj folded", folded))]
 
 
 def baseline_step(selective_state_update, batch: int):

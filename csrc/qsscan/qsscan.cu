@@ -771,11 +771,24 @@ __global__ void __launch_bounds__(kStepThreads) qsscan_update_kernel(const StepA
   const bool valid_group = group < a.batch * a.dim;
   const int b = valid_group ? group / a.dim : 0, d = valid_group ? group % a.dim : 0;
   const int first = lane * kStates;
+  // dt_proj folded in: the group's lanes split dt_low · the channel's row (integers: any order)
+  int dt_sum = 0;
+  if (a.dt_proj != nullptr) {
+    if (valid_group) {
+      const int8_t* dt_low = static_cast<const int8_t*>(a.dt.data) + b * a.dt_st[0];
+      const int8_t* row = a.dt_proj + static_cast<int64_t>(d) * a.dt_rank;
+      for (int k = lane; k < a.dt_rank; k += kLanes) dt_sum += row[k] * dt_low[k * a.dt_st[1]];
+    }
+#pragma unroll
+    for (int offset = 1; offset < kLanes; offset *= 2) {
+      dt_sum += __shfl_xor_sync(kFullMask, dt_sum, offset, kLanes);
+    }
+  }
   float contribution = 0.f, u = 0.f;
   if (valid_group) {
     u = a.u.load(b * a.u_st[0] + d * a.u_st[1]);
     if (first < a.dstate) {
-      const float delta = step_delta(a, b, d);
+      const float delta = a.dt_proj != nullptr ? projected_delta(a, dt_sum, d) : step_delta(a, b, d);
       const int count = min(kStates, a.dstate - first);
       float A[kStates], B[kStates], C[kStates];
       load_A<kStates>(a, d, first, count, A);
@@ -799,22 +812,93 @@ constexpr int kTileRows = kStepThreads / kTileChannels;  // and its batch rows, 
 // shared-memory wavefront) then fall on 32 distinct banks.
 constexpr int kAPitch = 20;
 
+// Bytes between two staged rows of dt_proj or dt_low codes in shared memory (the one-lane layout
+// with dt_proj folded in): dt_rank rounded up to 16-byte pieces, an odd number of them, so that
+// the 16-byte reads of 8 lanes (8 channels' rows) fall on 32 distinct banks.
+__host__ __device__ constexpr int dt_row_pitch(int dt_rank) {
+  const int pieces = (dt_rank + 15) / 16;
+  return 16 * (pieces % 2 == 1 ? pieces : pieces + 1);
+}
+
+// Rows first ... first + count - 1 (row i at src + i · row_stride, its dt_rank codes element_stride
+// apart) into shared memory rows of ``pitch`` bytes, zero past dt_rank and for the rows of the
+// tile past ``count``; ``wide``: dt_rank a multiple of 16, rows 16-byte aligned, elements
+// contiguous, so copied in 16-byte pieces.
+__device__ __forceinline__ void stage_codes(int8_t* tile, int tile_rows, int pitch, const int8_t* src,
+                                            int64_t row_stride, int64_t element_stride, int count,
+                                            int dt_rank, bool wide) {
+  if (wide) {
+    const int pieces = pitch / 16;
+    for (int i = threadIdx.x; i < tile_rows * pieces; i += blockDim.x) {
+      const int row = i / pieces, column = i % pieces * 16;
+      uint4 piece = make_uint4(0, 0, 0, 0);
+      if (row < count && column < dt_rank) {
+        piece = *reinterpret_cast<const uint4*>(src + row * row_stride + column);
+      }
+      *reinterpret_cast<uint4*>(tile + row * pitch + column) = piece;
+    }
+  } else {
+    for (int i = threadIdx.x; i < tile_rows * pitch; i += blockDim.x) {
+      const int row = i / pitch, column = i % pitch;
+      tile[i] = row < count && column < dt_rank ? src[row * row_stride + column * element_stride]
+                                                : int8_t{0};
+    }
+  }
+}
+
+// Dynamic shared memory of the one-lane layout with dt_proj folded in: its channels' rows of
+// dt_proj and its rows' dt_low.
+constexpr int dt_tile_bytes(int dt_rank) {
+  return (kTileChannels + kTileRows) * dt_row_pitch(dt_rank);
+}
+// The largest dt_rank the step folds in: its tiles stay within the 48 KB a launch may take.
+constexpr int kMaxDtRank = 1024;
+static_assert(dt_tile_bytes(kMaxDtRank) + 4096 <= 48 * 1024, "dt tiles exceed 48 KB");
+
+// The exact int32 dot product of two staged rows of codes (zero-padded to ``pitch``).
+__device__ __forceinline__ int dot_codes(const int8_t* w, const int8_t* x, int pitch) {
+  int sum = 0;
+#pragma unroll 2
+  for (int i = 0; i < pitch; i += 16) {
+    const int4 w4 = *reinterpret_cast<const int4*>(w + i);
+    const int4 x4 = *reinterpret_cast<const int4*>(x + i);
+    sum = __dp4a(w4.x, x4.x, sum);
+    sum = __dp4a(w4.y, x4.y, sum);
+    sum = __dp4a(w4.z, x4.z, sum);
+    sum = __dp4a(w4.w, x4.w, sum);
+  }
+  return sum;
+}
+
 // The one-lane layout: a block steps kTileChannels channels for kTileRows batch rows, a thread
 // one (row, channel) with all its states. The block computes its channels' A = -exp(A_log) once
 // for all its rows and dequantizes its rows' B and C once for all its channels, into shared
 // memory, where the threads read them as broadcasts. Suits many channels (large batch), where
 // the step is bound by instruction issue. kWhole: dstate is 16 and the rows are aligned, so a
 // thread's states, A and B, C are whole 16-byte rows and no state needs a bounds check. Same
-// arithmetic as the lanes layouts.
+// arithmetic as the lanes layouts. With dt_proj folded in, the block stages its channels' rows of
+// dt_proj and its rows' dt_low in dynamic shared memory (dt_row_pitch bytes a row) and a thread
+// sums its channel's row · its row's dt_low with dp4a.
 template <Discretization kMethod, bool kWhole, typename Out>
 __global__ void __launch_bounds__(kStepThreads) qsscan_update_lane_kernel(const StepArgs a) {
   quamba::pdl_launch_dependents();  // the Hadamard kernel after it may launch (pdl.cuh)
   __shared__ __align__(16) float A_tile[kTileChannels * kAPitch];
   __shared__ __align__(16) float B_rows[kTileRows][kOneLaneStates];
   __shared__ __align__(16) float C_rows[kTileRows][kOneLaneStates];
+  extern __shared__ __align__(16) int8_t dt_tiles[];  // [kTileChannels + kTileRows][pitch]
   const int channel_tiles = (a.dim + kTileChannels - 1) / kTileChannels;
   const int first_channel = (blockIdx.x % channel_tiles) * kTileChannels;
   const int first_row = (blockIdx.x / channel_tiles) * kTileRows;
+  const int dt_pitch = dt_row_pitch(a.dt_rank);
+  int8_t* dt_low_tile = dt_tiles + kTileChannels * dt_pitch;
+  if (a.dt_proj != nullptr) {
+    stage_codes(dt_tiles, kTileChannels, dt_pitch,
+                a.dt_proj + static_cast<int64_t>(first_channel) * a.dt_rank, a.dt_rank, 1,
+                min(kTileChannels, a.dim - first_channel), a.dt_rank, a.dt_proj_wide);
+    stage_codes(dt_low_tile, kTileRows, dt_pitch,
+                static_cast<const int8_t*>(a.dt.data) + first_row * a.dt_st[0], a.dt_st[0],
+                a.dt_st[1], min(kTileRows, a.batch - first_row), a.dt_rank, a.dt_low_wide);
+  }
   if constexpr (kWhole) {  // 4 consecutive states a thread, read as one word
     static_assert(kTileChannels * kOneLaneStates == 4 * kStepThreads, "A: 4 states a thread");
     const int c = threadIdx.x / 4, first = threadIdx.x % 4 * 4, d = first_channel + c;
@@ -845,10 +929,13 @@ __global__ void __launch_bounds__(kStepThreads) qsscan_update_lane_kernel(const 
   const int c = threadIdx.x % kTileChannels, r = threadIdx.x / kTileChannels;
   const int d = first_channel + c, b = first_row + r;
   if (d >= a.dim || b >= a.batch) return;
+  const float u = a.u.load(b * a.u_st[0] + d * a.u_st[1]);
+  const float delta =
+      a.dt_proj != nullptr
+          ? projected_delta(a, dot_codes(dt_tiles + c * dt_pitch, dt_low_tile + r * dt_pitch, dt_pitch), d)
+          : step_delta(a, b, d);
   float A[kOneLaneStates];
   load_row<kOneLaneStates>(A_tile + c * kAPitch, A);
-  const float u = a.u.load(b * a.u_st[0] + d * a.u_st[1]);
-  const float delta = step_delta(a, b, d);
   const int64_t offset = (static_cast<int64_t>(b) * a.dim + d) * a.dstate;
   const int count = kWhole ? kOneLaneStates : a.dstate;
   const float sum =
@@ -874,7 +961,8 @@ void launch_step_one_lane(const StepArgs& args) {
   check_kernel_image(kernel, "qsscan_update");
   const int64_t blocks =
       ceil_div(int64_t{args.dim}, kTileChannels) * ceil_div(int64_t{args.batch}, kTileRows);
-  kernel<<<blocks, kStepThreads, 0, current_stream()>>>(args);
+  const int dt_smem = args.dt_proj != nullptr ? dt_tile_bytes(args.dt_rank) : 0;
+  kernel<<<blocks, kStepThreads, dt_smem, current_stream()>>>(args);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -930,6 +1018,35 @@ void check_drive(const c10::optional<at::Tensor>& drive, Discretization method,
   TORCH_CHECK(drive->is_contiguous(), "drive must be contiguous");
 }
 
+// dt_proj folded into the step (contiguous int8 [dim, dt_rank]): dt must be dt_low's int8 codes
+// [batch, dt_rank] (any strides) and dt_multiplier w8a8_linear's requantization multiplier.
+void check_dt_projection(const at::Tensor& dt_proj, double dt_multiplier, const at::Tensor& dt,
+                         int64_t batch, int64_t dim) {
+  check_same_device(dt_proj, dt, "dt_proj");
+  check_dtype(dt_proj, at::kChar, "dt_proj");
+  TORCH_CHECK(dt_proj.dim() == 2 && dt_proj.size(0) == dim, "dt_proj must be [dim, dt_rank] = [",
+              text(dim), ", dt_rank], got ", text(dt_proj.sizes()));
+  TORCH_CHECK(dt_proj.is_contiguous(), "dt_proj must be contiguous");
+  const int64_t dt_rank = dt_proj.size(1);
+  TORCH_CHECK(dt_rank >= 1 && dt_rank <= kMaxDtRank, "dt_proj: dt_rank must be in 1..",
+              text(kMaxDtRank), ", got ", text(dt_rank));
+  check_dtype(dt, at::kChar, "dt (dt_low's codes, with dt_proj)");
+  check_shape(dt, {batch, dt_rank}, "dt (dt_low's codes, with dt_proj)");
+  check_positive_scale(dt_multiplier, "dt_multiplier");
+}
+
+void fill_dt_projection(const at::Tensor& dt_proj, double dt_multiplier, const at::Tensor& dt,
+                        int64_t batch, StepArgs& args) {
+  const int64_t dt_rank = dt_proj.size(1);
+  args.dt_proj = dt_proj.data_ptr<int8_t>();
+  args.dt_multiplier = to_fp32(dt_multiplier);
+  args.dt_rank = static_cast<int>(dt_rank);
+  const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  args.dt_proj_wide = dt_rank % 16 == 0 && aligned(args.dt_proj);
+  args.dt_low_wide = dt_rank % 16 == 0 && aligned(dt.data_ptr()) && dt.stride(1) == 1 &&
+                     (batch == 1 || dt.stride(0) % 16 == 0);
+}
+
 void fill_step_input(const at::Tensor& t, double scale, const char* name, const char* scale_name,
                      FloatSource& src, int64_t (&strides)[2]) {
   src = float_source(t, scale, name, scale_name);
@@ -942,6 +1059,9 @@ void fill_step_input(const at::Tensor& t, double scale, const char* name, const 
 // discretization: a method of quamba.ops.discretization; foh reads the previous step's drive
 // v = u ⊗ B from ``drive`` (contiguous fp32 [batch, dim, dstate]) and overwrites it with this
 // step's; the other methods take none. lanes: lanes per channel (step_lanes; 0 chooses).
+// dt_proj (int8 [dim, dt_rank]), where given, is folded in: dt is then dt_low's int8 codes
+// [batch, dt_rank] and each channel's dt code requantize(dt_low · its row, dt_multiplier), with
+// dt_scale dt's scale (w8a8_linear followed by the step, in one kernel, bit for bit).
 at::Tensor qsscan_update(at::Tensor& state, double state_scale, const at::Tensor& u,
                          double u_scale, const at::Tensor& dt, double dt_scale,
                          const at::Tensor& B, double B_scale, const at::Tensor& C,
@@ -949,7 +1069,8 @@ at::Tensor qsscan_update(at::Tensor& state, double state_scale, const at::Tensor
                          const at::Tensor& A_log, double A_log_scale, const at::Tensor& D,
                          double D_scale, const at::Tensor& dt_bias, double dt_bias_scale,
                          at::ScalarType out_dtype, const c10::optional<at::Tensor>& drive,
-                         c10::string_view discretization, int64_t lanes) {
+                         c10::string_view discretization, int64_t lanes,
+                         const c10::optional<at::Tensor>& dt_proj, double dt_multiplier) {
   check_cuda(u, "u");
   TORCH_CHECK(u.dim() == 2, "u must be [batch, dim], got ", text(u.sizes()));
   const int64_t batch = u.size(0), dim = u.size(1);
@@ -966,7 +1087,11 @@ at::Tensor qsscan_update(at::Tensor& state, double state_scale, const at::Tensor
   TORCH_CHECK(batch * dim * 32 < (int64_t{1} << 31), "state: batch · dim too large");
   if (state.scalar_type() == at::kChar) check_positive_scale(state_scale, "state_scale");
   check_same_device(dt, u, "dt");
-  check_shape(dt, {batch, dim}, "dt");
+  if (dt_proj.has_value()) {
+    check_dt_projection(*dt_proj, dt_multiplier, dt, batch, dim);
+  } else {
+    check_shape(dt, {batch, dim}, "dt");
+  }
   check_same_device(B, u, "B");
   check_shape(B, {batch, dstate}, "B");
   check_same_device(C, u, "C");
@@ -986,6 +1111,7 @@ at::Tensor qsscan_update(at::Tensor& state, double state_scale, const at::Tensor
   StepArgs args{};
   fill_step_input(u, u_scale, "u", "u_scale", args.u, args.u_st);
   fill_step_input(dt, dt_scale, "dt", "dt_scale", args.dt, args.dt_st);
+  if (dt_proj.has_value()) fill_dt_projection(*dt_proj, dt_multiplier, dt, batch, args);
   fill_step_input(B, B_scale, "B", "B_scale", args.B, args.B_st);
   fill_step_input(C, C_scale, "C", "C_scale", args.C, args.C_st);
   if (z.has_value()) {
@@ -1029,7 +1155,8 @@ TORCH_LIBRARY_FRAGMENT(quamba, m) {
       "float dt_scale, Tensor B, float B_scale, Tensor C, float C_scale, Tensor? z, "
       "float z_scale, Tensor A_log, float A_log_scale, Tensor D, float D_scale, "
       "Tensor dt_bias, float dt_bias_scale, ScalarType out_dtype, Tensor(b!)? drive=None, "
-      "str discretization='zoh', int lanes=0) -> Tensor");
+      "str discretization='zoh', int lanes=0, Tensor? dt_proj=None, float dt_multiplier=1.0) "
+      "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(quamba, CUDA, m) {

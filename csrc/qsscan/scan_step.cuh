@@ -20,6 +20,15 @@ struct StepArgs {
   float* drive;  // foh: contiguous fp32 [batch, dim, dstate], v_{t-1} in, v_t out
   // state and A_log 16-byte aligned and dstate a multiple of 16: a lane's states are whole rows
   bool rows_aligned;
+  // dt_proj folded into the step where not null (contiguous int8 [dim, dt_rank]): dt then holds
+  // dt_low's codes [batch, dt_rank] with dt's scale, and a channel's dt code is dt_low · its row
+  // requantized by dt_multiplier, as w8a8_linear's int8 epilogue computes it.
+  const int8_t* dt_proj;
+  float dt_multiplier;
+  int dt_rank;
+  // dt_rank a multiple of 16 and 16-byte aligned rows (dt_low's elements contiguous): staged in
+  // 16-byte pieces
+  bool dt_proj_wide, dt_low_wide;
 };
 
 // Δ of channel d from its dt: softplus(dt + dt_bias).
@@ -30,6 +39,13 @@ __device__ __forceinline__ float delta_of(const StepArgs& a, float dt, int d) {
 // Δ of channel d of row b, once per lane.
 __device__ __forceinline__ float step_delta(const StepArgs& a, int b, int d) {
   return delta_of(a, a.dt.load(b * a.dt_st[0] + d * a.dt_st[1]), d);
+}
+
+// Δ of channel d where dt_proj is folded in, from the exact int32 sum dt_low · its dt_proj row:
+// the dt code w8a8_linear gives (quantize_rn of the fp32 sum times the multiplier), dequantized.
+__device__ __forceinline__ float projected_delta(const StepArgs& a, int dt_sum, int d) {
+  const int8_t dt_code = quantize_rn(__int2float_rn(dt_sum), a.dt_multiplier);
+  return delta_of(a, dequantize(dt_code, a.dt.scale), d);
 }
 
 // What the step of one state reads besides its state: A_n, B_n, C_n (and foh's drive v_{t-1}).

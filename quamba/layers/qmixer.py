@@ -8,7 +8,9 @@ Data flow of the int8 mode (prefill; shapes [batch, seqlen, ·] unless noted):
     QSScan(u, dt, B, C, z; A_log, D, dt_bias int8) → y fp16    ssm state ← int8 (percentile)
     y ─ Hadamard + quantize → int8 ─ out_proj W8A8 → fp16 out
 
-A decode step (one token) runs conv update → x_proj → dt_proj → scan step op by op, or with
+A decode step (one token) runs conv update → x_proj → scan step op by op, dt_proj folded into
+the scan step where the scan takes dt as int8 codes (qsscan_update's ``dt_proj``: the same dt
+codes, one kernel fewer on a GPU), or with
 ``fused_decode`` set (off by default: slower on a GPU so far) as one op, qmixer_ssm_step
 (quamba.ops.fused_decode: two Triton kernels on a GPU), where :meth:`QMambaMixer.fuses_decode`
 says it applies.
@@ -28,8 +30,9 @@ from quamba.ops.fused_decode import (ConvWeights, StepScales, W4A8Weight, W8A8We
 from quamba.ops.hadamard import hadamard_transform
 from quamba.ops.qconv1d import qconv1d, qconv1d_update
 from quamba.ops.qhadamard import hadamard_quant
-from quamba.ops.qsscan import SSMParams, qsscan, qsscan_last_drive, qsscan_update
-from quamba.ops.quant import dequantize, fake_quantize, quantize, quantize_weight
+from quamba.ops.qsscan import DtProjection, SSMParams, qsscan, qsscan_last_drive, qsscan_update
+from quamba.ops.quant import (dequantize, fake_quantize, quantize, quantize_weight,
+                              requant_multiplier)
 from quamba.ops.selective_scan import selective_scan, selective_state_update
 
 # Activation scales of a mixer, named after the tensor each one quantizes.
@@ -264,14 +267,28 @@ class QMambaMixer(QuantModule):
                            out_scale=None if fp32_conv else s["u_scale"], backend_name=self.backend)
         u_codes = quantize(u, s["u_scale"]) if fp32_conv else u
         dt_low, B, C = self._split_xdbl(self.x_proj(u_codes))
-        dt = self.dt_proj(dt_low)
+        dt_projection = self._step_dt_projection()
+        dt = dt_low if dt_projection is not None else self.dt_proj(dt_low)
         scan_inputs = [u, s["u_scale"], dt, s["dt_scale"], B, s["xdbl_scale"], C, s["xdbl_scale"],
                        z, s["xz_scale"]]
         if self.mode == "fp32-ssm-input":
             scan_inputs = _dequantize_pairs(scan_inputs)
         return qsscan_update(state.ssm, s["state_scale"], *scan_inputs, self.ssm_params,
                              out_dtype=self.out_dtype, backend_name=self.backend,
-                             discretization=self.discretization, drive=state.drive)
+                             discretization=self.discretization, drive=state.drive,
+                             dt_proj=dt_projection)
+
+    def _step_dt_projection(self) -> DtProjection | None:
+        """dt_proj as the decode step folds it into the scan step, where the scan takes dt as
+        int8 codes and dt_proj is a W8A8 layer with per-tensor scales and an int8 output; else
+        None (dt_proj runs as its own op)."""
+        if self.mode == "fp32-ssm-input":
+            return None
+        linear = _fused_weight(self.dt_proj)
+        if not isinstance(linear, W8A8Weight):
+            return None
+        return DtProjection(linear.weight, requant_multiplier(linear.in_scale, linear.weight_scale,
+                                                              linear.out_scale))
 
     # --- float simulation of the int8 path -------------------------------------------------------
 

@@ -11,9 +11,11 @@ from dataclasses import dataclass
 
 import torch
 
+from quamba.errors import QuambaError
 from quamba.ops import backend
 from quamba.ops.discretization import DEFAULT, METHODS, input_drive, require_drive, select_scan
-from quamba.ops.quant import dequantize, quantize
+from quamba.ops.qlinear import int8_matmul
+from quamba.ops.quant import dequantize, quantize, requantize
 from quamba.ops.selective_scan import selective_scan, selective_state_update
 
 
@@ -32,6 +34,20 @@ class SSMParams:
         """(A = -exp(A_log), D, dt_bias) in fp32."""
         A = -torch.exp(dequantize(self.A_log, self.A_log_scale))
         return A, dequantize(self.D, self.D_scale), dequantize(self.dt_bias, self.dt_bias_scale)
+
+
+@dataclass
+class DtProjection:
+    """dt_proj folded into a decode step (:func:`qsscan_update`'s ``dt_proj``): a W8A8 linear
+    with int8 output and per-tensor scales, dt codes = ``requantize(dt_low · weightᵀ,
+    multiplier)`` exactly as quamba.ops.qlinear.w8a8_linear computes them."""
+
+    weight: torch.Tensor  # int8 [d_inner, dt_rank]
+    multiplier: float  # requant_multiplier(dt_low's scale, the weight's scale, dt's scale)
+
+    def project(self, dt_low: torch.Tensor) -> torch.Tensor:
+        """dt codes [batch, d_inner] of dt_low codes [batch, dt_rank] (the torch reference)."""
+        return requantize(int8_matmul(dt_low, self.weight), self.multiplier)
 
 
 def as_float(t: torch.Tensor, scale) -> torch.Tensor:
@@ -75,7 +91,7 @@ def qsscan(u, u_scale, dt, dt_scale, B, B_scale, C, C_scale, z, z_scale, params:
 
 def qsscan_update(state, state_scale, u, u_scale, dt, dt_scale, B, B_scale, C, C_scale, z,
                   z_scale, params: SSMParams, out_dtype=torch.float16, backend_name=None,
-                  discretization=DEFAULT, drive=None):
+                  discretization=DEFAULT, drive=None, dt_proj: DtProjection | None = None):
     """One decode step; updates ``state`` in place and returns y [batch, d_inner] in out_dtype.
 
     state: int8 [batch, d_inner, d_state] with ``state_scale`` (dequantized, stepped, requantized
@@ -85,12 +101,29 @@ def qsscan_update(state, state_scale, u, u_scale, dt, dt_scale, B, B_scale, C, C
     [batch, d_inner, d_state] (zeros before a sequence's first step, else
     :func:`qsscan_last_drive` of the prefill), which it overwrites with this step's (never
     quantized).
+
+    ``dt_proj`` folds the mixer's dt_proj into the step: ``dt`` is then dt_low, int8 codes
+    [batch, dt_rank], and the step takes dt = ``dt_proj.project(dt_low)`` (codes of
+    ``dt_scale``), the w8a8_linear → qsscan_update chain in one op (one kernel on a GPU), with the
+    same dt codes bit for bit.
     """
     require_drive(discretization, drive)
+    if dt_proj is not None:
+        _check_dt_projection(dt, dt_proj, u)
     impl = select_scan("qsscan_update", u.device, backend_name, discretization,
                        kernel_methods=METHODS, drive=drive)
     return impl(state, state_scale, u, u_scale, dt, dt_scale, B, B_scale, C, C_scale, z, z_scale,
-                params, out_dtype)
+                params, out_dtype, dt_proj=dt_proj)
+
+
+def _check_dt_projection(dt_low, dt_proj: DtProjection, u) -> None:
+    weight = dt_proj.weight
+    if weight.dtype != torch.int8 or weight.dim() != 2 or weight.shape[0] != u.shape[-1]:
+        raise QuambaError(f"dt_proj.weight must be int8 [d_inner={u.shape[-1]}, dt_rank], got "
+                          f"{weight.dtype} {list(weight.shape)}")
+    if dt_low.dtype != torch.int8 or list(dt_low.shape) != [u.shape[0], weight.shape[1]]:
+        raise QuambaError(f"with dt_proj, dt must be dt_low's int8 codes [batch={u.shape[0]}, "
+                          f"dt_rank={weight.shape[1]}], got {dt_low.dtype} {list(dt_low.shape)}")
 
 
 def qsscan_last_drive(u, u_scale, B, B_scale) -> torch.Tensor:
@@ -115,7 +148,10 @@ def _qsscan_torch(u, u_scale, dt, dt_scale, B, B_scale, C, C_scale, z, z_scale, 
 
 @backend.register("qsscan_update", "torch")
 def _qsscan_update_torch(state, state_scale, u, u_scale, dt, dt_scale, B, B_scale, C, C_scale, z,
-                         z_scale, params, out_dtype, discretization=DEFAULT, drive=None):
+                         z_scale, params, out_dtype, discretization=DEFAULT, drive=None,
+                         dt_proj=None):
+    if dt_proj is not None:
+        dt = dt_proj.project(dt)
     A, D, dt_bias = params.dequantized()
     h = dequantize(state, state_scale) if state.dtype == torch.int8 else state
     y = selective_state_update(h, as_float(u, u_scale), as_float(dt, dt_scale), A,

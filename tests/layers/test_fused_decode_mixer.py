@@ -1,7 +1,8 @@
 """The quantized Mamba1 mixer's fused decode step (QMambaMixer.fuses_decode, qmixer_ssm_step)
 on the trained test model: through the torch backend it is the unfused step bit for bit; with
 the op's Triton kernels (under Triton's interpreter on the CPU) greedy decoding picks the same
-tokens as the unfused step. tests/ops/test_cuda_fused_decode.py does the same on a GPU."""
+tokens as the unfused step. tests/ops/test_cuda_fused_decode.py does the same on a GPU. The
+unfused step folds dt_proj into its scan step (qsscan_update's dt_proj), bit for bit."""
 import os
 
 import pytest
@@ -98,6 +99,22 @@ def test_the_switch_and_where_the_step_fuses(w8a8):
         assert mixer.fuses_decode()
     finally:
         w8a8.set_fused_decode(False)
+
+
+@pytest.mark.parametrize("recipe", ["w8a8", "w4a8"])
+def test_the_unfused_step_folds_dt_proj_into_the_scan_bit_for_bit(request, recipe, prompt,
+                                                                  monkeypatch):
+    model = request.getfixturevalue(recipe)
+    mixer = mixers(model)[0]
+    assert mixer._step_dt_projection() is not None
+    mixer.set_mode("fp32-ssm-input")  # its scan takes dt as floats: dt_proj runs on its own
+    try:
+        assert mixer._step_dt_projection() is None
+    finally:
+        mixer.set_mode("int8")
+    folded = decode_logits(model, prompt, 8)
+    monkeypatch.setattr(QMambaMixer, "_step_dt_projection", lambda self: None)
+    assert torch.equal(folded, decode_logits(model, prompt, 8))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",

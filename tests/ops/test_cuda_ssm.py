@@ -37,8 +37,10 @@ from quamba.ops.qconv1d import qconv1d, qconv1d_update
 from quamba.ops.qhadamard import gated_norm_hadamard_quant, hadamard_quant
 from quamba.ops.qnorm import rmsnorm_quant
 from quamba.ops.discretization import DEFAULT, METHODS
-from quamba.ops.qsscan import SSMParams, qsscan, qsscan_last_drive, qsscan_update
-from quamba.ops.quant import dequantize, quantize, quantize_weight, scale_from_range
+from quamba.ops.qlinear import w8a8_linear
+from quamba.ops.qsscan import DtProjection, SSMParams, qsscan, qsscan_last_drive, qsscan_update
+from quamba.ops.quant import (dequantize, quantize, quantize_weight, requant_multiplier,
+                              scale_from_range)
 
 pytestmark = pytest.mark.gpu
 
@@ -589,6 +591,94 @@ def test_small_qsscan_update_rejects_unknown_lanes():
             params.dt_bias, params.dt_bias_scale, torch.float16)
     with pytest.raises(RuntimeError, match="lanes must be 0 \\(chosen\\), 16, 4 or 1"):
         torch.ops.quamba.qsscan_update(*args, lanes=2)
+
+
+# ---- dt_proj folded into the step ------------------------------------------------------------
+
+def folded_dt_case(batch, dim, dt_rank, offset=0):
+    """x_proj's output codes (dt_low, B, C slices, ``offset`` columns in: off 16-byte alignment), a
+    quantized dt_proj [dim, dt_rank] and the other step inputs, as the mixer passes them."""
+    x_dbl = codes(batch, offset + dt_rank + 2 * D_STATE)[:, offset:]
+    dt_low, B, C = x_dbl.split([dt_rank, D_STATE, D_STATE], dim=-1)
+    weight, weight_scale = quantize_weight(torch.randn(dim, dt_rank, device=DEVICE))
+    s = SCALES
+    multiplier = requant_multiplier(s["B_scale"], float(weight_scale), s["dt_scale"])
+    return dict(dt_low=dt_low, B=B, C=C, u=codes(batch, dim), z=codes(batch, dim),
+                weight=weight, weight_scale=float(weight_scale),
+                projection=DtProjection(weight, multiplier), params=ssm_params(dim))
+
+
+def step_raw(state, case, dt, method=DEFAULT, lanes=0, **projection):
+    """The CUDA step with ``lanes`` lanes a channel (0: chosen); y fp16, the state in place."""
+    s, p = SCALES, case["params"]
+    return torch.ops.quamba.qsscan_update(
+        state, 0.05, case["u"], s["u_scale"], dt, s["dt_scale"], case["B"], s["B_scale"],
+        case["C"], s["C_scale"], case["z"], s["z_scale"], p.A_log, p.A_log_scale, p.D, p.D_scale,
+        p.dt_bias, p.dt_bias_scale, torch.float16, discretization=method, lanes=lanes,
+        **projection)
+
+
+FOLDED_SHAPES = [(1, 5120, 160, 0), (8, 1536, 48, 0), (8, 1536, 48, 1), (3, 40, 7, 0),
+                 (5, 72, 13, 3), (64, 2560, 160, 0)]
+
+
+@pytest.mark.parametrize("method", [DEFAULT, "bilinear"])
+@pytest.mark.parametrize("int8_state", [True, False])
+@pytest.mark.parametrize("lanes", [0, 16, 4, 1])
+@pytest.mark.parametrize("batch,dim,dt_rank,offset", FOLDED_SHAPES)
+def test_small_qsscan_update_folded_dt_proj_is_the_chain(batch, dim, dt_rank, offset, lanes,
+                                                         int8_state, method):
+    """dt_proj folded into each layout of the step against w8a8_linear (int8 out) then the same
+    layout's step, both on the GPU: y and the state bit for bit (dt_low staged in 16-byte pieces
+    where dt_rank is a multiple of 16 and its rows aligned, else code by code)."""
+    seed_for("folded-dt", batch, dim, dt_rank, offset, lanes, int8_state, method)
+    case = folded_dt_case(batch, dim, dt_rank, offset)
+    state = (codes(batch, dim, D_STATE) if int8_state
+             else torch.randn(batch, dim, D_STATE, device=DEVICE))
+    folded_state = state.clone()
+    dt = w8a8_linear(case["dt_low"], SCALES["B_scale"], case["weight"], case["weight_scale"],
+                     SCALES["dt_scale"], backend_name="cuda")
+    y = step_raw(state, case, dt, method, lanes)
+    prime_allocator((batch * dim, torch.float16))
+    y_folded = step_raw(folded_state, case, case["dt_low"], method, lanes,
+                        dt_proj=case["weight"], dt_multiplier=case["projection"].multiplier)
+    assert torch.equal(y_folded.view(torch.int16), y.view(torch.int16))
+    assert torch.equal(folded_state, state)
+
+
+@pytest.mark.parametrize("batch,dim,dt_rank,offset", FOLDED_SHAPES[:4])
+def test_small_qsscan_update_folded_dt_proj_matches_reference(batch, dim, dt_rank, offset):
+    """The op with dt_proj on the GPU against its torch reference: codes within one step."""
+    seed_for("folded-dt-reference", batch, dim, dt_rank, offset)
+    case = folded_dt_case(batch, dim, dt_rank, offset)
+    state_ref = codes(batch, dim, D_STATE)
+    state = state_ref.clone()
+    s = SCALES
+    outputs = []
+    for stepped, backend_name in ((state, "cuda"), (state_ref, "torch")):
+        outputs.append(qsscan_update(
+            stepped, 0.05, case["u"], s["u_scale"], case["dt_low"], s["dt_scale"], case["B"],
+            s["B_scale"], case["C"], s["C_scale"], case["z"], s["z_scale"], case["params"],
+            backend_name=backend_name, dt_proj=case["projection"]))
+    assert_close_to(*outputs)
+    assert_codes_close(state, state_ref)
+
+
+def test_small_qsscan_update_folded_dt_proj_rejects_bad_inputs():
+    case = folded_dt_case(2, 64, 8)
+    state = torch.zeros(2, 64, D_STATE, device=DEVICE)
+    projection = dict(dt_proj=case["weight"], dt_multiplier=case["projection"].multiplier)
+    with pytest.raises(RuntimeError, match=r"dt \(dt_low's codes, with dt_proj\) must have shape "
+                                           r"\[2, 8\], got \[2, 64\]"):
+        step_raw(state, case, case["u"], **projection)
+    with pytest.raises(RuntimeError, match=r"dt_proj must be \[dim, dt_rank\] = \[64, dt_rank\]"):
+        step_raw(state, case, case["dt_low"], dt_proj=case["weight"][:32],
+                 dt_multiplier=projection["dt_multiplier"])
+    wide = codes(64, 2048)
+    with pytest.raises(RuntimeError, match=r"dt_proj: dt_rank must be in 1..1024, got 2048"):
+        step_raw(state, case, codes(2, 2048), dt_proj=wide, dt_multiplier=1e-3)
+    with pytest.raises(RuntimeError, match=r"dt_multiplier must be a positive finite scale"):
+        step_raw(state, case, case["dt_low"], dt_proj=case["weight"], dt_multiplier=float("nan"))
 
 
 # ---- discretizations -------------------------------------------------------------------------

@@ -16,8 +16,10 @@ from quamba.ops.qconv1d import qconv1d, qconv1d_update
 from quamba.ops.qhadamard import hadamard_quant
 from quamba.ops.qlinear import w8a8_linear
 from quamba.ops.qnorm import rmsnorm_quant
-from quamba.ops.qsscan import SSMParams, qsscan, qsscan_update
-from quamba.ops.quant import dequantize, quantize, quantize_weight, scale_from_range
+from quamba.errors import QuambaError
+from quamba.ops.qsscan import DtProjection, SSMParams, qsscan, qsscan_update
+from quamba.ops.quant import (dequantize, quantize, quantize_weight, requant_multiplier,
+                              scale_from_range)
 
 
 def codes(*shape, gen):
@@ -164,6 +166,49 @@ def test_qsscan_update_chain_matches_prefill(state_dtype):
         torch.testing.assert_close(steps, y, rtol=1e-5, atol=1e-5)
     else:  # the int8 state is requantized every step: close, not equal
         assert (steps - y).norm() / y.norm() < 0.05
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.int8])
+@pytest.mark.parametrize("dt_rank", [7, 16])
+def test_qsscan_update_folds_dt_proj(state_dtype, dt_rank):
+    """dt_proj folded into the step is w8a8_linear (int8 out) then the step, bit for bit; its dt
+    codes are the fp64 product's, requantized."""
+    gen = torch.Generator().manual_seed(dt_rank)
+    batch, dim, d_state = 3, 10, 16
+    p = random_ssm_params(dim, d_state, gen)
+    u, z = codes(batch, dim, gen=gen), codes(batch, dim, gen=gen)
+    dt_low, B, C = codes(batch, dt_rank + 2 * d_state, gen=gen).split([dt_rank, d_state, d_state],
+                                                                       dim=-1)
+    weight, weight_scale = quantize_weight(torch.randn(dim, dt_rank, generator=gen))
+    xdbl_scale, dt_scale, state_scale = 0.05, 0.02, 0.01
+    dt = w8a8_linear(dt_low, xdbl_scale, weight, float(weight_scale), dt_scale)
+    product = dt_low.double() @ weight.double().t() * xdbl_scale * float(weight_scale)
+    assert_codes_close(dt, quantize64(product, dt_scale))
+    state = (codes(batch, dim, d_state, gen=gen) if state_dtype == torch.int8
+             else torch.randn(batch, dim, d_state, generator=gen))
+    folded_state = state.clone()
+    y = qsscan_update(state, state_scale, u, 0.02, dt, dt_scale, B, xdbl_scale, C, xdbl_scale, z,
+                      0.03, p, out_dtype=torch.float32)
+    projection = DtProjection(weight, requant_multiplier(xdbl_scale, float(weight_scale), dt_scale))
+    y_folded = qsscan_update(folded_state, state_scale, u, 0.02, dt_low, dt_scale, B, xdbl_scale,
+                             C, xdbl_scale, z, 0.03, p, out_dtype=torch.float32,
+                             dt_proj=projection)
+    assert torch.equal(y_folded, y)
+    assert torch.equal(folded_state, state)
+
+
+def test_qsscan_update_with_dt_proj_rejects_dt_of_the_wrong_shape():
+    gen = torch.Generator().manual_seed(0)
+    p = random_ssm_params(10, 16, gen)
+    u, B = codes(2, 10, gen=gen), codes(2, 16, gen=gen)
+    projection = DtProjection(codes(10, 8, gen=gen), 1e-3)
+    with pytest.raises(QuambaError, match=r"^with dt_proj, dt must be dt_low's int8 codes "
+                                          r"\[batch=2, dt_rank=8\], got torch.int8 \[2, 10\]$"):
+        qsscan_update(torch.zeros(2, 10, 16), None, u, 0.02, u, 0.02, B, 0.05, B, 0.05, None, 1.0,
+                      p, dt_proj=projection)
+    with pytest.raises(QuambaError, match=r"^dt_proj.weight must be int8 \[d_inner=10, dt_rank\]"):
+        qsscan_update(torch.zeros(2, 10, 16), None, u, 0.02, u[:, :8], 0.02, B, 0.05, B, 0.05,
+                      None, 1.0, p, dt_proj=DtProjection(codes(12, 8, gen=gen), 1e-3))
 
 
 @pytest.mark.parametrize("shape", [(1, 1, 64), (2, 7, 96), (3, 5, 384)])

@@ -134,13 +134,17 @@ def _qsscan_cuda(u, u_scale, dt, dt_scale, B, B_scale, C, C_scale, z, z_scale, p
 
 @backend.register("qsscan_update", "cuda")
 def _qsscan_update_cuda(state, state_scale, u, u_scale, dt, dt_scale, B, B_scale, C, C_scale, z,
-                        z_scale, params, out_dtype, discretization=DEFAULT, drive=None):
+                        z_scale, params, out_dtype, discretization=DEFAULT, drive=None,
+                        dt_proj=None):
     state_scale32 = _input_scale(state, state_scale)
     z_scale32 = 1.0 if z is None else _input_scale(z, z_scale)
+    projection = {} if dt_proj is None else dict(dt_proj=dt_proj.weight,
+                                                 dt_multiplier=fp32_value(dt_proj.multiplier))
     return torch.ops.quamba.qsscan_update(
         state, state_scale32, u, _input_scale(u, u_scale), dt, _input_scale(dt, dt_scale), B,
         _input_scale(B, B_scale), C, _input_scale(C, C_scale), z, z_scale32,
-        *_param_args(params), out_dtype, drive=drive, discretization=discretization)
+        *_param_args(params), out_dtype, drive=drive, discretization=discretization,
+        **projection)
 
 
 @backend.register("rmsnorm_quant", "cuda")
