@@ -756,6 +756,35 @@ std::tuple<at::Tensor, at::Tensor> qsscan(
 
 constexpr int kStepThreads = 128;
 
+// sum + the dot product of 16 int8 codes in w and x (four words each).
+__device__ __forceinline__ int dot16(const int4& w, const int4& x, int sum) {
+  sum = __dp4a(w.x, x.x, sum);
+  sum = __dp4a(w.y, x.y, sum);
+  sum = __dp4a(w.z, x.z, sum);
+  return __dp4a(w.w, x.w, sum);
+}
+
+// Lane ``lane`` of kLanes's share of dt_low (row b) · channel d's dt_proj row: its 16-byte pieces
+// lane, lane + kLanes, ... where both are wide (one load each at batch 1's 16 lanes and dt_rank
+// up to 256, so the sum costs Δ one memory round trip, as dt's load did), else its codes.
+template <int kLanes>
+__device__ __forceinline__ int lane_dt_sum(const StepArgs& a, int b, int d, int lane) {
+  const int8_t* dt_low = static_cast<const int8_t*>(a.dt.data) + b * a.dt_st[0];
+  const int8_t* row = a.dt_proj + static_cast<int64_t>(d) * a.dt_rank;
+  int sum = 0;
+  if (a.dt_proj_wide && a.dt_low_wide) {
+#pragma unroll 4
+    for (int i = lane * 16; i < a.dt_rank; i += kLanes * 16) {
+      sum = dot16(*reinterpret_cast<const int4*>(row + i), *reinterpret_cast<const int4*>(dt_low + i),
+                  sum);
+    }
+  } else {
+#pragma unroll 4
+    for (int k = lane; k < a.dt_rank; k += kLanes) sum += row[k] * dt_low[k * a.dt_st[1]];
+  }
+  return sum;
+}
+
 // One group of kLanes lanes per (batch, channel): lane l steps states l·kStates ...
 // (l+1)·kStates − 1 (those below dstate) and sums its terms of C · h, and the group adds the
 // lanes' sums with shuffles, nearest lanes first: together the pairwise tree of state_readout.
@@ -774,11 +803,7 @@ __global__ void __launch_bounds__(kStepThreads) qsscan_update_kernel(const StepA
   // dt_proj folded in: the group's lanes split dt_low · the channel's row (integers: any order)
   int dt_sum = 0;
   if (a.dt_proj != nullptr) {
-    if (valid_group) {
-      const int8_t* dt_low = static_cast<const int8_t*>(a.dt.data) + b * a.dt_st[0];
-      const int8_t* row = a.dt_proj + static_cast<int64_t>(d) * a.dt_rank;
-      for (int k = lane; k < a.dt_rank; k += kLanes) dt_sum += row[k] * dt_low[k * a.dt_st[1]];
-    }
+    if (valid_group) dt_sum = lane_dt_sum<kLanes>(a, b, d, lane);
 #pragma unroll
     for (int offset = 1; offset < kLanes; offset *= 2) {
       dt_sum += __shfl_xor_sync(kFullMask, dt_sum, offset, kLanes);
@@ -807,7 +832,10 @@ __global__ void __launch_bounds__(kStepThreads) qsscan_update_kernel(const StepA
 
 constexpr int kOneLaneStates = 16;  // the one-lane layout's states a thread (dstate <= 16)
 constexpr int kTileChannels = 32;   // the one-lane layout's channels a block: a warp's lanes
-constexpr int kTileRows = kStepThreads / kTileChannels;  // and its batch rows, a warp each
+// and its batch rows, a warp each: 4, or 8 where dt_proj is folded in and the batch has 8 rows
+// (tile_rows), so that each staged row of dt_proj serves twice as many rows.
+constexpr int kTileRows = kStepThreads / kTileChannels;
+constexpr int kFoldedTileRows = 2 * kTileRows;
 // Floats between two channels' rows of A in shared memory: the 16-byte reads of 8 lanes (one
 // shared-memory wavefront) then fall on 32 distinct banks.
 constexpr int kAPitch = 20;
@@ -848,29 +876,30 @@ __device__ __forceinline__ void stage_codes(int8_t* tile, int tile_rows, int pit
 
 // Dynamic shared memory of the one-lane layout with dt_proj folded in: its channels' rows of
 // dt_proj and its rows' dt_low.
-constexpr int dt_tile_bytes(int dt_rank) {
-  return (kTileChannels + kTileRows) * dt_row_pitch(dt_rank);
+constexpr int dt_tile_bytes(int dt_rank, int tile_rows) {
+  return (kTileChannels + tile_rows) * dt_row_pitch(dt_rank);
 }
 // The largest dt_rank the step folds in: its tiles stay within the 48 KB a launch may take.
 constexpr int kMaxDtRank = 1024;
-static_assert(dt_tile_bytes(kMaxDtRank) + 4096 <= 48 * 1024, "dt tiles exceed 48 KB");
+static_assert(dt_tile_bytes(kMaxDtRank, kFoldedTileRows) + 4096 <= 48 * 1024,
+              "dt tiles exceed 48 KB");
+
+// The one-lane layout's batch rows a block (blockDim.x / kTileChannels).
+int tile_rows(const StepArgs& args) {
+  return args.dt_proj != nullptr && args.batch >= kFoldedTileRows ? kFoldedTileRows : kTileRows;
+}
 
 // The exact int32 dot product of two staged rows of codes (zero-padded to ``pitch``).
 __device__ __forceinline__ int dot_codes(const int8_t* w, const int8_t* x, int pitch) {
   int sum = 0;
 #pragma unroll 2
   for (int i = 0; i < pitch; i += 16) {
-    const int4 w4 = *reinterpret_cast<const int4*>(w + i);
-    const int4 x4 = *reinterpret_cast<const int4*>(x + i);
-    sum = __dp4a(w4.x, x4.x, sum);
-    sum = __dp4a(w4.y, x4.y, sum);
-    sum = __dp4a(w4.z, x4.z, sum);
-    sum = __dp4a(w4.w, x4.w, sum);
+    sum = dot16(*reinterpret_cast<const int4*>(w + i), *reinterpret_cast<const int4*>(x + i), sum);
   }
   return sum;
 }
 
-// The one-lane layout: a block steps kTileChannels channels for kTileRows batch rows, a thread
+// The one-lane layout: a block steps kTileChannels channels for tile_rows batch rows, a thread
 // one (row, channel) with all its states. The block computes its channels' A = -exp(A_log) once
 // for all its rows and dequantizes its rows' B and C once for all its channels, into shared
 // memory, where the threads read them as broadcasts. Suits many channels (large batch), where
@@ -880,36 +909,40 @@ __device__ __forceinline__ int dot_codes(const int8_t* w, const int8_t* x, int p
 // dt_proj and its rows' dt_low in dynamic shared memory (dt_row_pitch bytes a row) and a thread
 // sums its channel's row · its row's dt_low with dp4a.
 template <Discretization kMethod, bool kWhole, typename Out>
-__global__ void __launch_bounds__(kStepThreads) qsscan_update_lane_kernel(const StepArgs a) {
+__global__ void __launch_bounds__(kFoldedTileRows * kTileChannels)
+    qsscan_update_lane_kernel(const StepArgs a) {
   quamba::pdl_launch_dependents();  // the Hadamard kernel after it may launch (pdl.cuh)
   __shared__ __align__(16) float A_tile[kTileChannels * kAPitch];
-  __shared__ __align__(16) float B_rows[kTileRows][kOneLaneStates];
-  __shared__ __align__(16) float C_rows[kTileRows][kOneLaneStates];
-  extern __shared__ __align__(16) int8_t dt_tiles[];  // [kTileChannels + kTileRows][pitch]
+  __shared__ __align__(16) float B_rows[kFoldedTileRows][kOneLaneStates];
+  __shared__ __align__(16) float C_rows[kFoldedTileRows][kOneLaneStates];
+  extern __shared__ __align__(16) int8_t dt_tiles[];  // [kTileChannels + tile rows][pitch]
+  const int rows = blockDim.x / kTileChannels;
   const int channel_tiles = (a.dim + kTileChannels - 1) / kTileChannels;
   const int first_channel = (blockIdx.x % channel_tiles) * kTileChannels;
-  const int first_row = (blockIdx.x / channel_tiles) * kTileRows;
+  const int first_row = (blockIdx.x / channel_tiles) * rows;
   const int dt_pitch = dt_row_pitch(a.dt_rank);
   int8_t* dt_low_tile = dt_tiles + kTileChannels * dt_pitch;
   if (a.dt_proj != nullptr) {
     stage_codes(dt_tiles, kTileChannels, dt_pitch,
                 a.dt_proj + static_cast<int64_t>(first_channel) * a.dt_rank, a.dt_rank, 1,
                 min(kTileChannels, a.dim - first_channel), a.dt_rank, a.dt_proj_wide);
-    stage_codes(dt_low_tile, kTileRows, dt_pitch,
+    stage_codes(dt_low_tile, rows, dt_pitch,
                 static_cast<const int8_t*>(a.dt.data) + first_row * a.dt_st[0], a.dt_st[0],
-                a.dt_st[1], min(kTileRows, a.batch - first_row), a.dt_rank, a.dt_low_wide);
+                a.dt_st[1], min(rows, a.batch - first_row), a.dt_rank, a.dt_low_wide);
   }
-  if constexpr (kWhole) {  // 4 consecutive states a thread, read as one word
+  if constexpr (kWhole) {  // 4 consecutive states a thread of the first kStepThreads, one word
     static_assert(kTileChannels * kOneLaneStates == 4 * kStepThreads, "A: 4 states a thread");
     const int c = threadIdx.x / 4, first = threadIdx.x % 4 * 4, d = first_channel + c;
-    int8_t codes[4] = {};
-    if (d < a.dim) load_row<4>(a.params.A_log + d * kOneLaneStates + first, codes);
-    float A[4];
+    if (threadIdx.x < kStepThreads) {
+      int8_t codes[4] = {};
+      if (d < a.dim) load_row<4>(a.params.A_log + d * kOneLaneStates + first, codes);
+      float A[4];
 #pragma unroll
-    for (int s = 0; s < 4; ++s) A[s] = -expf(dequantize(codes[s], a.params.A_log_scale));
-    store_row<4>(A_tile + c * kAPitch + first, A);
+      for (int s = 0; s < 4; ++s) A[s] = -expf(dequantize(codes[s], a.params.A_log_scale));
+      store_row<4>(A_tile + c * kAPitch + first, A);
+    }
   } else {
-    for (int i = threadIdx.x; i < kTileChannels * kOneLaneStates; i += kStepThreads) {
+    for (int i = threadIdx.x; i < kTileChannels * kOneLaneStates; i += blockDim.x) {
       const int c = i / kOneLaneStates, s = i % kOneLaneStates, d = first_channel + c;
       float A = 0.f;
       if (d < a.dim && s < a.dstate) {
@@ -918,7 +951,7 @@ __global__ void __launch_bounds__(kStepThreads) qsscan_update_lane_kernel(const 
       A_tile[c * kAPitch + s] = A;
     }
   }
-  if (threadIdx.x < kTileRows * kOneLaneStates) {
+  if (threadIdx.x < rows * kOneLaneStates) {
     const int r = threadIdx.x / kOneLaneStates, s = threadIdx.x % kOneLaneStates;
     const int b = first_row + r;
     const bool valid = b < a.batch && s < a.dstate;
@@ -959,10 +992,11 @@ void launch_step_one_lane(const StepArgs& args) {
   auto kernel = whole ? qsscan_update_lane_kernel<kMethod, true, Out>
                       : qsscan_update_lane_kernel<kMethod, false, Out>;
   check_kernel_image(kernel, "qsscan_update");
+  const int rows = tile_rows(args);
   const int64_t blocks =
-      ceil_div(int64_t{args.dim}, kTileChannels) * ceil_div(int64_t{args.batch}, kTileRows);
-  const int dt_smem = args.dt_proj != nullptr ? dt_tile_bytes(args.dt_rank) : 0;
-  kernel<<<blocks, kStepThreads, dt_smem, current_stream()>>>(args);
+      ceil_div(int64_t{args.dim}, kTileChannels) * ceil_div(int64_t{args.batch}, int64_t{rows});
+  const int dt_smem = args.dt_proj != nullptr ? dt_tile_bytes(args.dt_rank, rows) : 0;
+  kernel<<<blocks, rows * kTileChannels, dt_smem, current_stream()>>>(args);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -619,7 +619,7 @@ def step_raw(state, case, dt, method=DEFAULT, lanes=0, **projection):
 
 
 FOLDED_SHAPES = [(1, 5120, 160, 0), (8, 1536, 48, 0), (8, 1536, 48, 1), (3, 40, 7, 0),
-                 (5, 72, 13, 3), (64, 2560, 160, 0)]
+                 (5, 72, 13, 3), (11, 72, 16, 0), (64, 2560, 160, 0)]
 
 
 @pytest.mark.parametrize("method", [DEFAULT, "bilinear"])
@@ -629,8 +629,9 @@ FOLDED_SHAPES = [(1, 5120, 160, 0), (8, 1536, 48, 0), (8, 1536, 48, 1), (3, 40, 
 def test_small_qsscan_update_folded_dt_proj_is_the_chain(batch, dim, dt_rank, offset, lanes,
                                                          int8_state, method):
     """dt_proj folded into each layout of the step against w8a8_linear (int8 out) then the same
-    layout's step, both on the GPU: y and the state bit for bit (dt_low staged in 16-byte pieces
-    where dt_rank is a multiple of 16 and its rows aligned, else code by code)."""
+    layout's step, both on the GPU: y and the state bit for bit (dt_low read in 16-byte pieces
+    where dt_rank is a multiple of 16 and its rows aligned, else code by code; the one-lane
+    layout's tiles of 4 rows, and of 8 from batch 8, partial at batch 11)."""
     seed_for("folded-dt", batch, dim, dt_rank, offset, lanes, int8_state, method)
     case = folded_dt_case(batch, dim, dt_rank, offset)
     state = (codes(batch, dim, D_STATE) if int8_state
