@@ -18,6 +18,7 @@
 #include <torch/library.h>
 
 #include "../ssm_common/ssm_common.cuh"
+#include "gemm/mma.cuh"
 #include "pdl.cuh"
 #include "qsscan_chunked.h"
 #include "scan_args.h"
@@ -841,11 +842,10 @@ constexpr int kFoldedTileRows = 2 * kTileRows;
 constexpr int kAPitch = 20;
 
 // Bytes between two staged rows of dt_proj or dt_low codes in shared memory (the one-lane layout
-// with dt_proj folded in): dt_rank rounded up to 16-byte pieces, an odd number of them, so that
-// the 16-byte reads of 8 lanes (8 channels' rows) fall on 32 distinct banks.
+// with dt_proj folded in): dt_rank rounded up to the MMA's K of 32, zero-padded, plus 16, so that
+// the 4-byte fragment reads of a warp (8 rows, 4 words each) fall on 32 distinct banks.
 __host__ __device__ constexpr int dt_row_pitch(int dt_rank) {
-  const int pieces = (dt_rank + 15) / 16;
-  return 16 * (pieces % 2 == 1 ? pieces : pieces + 1);
+  return (dt_rank + 31) / 32 * 32 + 16;
 }
 
 // Rows first ... first + count - 1 (row i at src + i · row_stride, its dt_rank codes element_stride
@@ -875,28 +875,39 @@ __device__ __forceinline__ void stage_codes(int8_t* tile, int tile_rows, int pit
 }
 
 // Dynamic shared memory of the one-lane layout with dt_proj folded in: its channels' rows of
-// dt_proj and its rows' dt_low.
-constexpr int dt_tile_bytes(int dt_rank, int tile_rows) {
-  return (kTileChannels + tile_rows) * dt_row_pitch(dt_rank);
+// dt_proj and kFoldedTileRows rows of dt_low (the MMA's N; rows past the tile's are zeros).
+constexpr int dt_tile_bytes(int dt_rank) {
+  return (kTileChannels + kFoldedTileRows) * dt_row_pitch(dt_rank);
 }
 // The largest dt_rank the step folds in: its tiles stay within the 48 KB a launch may take.
 constexpr int kMaxDtRank = 1024;
-static_assert(dt_tile_bytes(kMaxDtRank, kFoldedTileRows) + 4096 <= 48 * 1024,
-              "dt tiles exceed 48 KB");
+static_assert(dt_tile_bytes(kMaxDtRank) + 5120 <= 48 * 1024, "dt tiles exceed 48 KB");
 
 // The one-lane layout's batch rows a block (blockDim.x / kTileChannels).
 int tile_rows(const StepArgs& args) {
   return args.dt_proj != nullptr && args.batch >= kFoldedTileRows ? kFoldedTileRows : kTileRows;
 }
 
-// The exact int32 dot product of two staged rows of codes (zero-padded to ``pitch``).
-__device__ __forceinline__ int dot_codes(const int8_t* w, const int8_t* x, int pitch) {
-  int sum = 0;
-#pragma unroll 2
-  for (int i = 0; i < pitch; i += 16) {
-    sum = dot16(*reinterpret_cast<const int4*>(w + i), *reinterpret_cast<const int4*>(x + i), sum);
+// The staged dt_proj rows [kTileChannels] · dt_low rows [kFoldedTileRows] of a tile as int32 sums
+// [channel][row] in ``sums``, on the tensor cores: warp w (0 or 1) takes channels 16w ... 16w + 15,
+// one m16n8k32 MMA per 32 codes of dt_rank (exact: int8 products, int32 accumulators).
+__device__ __forceinline__ void tile_dt_sums(const int8_t* w_tile, const int8_t* x_tile, int pitch,
+                                             int dt_rank, int (&sums)[kTileChannels][kFoldedTileRows]) {
+  const int warp = threadIdx.x / 32, group = threadIdx.x % 32 / 4, quad = threadIdx.x % 4;
+  const int8_t* w_rows = w_tile + (warp * 16 + group) * pitch + quad * 4;
+  const int8_t* x_row = x_tile + group * pitch + quad * 4;
+  const auto word = [](const int8_t* p) { return *reinterpret_cast<const uint32_t*>(p); };
+  int acc[4] = {0, 0, 0, 0};
+  for (int k = 0; k < dt_rank; k += 32) {
+    const uint32_t a[4] = {word(w_rows + k), word(w_rows + 8 * pitch + k), word(w_rows + k + 16),
+                           word(w_rows + 8 * pitch + k + 16)};
+    quamba::gemm::mma_s8(acc, a, word(x_row + k), word(x_row + k + 16));
   }
-  return sum;
+  const int channel = warp * 16 + group, row = quad * 2;
+  sums[channel][row] = acc[0];
+  sums[channel][row + 1] = acc[1];
+  sums[channel + 8][row] = acc[2];
+  sums[channel + 8][row + 1] = acc[3];
 }
 
 // The one-lane layout: a block steps kTileChannels channels for tile_rows batch rows, a thread
@@ -915,7 +926,8 @@ __global__ void __launch_bounds__(kFoldedTileRows * kTileChannels)
   __shared__ __align__(16) float A_tile[kTileChannels * kAPitch];
   __shared__ __align__(16) float B_rows[kFoldedTileRows][kOneLaneStates];
   __shared__ __align__(16) float C_rows[kFoldedTileRows][kOneLaneStates];
-  extern __shared__ __align__(16) int8_t dt_tiles[];  // [kTileChannels + tile rows][pitch]
+  extern __shared__ __align__(16) int8_t dt_tiles[];  // [kTileChannels + kFoldedTileRows][pitch]
+  __shared__ int dt_sums[kTileChannels][kFoldedTileRows];
   const int rows = blockDim.x / kTileChannels;
   const int channel_tiles = (a.dim + kTileChannels - 1) / kTileChannels;
   const int first_channel = (blockIdx.x % channel_tiles) * kTileChannels;
@@ -926,7 +938,7 @@ __global__ void __launch_bounds__(kFoldedTileRows * kTileChannels)
     stage_codes(dt_tiles, kTileChannels, dt_pitch,
                 a.dt_proj + static_cast<int64_t>(first_channel) * a.dt_rank, a.dt_rank, 1,
                 min(kTileChannels, a.dim - first_channel), a.dt_rank, a.dt_proj_wide);
-    stage_codes(dt_low_tile, rows, dt_pitch,
+    stage_codes(dt_low_tile, kFoldedTileRows, dt_pitch,
                 static_cast<const int8_t*>(a.dt.data) + first_row * a.dt_st[0], a.dt_st[0],
                 a.dt_st[1], min(rows, a.batch - first_row), a.dt_rank, a.dt_low_wide);
   }
@@ -959,14 +971,16 @@ __global__ void __launch_bounds__(kFoldedTileRows * kTileChannels)
     C_rows[r][s] = valid ? a.C.load(b * a.C_st[0] + s * a.C_st[1]) : 0.f;
   }
   __syncthreads();
+  if (a.dt_proj != nullptr) {
+    if (threadIdx.x < 64) tile_dt_sums(dt_tiles, dt_low_tile, dt_pitch, a.dt_rank, dt_sums);
+    __syncthreads();
+  }
   const int c = threadIdx.x % kTileChannels, r = threadIdx.x / kTileChannels;
   const int d = first_channel + c, b = first_row + r;
   if (d >= a.dim || b >= a.batch) return;
   const float u = a.u.load(b * a.u_st[0] + d * a.u_st[1]);
   const float delta =
-      a.dt_proj != nullptr
-          ? projected_delta(a, dot_codes(dt_tiles + c * dt_pitch, dt_low_tile + r * dt_pitch, dt_pitch), d)
-          : step_delta(a, b, d);
+      a.dt_proj != nullptr ? projected_delta(a, dt_sums[c][r], d) : step_delta(a, b, d);
   float A[kOneLaneStates];
   load_row<kOneLaneStates>(A_tile + c * kAPitch, A);
   const int64_t offset = (static_cast<int64_t>(b) * a.dim + d) * a.dstate;
@@ -995,7 +1009,7 @@ void launch_step_one_lane(const StepArgs& args) {
   const int rows = tile_rows(args);
   const int64_t blocks =
       ceil_div(int64_t{args.dim}, kTileChannels) * ceil_div(int64_t{args.batch}, int64_t{rows});
-  const int dt_smem = args.dt_proj != nullptr ? dt_tile_bytes(args.dt_rank, rows) : 0;
+  const int dt_smem = args.dt_proj != nullptr ? dt_tile_bytes(args.dt_rank) : 0;
   kernel<<<blocks, rows * kTileChannels, dt_smem, current_stream()>>>(args);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
