@@ -6,7 +6,8 @@ Shapes: d_inner 5120, d_state 16 (Mamba-2.8B); the scans at batch 1 and 8 over 1
 tokens and at batch 1 over 4096 and 8192 (``--quick``: the first two), the other prefill ops at
 batch 1, seqlen 1024 and 2048, the decode steps at batch 1, 8, 32 and 64 (``--quick``: 1), the
 scan's step also per lanes-per-channel variant of its kernel, and with dt_proj before it (a W8A8
-GEMV/GEMM) against dt_proj folded into it (the mixer's decode step). The int8 ops are timed in the module's layout (channel-last views of the
+GEMV/GEMM) against dt_proj folded into it (the mixer's decode step up to batch 8; the pair is two
+eager launches, so at small batch its row includes the host's gap between them). The int8 ops are timed in the module's layout (channel-last views of the
 GEMM outputs, ``layout=module``) and channel-first (``layout=contiguous``, the layout mamba-ssm is
 given). GB/s counts each input read once and each output written once (y, and the last state);
 ``floor_us`` is those bytes over the device's measured copy bandwidth. The baseline columns are left empty, with a note,

@@ -35,6 +35,13 @@ from quamba.ops.quant import (dequantize, fake_quantize, quantize, quantize_weig
                               requant_multiplier)
 from quamba.ops.selective_scan import selective_scan, selective_state_update
 
+# The largest decode batch whose step folds dt_proj into the scan step. Measured on H100s
+# (Mamba-2.8B W8A8 TPOT, dt_proj unfolded → folded, benchmarks/RESULTS.md): batch 1 2.14 → 2.13
+# and 2.10 → 2.07 ms on two machines, batch 8 2.69 → 2.65; at batch 64 the fold (then without
+# the tensor-core sums) cost more than the GEMM it saves (3.83 → 4.03), and the folded step's
+# extra time grows with the batch (bench_ssm: +2.8 us at 64, +11 at 128).
+FOLD_DT_PROJ_MAX_BATCH = 8
+
 # Activation scales of a mixer, named after the tensor each one quantizes.
 ACTIVATION_SCALES = ("xz_scale", "u_scale", "xdbl_scale", "dt_scale", "state_scale", "y_scale")
 
@@ -267,7 +274,7 @@ class QMambaMixer(QuantModule):
                            out_scale=None if fp32_conv else s["u_scale"], backend_name=self.backend)
         u_codes = quantize(u, s["u_scale"]) if fp32_conv else u
         dt_low, B, C = self._split_xdbl(self.x_proj(u_codes))
-        dt_projection = self._step_dt_projection()
+        dt_projection = self._step_dt_projection(x.shape[0])
         dt = dt_low if dt_projection is not None else self.dt_proj(dt_low)
         scan_inputs = [u, s["u_scale"], dt, s["dt_scale"], B, s["xdbl_scale"], C, s["xdbl_scale"],
                        z, s["xz_scale"]]
@@ -278,11 +285,12 @@ class QMambaMixer(QuantModule):
                              discretization=self.discretization, drive=state.drive,
                              dt_proj=dt_projection)
 
-    def _step_dt_projection(self) -> DtProjection | None:
-        """dt_proj as the decode step folds it into the scan step, where the scan takes dt as
-        int8 codes and dt_proj is a W8A8 layer with per-tensor scales and an int8 output; else
-        None (dt_proj runs as its own op)."""
-        if self.mode == "fp32-ssm-input":
+    def _step_dt_projection(self, batch: int) -> DtProjection | None:
+        """dt_proj as the decode step of ``batch`` rows folds it into the scan step, where the
+        scan takes dt as int8 codes, dt_proj is a W8A8 layer with per-tensor scales and an int8
+        output, and the batch is at most FOLD_DT_PROJ_MAX_BATCH; else None (dt_proj runs as its
+        own op)."""
+        if self.mode == "fp32-ssm-input" or batch > FOLD_DT_PROJ_MAX_BATCH:
             return None
         linear = _fused_weight(self.dt_proj)
         if not isinstance(linear, W8A8Weight):

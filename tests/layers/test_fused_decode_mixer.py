@@ -2,7 +2,8 @@
 on the trained test model: through the torch backend it is the unfused step bit for bit; with
 the op's Triton kernels (under Triton's interpreter on the CPU) greedy decoding picks the same
 tokens as the unfused step. tests/ops/test_cuda_fused_decode.py does the same on a GPU. The
-unfused step folds dt_proj into its scan step (qsscan_update's dt_proj), bit for bit."""
+unfused step folds dt_proj into its scan step (qsscan_update's dt_proj) up to batch 8, bit for
+bit."""
 import os
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 
 import quamba
 from quamba.calibrate import load_calibration_set
-from quamba.layers.qmixer import QMambaMixer
+from quamba.layers.qmixer import FOLD_DT_PROJ_MAX_BATCH, QMambaMixer
 from quamba.ops import backend
 from quamba.ops.fused_decode import OP
 
@@ -106,14 +107,15 @@ def test_the_unfused_step_folds_dt_proj_into_the_scan_bit_for_bit(request, recip
                                                                   monkeypatch):
     model = request.getfixturevalue(recipe)
     mixer = mixers(model)[0]
-    assert mixer._step_dt_projection() is not None
+    assert mixer._step_dt_projection(FOLD_DT_PROJ_MAX_BATCH) is not None
+    assert mixer._step_dt_projection(FOLD_DT_PROJ_MAX_BATCH + 1) is None
     mixer.set_mode("fp32-ssm-input")  # its scan takes dt as floats: dt_proj runs on its own
     try:
-        assert mixer._step_dt_projection() is None
+        assert mixer._step_dt_projection(1) is None
     finally:
         mixer.set_mode("int8")
     folded = decode_logits(model, prompt, 8)
-    monkeypatch.setattr(QMambaMixer, "_step_dt_projection", lambda self: None)
+    monkeypatch.setattr(QMambaMixer, "_step_dt_projection", lambda self, batch: None)
     assert torch.equal(folded, decode_logits(model, prompt, 8))
 
 
