@@ -848,16 +848,16 @@ __host__ __device__ constexpr int dt_row_pitch(int dt_rank) {
   return (dt_rank + 31) / 32 * 32 + 16;
 }
 
-// Rows first ... first + count - 1 (row i at src + i · row_stride, its dt_rank codes element_stride
-// apart) into shared memory rows of ``pitch`` bytes, zero past dt_rank and for the rows of the
-// tile past ``count``; ``wide``: dt_rank a multiple of 16, rows 16-byte aligned, elements
+// ``count`` rows of codes (row i at src + i · row_stride, its dt_rank codes element_stride apart)
+// into the first of ``rows`` shared-memory rows of ``pitch`` bytes, zero past dt_rank and in the
+// rows past ``count``; ``wide``: dt_rank a multiple of 16, rows 16-byte aligned, elements
 // contiguous, so copied in 16-byte pieces.
-__device__ __forceinline__ void stage_codes(int8_t* tile, int tile_rows, int pitch, const int8_t* src,
+__device__ __forceinline__ void stage_codes(int8_t* tile, int rows, int pitch, const int8_t* src,
                                             int64_t row_stride, int64_t element_stride, int count,
                                             int dt_rank, bool wide) {
   if (wide) {
     const int pieces = pitch / 16;
-    for (int i = threadIdx.x; i < tile_rows * pieces; i += blockDim.x) {
+    for (int i = threadIdx.x; i < rows * pieces; i += blockDim.x) {
       const int row = i / pieces, column = i % pieces * 16;
       uint4 piece = make_uint4(0, 0, 0, 0);
       if (row < count && column < dt_rank) {
@@ -866,7 +866,7 @@ __device__ __forceinline__ void stage_codes(int8_t* tile, int tile_rows, int pit
       *reinterpret_cast<uint4*>(tile + row * pitch + column) = piece;
     }
   } else {
-    for (int i = threadIdx.x; i < tile_rows * pitch; i += blockDim.x) {
+    for (int i = threadIdx.x; i < rows * pitch; i += blockDim.x) {
       const int row = i / pitch, column = i % pitch;
       tile[i] = row < count && column < dt_rank ? src[row * row_stride + column * element_stride]
                                                 : int8_t{0};
@@ -917,8 +917,8 @@ __device__ __forceinline__ void tile_dt_sums(const int8_t* w_tile, const int8_t*
 // the step is bound by instruction issue. kWhole: dstate is 16 and the rows are aligned, so a
 // thread's states, A and B, C are whole 16-byte rows and no state needs a bounds check. Same
 // arithmetic as the lanes layouts. With dt_proj folded in, the block stages its channels' rows of
-// dt_proj and its rows' dt_low in dynamic shared memory (dt_row_pitch bytes a row) and a thread
-// sums its channel's row · its row's dt_low with dp4a.
+// dt_proj and its rows' dt_low in dynamic shared memory (dt_row_pitch bytes a row) and two warps
+// sum them on the tensor cores (tile_dt_sums).
 template <Discretization kMethod, bool kWhole, typename Out>
 __global__ void __launch_bounds__(kFoldedTileRows * kTileChannels)
     qsscan_update_lane_kernel(const StepArgs a) {

@@ -26,7 +26,7 @@ struct StepArgs {
   const int8_t* dt_proj;
   float dt_multiplier;
   int dt_rank;
-  // dt_rank a multiple of 16 and 16-byte aligned rows (dt_low's elements contiguous): staged in
+  // dt_rank a multiple of 16 and 16-byte aligned rows (dt_low's elements contiguous): read in
   // 16-byte pieces
   bool dt_proj_wide, dt_low_wide;
 };

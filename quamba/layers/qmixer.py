@@ -9,8 +9,8 @@ Data flow of the int8 mode (prefill; shapes [batch, seqlen, ·] unless noted):
     y ─ Hadamard + quantize → int8 ─ out_proj W8A8 → fp16 out
 
 A decode step (one token) runs conv update → x_proj → scan step op by op, dt_proj folded into
-the scan step where the scan takes dt as int8 codes (qsscan_update's ``dt_proj``: the same dt
-codes, one kernel fewer on a GPU), or with
+the scan step up to batch 8 where the scan takes dt as int8 codes (qsscan_update's ``dt_proj``:
+the same dt codes, one kernel fewer on a GPU; above, dt_proj runs between them), or with
 ``fused_decode`` set (off by default: slower on a GPU so far) as one op, qmixer_ssm_step
 (quamba.ops.fused_decode: two Triton kernels on a GPU), where :meth:`QMambaMixer.fuses_decode`
 says it applies.
