@@ -277,7 +277,8 @@ def bench_decode(timer, fns, batch):
                       batch=batch),
             timer.row("qconv1d_update int8", "decode", 1, conv_step, conv_step_bytes, base_conv,
                       batch=batch)]
-    rows += bench_folded_dt_proj(timer, ssm_state, u, x_dbl, B, C, z, params, base_scan, batch)
+    rows += bench_folded_dt_proj(timer, ssm_state, u, x_dbl, B, C, z, params, base_scan, batch,
+                                 scan_step_bytes)
     op_args = _step_op_args(ssm_state, u, dt, B, C, z, params)
     for lanes in (16, 4, 1):
         step = lambda: torch.ops.quamba.qsscan_update(*op_args, lanes=lanes)
@@ -286,7 +287,8 @@ def bench_decode(timer, fns, batch):
     return rows
 
 
-def bench_folded_dt_proj(timer, ssm_state, u, x_dbl, B, C, z, params, base_scan, batch):
+def bench_folded_dt_proj(timer, ssm_state, u, x_dbl, B, C, z, params, base_scan, batch,
+                         scan_step_bytes):
     """dt_proj (W8A8, int8 out) then the step, against the step with dt_proj folded in (what the
     mixer's decode step runs); the baseline is mamba-ssm's step alone, its dt_proj not counted."""
     dt_low = x_dbl[:, :DT_RANK]
@@ -297,8 +299,8 @@ def bench_folded_dt_proj(timer, ssm_state, u, x_dbl, B, C, z, params, base_scan,
     chain = lambda: step(dt=w8a8_linear(dt_low, 0.02, weight, 0.01, 0.02, backend_name="cuda"),
                          dt_scale=0.02)
     folded = lambda: step(dt=dt_low, dt_scale=0.02, dt_proj=projection)
-    step_bytes = batch * (D_INNER * (4 + 2 * D_STATE) + 2 * D_STATE)
-    return [timer.row(name, "decode", 1, fn, step_bytes + D_INNER * DT_RANK, base_scan, batch=batch)
+    return [timer.row(name, "decode", 1, fn, scan_step_bytes + D_INNER * DT_RANK, base_scan,
+                      batch=batch)
             for name, fn in (("dt_proj + qsscan_update int8", chain),
                              ("qsscan_update int8, dt_proj folded", folded))]
 

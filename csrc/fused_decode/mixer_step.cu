@@ -148,7 +148,7 @@ __device__ __forceinline__ void dt_proj_codes(const MixerStepArgs& a, const int8
 #pragma unroll
     for (int offset = 1; offset < kDtLanes; offset *= 2) acc += __shfl_xor_sync(0xffffffffu, acc, offset);
     if (lane == 0 && channel < count) {
-      const int8_t code = quantize_rn(__int2float_rn(acc), a.dt_multiplier);
+      const int8_t code = projected_dt_code(acc, a.dt_multiplier);
       dt_codes[channel] = code;
       if (a.dt_out != nullptr) a.dt_out[out_row + channel] = code;
     }

@@ -41,11 +41,15 @@ __device__ __forceinline__ float step_delta(const StepArgs& a, int b, int d) {
   return delta_of(a, a.dt.load(b * a.dt_st[0] + d * a.dt_st[1]), d);
 }
 
-// Δ of channel d where dt_proj is folded in, from the exact int32 sum dt_low · its dt_proj row:
-// the dt code w8a8_linear gives (quantize_rn of the fp32 sum times the multiplier), dequantized.
+// dt's code from the exact int32 sum dt_low · a channel's dt_proj row, as w8a8_linear's int8
+// epilogue gives it: quantize_rn of the fp32 sum times the requantization multiplier.
+__device__ __forceinline__ int8_t projected_dt_code(int dt_sum, float multiplier) {
+  return quantize_rn(__int2float_rn(dt_sum), multiplier);
+}
+
+// Δ of channel d where dt_proj is folded in, from its sum dt_low · its dt_proj row.
 __device__ __forceinline__ float projected_delta(const StepArgs& a, int dt_sum, int d) {
-  const int8_t dt_code = quantize_rn(__int2float_rn(dt_sum), a.dt_multiplier);
-  return delta_of(a, dequantize(dt_code, a.dt.scale), d);
+  return delta_of(a, dequantize(projected_dt_code(dt_sum, a.dt_multiplier), a.dt.scale), d);
 }
 
 // What the step of one state reads besides its state: A_n, B_n, C_n (and foh's drive v_{t-1}).

@@ -31,8 +31,8 @@ from quamba.ops.hadamard import hadamard_transform
 from quamba.ops.qconv1d import qconv1d, qconv1d_update
 from quamba.ops.qhadamard import hadamard_quant
 from quamba.ops.qsscan import DtProjection, SSMParams, qsscan, qsscan_last_drive, qsscan_update
-from quamba.ops.quant import (dequantize, fake_quantize, quantize, quantize_weight,
-                              requant_multiplier)
+from quamba.ops.quant import (dequantize, fake_quantize, fp32_multiplier, quantize,
+                              quantize_weight)
 from quamba.ops.selective_scan import selective_scan, selective_state_update
 
 # The largest decode batch whose step folds dt_proj into the scan step. Measured on H100s
@@ -295,8 +295,8 @@ class QMambaMixer(QuantModule):
         linear = _fused_weight(self.dt_proj)
         if not isinstance(linear, W8A8Weight):
             return None
-        return DtProjection(linear.weight, requant_multiplier(linear.in_scale, linear.weight_scale,
-                                                              linear.out_scale))
+        return DtProjection(linear.weight, fp32_multiplier(linear.in_scale, linear.weight_scale,
+                                                           linear.out_scale))
 
     # --- float simulation of the int8 path -------------------------------------------------------
 
