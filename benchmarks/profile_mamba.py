@@ -33,8 +33,10 @@ run as torch references) are skipped unless --reference_fp_ops is given, and the
 quamba's FP16 row where there is one. The decode floor is the weight bytes over the measured copy
 bandwidth. Every row also records how long a graphed step's launch keeps the GPU waiting
 (`graph_launch`). --breakdown adds the per-kernel GPU time of one eager decode step and one
-prefill (torch profiler) for every row, and of the graphed decode step as replayed, with the GPU's
-idle time between its kernels; the profiles run in a child process after the timings.
+prefill (torch profiler) for every row, and of the graphed decode step as replayed, with each
+kernel's share of the critical path (programmatically dependent kernels overlap, so their own
+times add up to more than the step) and the GPU's idle time between its kernels; the profiles run
+in a child process after the timings.
 Quantized models are calibrated on random tokens: their scales are meaningless, their speed is not.
 --fused_decode adds, after each W8A8 and W4A8 row, the same model with its mixers' decode step's
 SSM side run as one qmixer_ssm_step ("quamba w8a8 fused": QuantizedModel.set_fused_decode(True))
@@ -259,30 +261,40 @@ def kernel_breakdown(fn, top: int = 12) -> list[dict]:
 
 def graph_breakdown(step, replays: int = 5, top: int = 12) -> dict:
     """The kernels of a graphed decode step as the GPU runs them (``replays`` back-to-back replays
-    of ``step``): per kernel name its calls and GPU time per replay; the GPU's idle time between
-    kernels per replay, by the kernel it waits for (the largest first); and the step's busy time
-    (kernel intervals merged: programmatically dependent kernels overlap) against its kernel sum.
-    An idle gap is launch and drain time the graph did not hide."""
+    of ``step``), summarised by :func:`replay_timeline`."""
     kernels = cuda_events(step, replays)
     if not kernels:
         return {"note": "the profiler recorded no kernels inside the graph replays"}
-    times, counts = defaultdict(float), defaultdict(int)
+    return replay_timeline([(e.name, e.time_range.start, e.time_range.end) for e in kernels],
+                           replays, top)
+
+
+def replay_timeline(kernels: list, replays: int, top: int = 12) -> dict:
+    """``kernels`` (name, start µs, end µs), in order of start, of ``replays`` replays: per kernel
+    name its calls and GPU time per replay (start to end: a programmatically dependent kernel
+    starts early, and its time includes its wait); its share of the critical path (``critical``:
+    the time by which it moved the latest end so far, so that the shares add up to the busy time
+    and a kernel that only waited gets ~0); the GPU's idle time between kernels, by the kernel it
+    waits for; and the step's span, busy time (intervals merged) and kernel sum. An idle gap is
+    launch and drain time the graph did not hide."""
+    times, counts, critical = defaultdict(float), defaultdict(int), defaultdict(float)
     gaps, gap_counts = defaultdict(float), defaultdict(int)
-    frontier, busy = kernels[0].time_range.start, 0.0
-    for event in kernels:
-        start, end = event.time_range.start, event.time_range.end
-        times[event.name] += end - start
-        counts[event.name] += 1
+    frontier = kernels[0][1]
+    for name, start, end in kernels:
+        times[name] += end - start
+        counts[name] += 1
         if start > frontier:
-            gaps[event.name] += start - frontier
-            gap_counts[event.name] += 1
-        busy += max(0.0, end - max(start, frontier))
+            gaps[name] += start - frontier
+            gap_counts[name] += 1
+        critical[name] += max(0.0, end - max(start, frontier))
         frontier = max(frontier, end)
+
     def per_replay(totals):
         return {name: value / replays for name, value in totals.items()}
     return {"kernels": top_kernels(per_replay(times), per_replay(counts), top),
+            "critical": top_kernels(per_replay(critical), per_replay(counts), top),
             "gaps_before": top_kernels(per_replay(gaps), per_replay(gap_counts), top),
-            "span_us": (frontier - kernels[0].time_range.start) / replays, "busy_us": busy / replays,
+            "span_us": (frontier - kernels[0][1]) / replays, "busy_us": sum(critical.values()) / replays,
             "idle_us": sum(gaps.values()) / replays, "kernel_sum_us": sum(times.values()) / replays}
 
 
@@ -546,6 +558,7 @@ def run_one(args, argv: list[str]) -> tuple[dict, int]:
                                 for key in ("span_us", "busy_us", "idle_us", "kernel_sum_us"))
             columns = ["kernel", "calls", "us"]
             print(format_table(graph["kernels"], columns, f"{row['name']}: graph replay ({summary})"))
+            print(format_table(graph["critical"], columns, f"{row['name']}: share of the critical path"))
             print(format_table(graph["gaps_before"], columns, f"{row['name']}: idle before"))
         if "graph_launch" in row:
             print(f"{row['name']}: graph launch, µs: " +

@@ -33,3 +33,19 @@ def test_fused_decode_rows_are_added_for_the_int8_activation_precisions():
     added = [p for p in profile_mamba.PRECISIONS if profile_mamba.fused_row(p, wanted)]
     assert added == ["w8a8", "w4a8"]
     assert not profile_mamba.fused_row("w8a8", unwanted)
+
+
+def test_replay_timeline_gives_each_kernel_its_share_of_the_critical_path():
+    # Two replays, 20 µs apart, of: norm 0-3, a GEMM launched early (1-10, waiting until 3), a scan
+    # 11-14 after a 1 µs gap, and a Hadamard launched early (12-15) that ends 1 µs after the scan.
+    replay = [("norm", 0.0, 3.0), ("gemm", 1.0, 10.0), ("scan", 11.0, 14.0), ("hadamard", 12.0, 15.0)]
+    kernels = replay + [(name, start + 20.0, end + 20.0) for name, start, end in replay]
+    timeline = profile_mamba.replay_timeline(kernels, replays=2)
+    critical = {row["kernel"]: row["us"] for row in timeline["critical"]}
+    assert critical == {"gemm": 7.0, "norm": 3.0, "scan": 3.0, "hadamard": 1.0}
+    assert timeline["busy_us"] == sum(critical.values()) == 14.0
+    times = {row["kernel"]: row["us"] for row in timeline["kernels"]}
+    assert times["gemm"] == 9.0 and timeline["kernel_sum_us"] == 18.0
+    gaps = {row["kernel"]: row["us"] for row in timeline["gaps_before"]}
+    assert gaps == {"scan": 1.0, "norm": 2.5}  # the second replay starts 5 µs after the first ends
+    assert timeline["span_us"] == 17.5 and timeline["idle_us"] == 3.5

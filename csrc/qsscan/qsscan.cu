@@ -918,23 +918,25 @@ __device__ __forceinline__ void tile_dt_sums(const int8_t* w_tile, const int8_t*
 // thread's states, A and B, C are whole 16-byte rows and no state needs a bounds check. Same
 // arithmetic as the lanes layouts. With dt_proj folded in, the block stages its channels' rows of
 // dt_proj and its rows' dt_low in dynamic shared memory (dt_row_pitch bytes a row) and two warps
-// sum them on the tensor cores (tile_dt_sums).
-template <Discretization kMethod, bool kWhole, typename Out>
-__global__ void __launch_bounds__(kFoldedTileRows * kTileChannels)
+// sum them on the tensor cores (tile_dt_sums). kFolded (dt_proj given) is a template parameter so
+// that the plain step keeps the resources it had before the fold: 4-row tiles, no dt tiles.
+template <Discretization kMethod, bool kWhole, bool kFolded, typename Out>
+__global__ void __launch_bounds__((kFolded ? kFoldedTileRows : kTileRows) * kTileChannels)
     qsscan_update_lane_kernel(const StepArgs a) {
+  constexpr int kMaxRows = kFolded ? kFoldedTileRows : kTileRows;
   quamba::pdl_launch_dependents();  // the Hadamard kernel after it may launch (pdl.cuh)
   __shared__ __align__(16) float A_tile[kTileChannels * kAPitch];
-  __shared__ __align__(16) float B_rows[kFoldedTileRows][kOneLaneStates];
-  __shared__ __align__(16) float C_rows[kFoldedTileRows][kOneLaneStates];
+  __shared__ __align__(16) float B_rows[kMaxRows][kOneLaneStates];
+  __shared__ __align__(16) float C_rows[kMaxRows][kOneLaneStates];
   extern __shared__ __align__(16) int8_t dt_tiles[];  // [kTileChannels + kFoldedTileRows][pitch]
-  __shared__ int dt_sums[kTileChannels][kFoldedTileRows];
+  __shared__ int dt_sums[kFolded ? kTileChannels : 1][kFoldedTileRows];
   const int rows = blockDim.x / kTileChannels;
   const int channel_tiles = (a.dim + kTileChannels - 1) / kTileChannels;
   const int first_channel = (blockIdx.x % channel_tiles) * kTileChannels;
   const int first_row = (blockIdx.x / channel_tiles) * rows;
   const int dt_pitch = dt_row_pitch(a.dt_rank);
   int8_t* dt_low_tile = dt_tiles + kTileChannels * dt_pitch;
-  if (a.dt_proj != nullptr) {
+  if constexpr (kFolded) {
     stage_codes(dt_tiles, kTileChannels, dt_pitch,
                 a.dt_proj + static_cast<int64_t>(first_channel) * a.dt_rank, a.dt_rank, 1,
                 min(kTileChannels, a.dim - first_channel), a.dt_rank, a.dt_proj_wide);
@@ -971,7 +973,7 @@ __global__ void __launch_bounds__(kFoldedTileRows * kTileChannels)
     C_rows[r][s] = valid ? a.C.load(b * a.C_st[0] + s * a.C_st[1]) : 0.f;
   }
   __syncthreads();
-  if (a.dt_proj != nullptr) {
+  if constexpr (kFolded) {
     if (threadIdx.x < 64) tile_dt_sums(dt_tiles, dt_low_tile, dt_pitch, a.dt_rank, dt_sums);
     __syncthreads();
   }
@@ -979,8 +981,9 @@ __global__ void __launch_bounds__(kFoldedTileRows * kTileChannels)
   const int d = first_channel + c, b = first_row + r;
   if (d >= a.dim || b >= a.batch) return;
   const float u = a.u.load(b * a.u_st[0] + d * a.u_st[1]);
-  const float delta =
-      a.dt_proj != nullptr ? projected_delta(a, dt_sums[c][r], d) : step_delta(a, b, d);
+  float delta;
+  if constexpr (kFolded) delta = projected_delta(a, dt_sums[c][r], d);
+  else delta = step_delta(a, b, d);
   float A[kOneLaneStates];
   load_row<kOneLaneStates>(A_tile + c * kAPitch, A);
   const int64_t offset = (static_cast<int64_t>(b) * a.dim + d) * a.dstate;
@@ -1003,8 +1006,11 @@ void launch_step_group(const StepArgs& args) {
 template <Discretization kMethod, typename Out>
 void launch_step_one_lane(const StepArgs& args) {
   const bool whole = args.dstate == kOneLaneStates && args.rows_aligned;
-  auto kernel = whole ? qsscan_update_lane_kernel<kMethod, true, Out>
-                      : qsscan_update_lane_kernel<kMethod, false, Out>;
+  const bool folded = args.dt_proj != nullptr;
+  auto kernel = whole ? (folded ? qsscan_update_lane_kernel<kMethod, true, true, Out>
+                                : qsscan_update_lane_kernel<kMethod, true, false, Out>)
+                      : (folded ? qsscan_update_lane_kernel<kMethod, false, true, Out>
+                                : qsscan_update_lane_kernel<kMethod, false, false, Out>);
   check_kernel_image(kernel, "qsscan_update");
   const int rows = tile_rows(args);
   const int64_t blocks =
