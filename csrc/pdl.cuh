@@ -28,6 +28,13 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 #endif
 }
 
+// Brings the cache line of p into L2, where a read after pdl_wait then finds it. L2 is where every
+// SM's accesses to global memory meet, so this never yields a stale value, even of memory an
+// earlier kernel is still writing: it suits what only the wait makes safe to read.
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
 // Launches kernel<<<grid, block, smem, stream>>>(args...), programmatically dependent on the
 // previous kernel of the stream where the device supports it (compute capability >= 9).
 template <typename... Params, typename... Args>

@@ -459,6 +459,9 @@ at::Tensor qconv1d_channelwise(const at::Tensor& x, const at::Tensor& weight,
 
 // ---- decode step ---------------------------------------------------------------------------
 
+// Launched programmatically dependent on the kernel before (in_proj's GEMM, pdl.cuh): a thread
+// loads its channel's weights and epilogue constants and brings its conv state into L2 before the
+// wait; it reads the state after it (the step before, on the same state, may still be running).
 template <int W, typename Out>
 __global__ void __launch_bounds__(kThreads)
 qconv1d_update_kernel(const int8_t* __restrict__ x, int64_t x_batch_stride, int64_t x_dim_stride,
@@ -466,19 +469,29 @@ qconv1d_update_kernel(const int8_t* __restrict__ x, int64_t x_batch_stride, int6
                       const int8_t* __restrict__ weight, ConvEpilogue ep, int dim, int batch) {
   quamba::pdl_launch_dependents();  // x_proj's GEMV may start loading its weights (pdl.cuh)
   const int index = blockIdx.x * kThreads + threadIdx.x;
-  if (index >= batch * dim) return;
-  const int b = index / dim, d = index % dim;
+  const bool valid = index < batch * dim;
+  const int b = valid ? index / dim : 0, d = valid ? index % dim : 0;
   int8_t* s = state + static_cast<int64_t>(index) * (W - 1);  // contiguous [batch, dim, W - 1]
-  int window[W];
+  int window[W], taps[W];
+  float bias = 0.f, multiplier = 0.f;
+  if (valid) {
+    quamba::prefetch_l2(s);
+#pragma unroll
+    for (int k = 0; k < W; ++k) taps[k] = weight[d * W + k];
+    bias = ep.bias_of(d);
+    multiplier = ep.multiplier_of(d);
+  }
+  quamba::pdl_wait();  // every thread waits: the kernel ends only after the one before
+  if (!valid) return;
 #pragma unroll
   for (int k = 0; k < W - 1; ++k) window[k] = s[k];
   window[W - 1] = x[b * x_batch_stride + d * x_dim_stride];
   int acc = 0;
 #pragma unroll
-  for (int k = 0; k < W; ++k) acc += static_cast<int>(weight[d * W + k]) * window[k];
+  for (int k = 0; k < W; ++k) acc += taps[k] * window[k];
 #pragma unroll
   for (int k = 0; k < W - 1; ++k) s[k] = static_cast<int8_t>(window[k + 1]);
-  store(out, index, ep.apply(acc, ep.bias_of(d), ep.multiplier_of(d)), ep.out_inv_of(d));
+  store(out, index, ep.apply(acc, bias, multiplier), ep.out_inv_of(d));
 }
 
 template <int W, typename Out>
@@ -487,11 +500,10 @@ void launch_update(const at::Tensor& x, at::Tensor& state, const at::Tensor& wei
   const int batch = x.size(0), dim = x.size(1);
   auto kernel = qconv1d_update_kernel<W, Out>;
   check_kernel_image(kernel, "qconv1d_update");
-  kernel<<<ceil_div(int64_t{batch} * dim, kThreads), kThreads, 0,
-           current_stream()>>>(
-      x.data_ptr<int8_t>(), x.stride(0), x.stride(1), state.data_ptr<int8_t>(),
-      out.data_ptr<Out>(), weight.data_ptr<int8_t>(), ep, dim, batch);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  quamba::launch_with_pdl(kernel, ceil_div(int64_t{batch} * dim, kThreads), kThreads, 0,
+                          current_stream(), x.data_ptr<int8_t>(), x.stride(0), x.stride(1),
+                          state.data_ptr<int8_t>(), out.data_ptr<Out>(),
+                          weight.data_ptr<int8_t>(), ep, dim, batch);
 }
 
 template <typename Out>

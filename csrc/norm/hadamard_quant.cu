@@ -16,7 +16,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -53,42 +52,6 @@ __host__ __device__ constexpr uint32_t base_column(int a) {
     static_assert(M == 1, "base orders are 1, 12, 20 and 28");
     return 0;
   }
-}
-
-// load_elements' unit for V values of T.
-template <int V, typename T>
-using LoadChunk = WideChunk<V * static_cast<int>(sizeof(T))>;
-
-// V consecutive elements of src: in LoadChunk loads when src is aligned to them (`aligned`), else
-// one element at a time.
-template <int V, typename T>
-__device__ __forceinline__ void load_elements(const T* __restrict__ src, bool aligned, T (&values)[V]) {
-  using Chunk = LoadChunk<V, T>;
-  constexpr int kChunks = V * sizeof(T) / sizeof(Chunk);
-  if (aligned) {
-    Chunk chunks[kChunks];
-#pragma unroll
-    for (int i = 0; i < kChunks; ++i) chunks[i] = __ldg(reinterpret_cast<const Chunk*>(src) + i);
-    memcpy(values, chunks, sizeof(values));
-  } else {
-#pragma unroll
-    for (int r = 0; r < V; ++r) values[r] = src[r];
-  }
-}
-
-// V consecutive values from src as fp32.
-template <int V, typename In>
-__device__ __forceinline__ void load_values(const In* __restrict__ src, bool aligned, float (&v)[V]) {
-  In values[V];
-  load_elements<V>(src, aligned, values);
-#pragma unroll
-  for (int r = 0; r < V; ++r) v[r] = to_float(values[r]);
-}
-
-// Whether every load_elements<V> of p can use its wide loads (the segments start at multiples of V).
-template <int V, typename T>
-__device__ __forceinline__ bool wide_loads_fit(const T* p) {
-  return reinterpret_cast<uintptr_t>(p) % sizeof(LoadChunk<V, T>) == 0;
 }
 
 // Mamba2's gated RMSNorm before the transform (quamba/ops/gated_norm.py, one kernel instead of two

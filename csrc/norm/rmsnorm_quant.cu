@@ -1,6 +1,10 @@
 // Fused residual add + RMSNorm → int8. Specification: quamba/ops/qnorm.py.
 #include <torch/library.h>
 
+#include <algorithm>
+#include <initializer_list>
+#include <type_traits>
+
 #include "../ssm_common/ssm_common.cuh"
 #include "pdl.cuh"
 
@@ -8,9 +12,11 @@ namespace quamba_ssm {
 namespace {
 
 constexpr int kNormThreads = 256;
+constexpr int kRowValues = 8;          // values a thread of rmsnorm_quant_row_kernel holds
+constexpr int kMaxRowThreads = 1024;   // so rows of up to 8192 values
 
-// One block per row. r = x + residual is formed twice (for the sum of squares, then for the
-// output) instead of being kept: the second read hits the cache and no dimension is too large.
+// One block per row, for any dim and alignment. r = x + residual is formed twice (for the sum of
+// squares, then for the output) instead of being kept: the second read hits the cache.
 template <typename In, typename Res, typename ResOut, typename W>
 __global__ void __launch_bounds__(kNormThreads)
 rmsnorm_quant_kernel(const In* __restrict__ x, const Res* __restrict__ residual,
@@ -36,6 +42,67 @@ rmsnorm_quant_kernel(const In* __restrict__ x, const Res* __restrict__ residual,
     if (weight != nullptr) v = __fmul_rn(v, to_float(weight[i]));
     q[row + i] = quantize_rn(v, out_inv_scale);
   }
+}
+
+// One block per row held in registers: thread t takes values 8 t ... 8 t + 7 in one wide load of
+// each input and one wide store of each output, so the row is read once and a decode step's
+// norm costs one round trip to memory after its wait (dim a multiple of 8, at most 8192; rows
+// aligned to the wide accesses). The weight is loaded before the wait: no kernel writes it. Each
+// value is computed as rmsnorm_quant_kernel computes it; only the sum of squares adds in another
+// order (codes agree to one step, as with the reference).
+template <typename In, typename Res, typename ResOut, typename W>
+__global__ void __launch_bounds__(kMaxRowThreads)
+rmsnorm_quant_row_kernel(const In* __restrict__ x, const Res* __restrict__ residual,
+                         const W* __restrict__ weight, float eps, float out_inv_scale,
+                         int8_t* __restrict__ q, ResOut* __restrict__ residual_out, int dim) {
+  quamba::pdl_launch_dependents();  // the next GEMV may start loading its weights (pdl.cuh)
+  const int first = threadIdx.x * kRowValues;
+  const bool holds = first < dim;  // the last warp may reach past the row
+  float w[kRowValues];
+  if (weight != nullptr && holds) load_values<kRowValues>(weight + first, true, w);
+  quamba::pdl_wait();  // x comes from the kernel before
+  const int64_t at = static_cast<int64_t>(blockIdx.x) * dim + first;
+  float r[kRowValues];
+  float sum_sq = 0.f;
+  if (holds) {
+    load_values<kRowValues>(x + at, true, r);
+    if (residual != nullptr) {
+      float res[kRowValues];
+      load_values<kRowValues>(residual + at, true, res);
+#pragma unroll
+      for (int i = 0; i < kRowValues; ++i) r[i] = __fadd_rn(r[i], res[i]);
+    }
+    ResOut sums[kRowValues];
+#pragma unroll
+    for (int i = 0; i < kRowValues; ++i) {
+      sums[i] = from_float<ResOut>(r[i]);
+      sum_sq = fmaf(r[i], r[i], sum_sq);
+    }
+    store_elements<kRowValues>(residual_out + at, sums);
+  }
+  const float mean_sq = __fdiv_rn(block_sum(sum_sq), static_cast<float>(dim));
+  const float rstd = __frsqrt_rn(__fadd_rn(mean_sq, eps));
+  if (!holds) return;
+  int8_t codes[kRowValues];
+#pragma unroll
+  for (int i = 0; i < kRowValues; ++i) {
+    float v = __fmul_rn(r[i], rstd);
+    if (weight != nullptr) v = __fmul_rn(v, w[i]);
+    codes[i] = quantize_rn(v, out_inv_scale);
+  }
+  store_elements<kRowValues>(q + at, codes);
+}
+
+int round_up_to_warp(int64_t threads) { return static_cast<int>((threads + 31) / 32 * 32); }
+
+// Whether rmsnorm_quant_row_kernel takes rows of dim values of these tensors.
+bool row_fits(int64_t dim, std::initializer_list<const at::Tensor*> tensors) {
+  if (dim % kRowValues != 0 || dim > kRowValues * kMaxRowThreads) return false;
+  for (const at::Tensor* t : tensors) {
+    const int64_t chunk = kRowValues * t->element_size();
+    if (reinterpret_cast<uintptr_t>(t->data_ptr()) % std::min<int64_t>(chunk, 16) != 0) return false;
+  }
+  return true;
 }
 
 template <typename T>
@@ -90,6 +157,9 @@ std::tuple<at::Tensor, at::Tensor> rmsnorm_quant(const at::Tensor& x,
   at::Tensor residual_out =
       at::empty(x.sizes(), x.options().dtype(residual_in_fp32 ? at::kFloat : x.scalar_type()));
   if (rows == 0) return {q, residual_out};
+  const bool in_registers = row_fits(dim, {&x, &q, &residual_out}) &&
+                            (!residual || row_fits(dim, {&*residual})) &&
+                            (!weight || row_fits(dim, {&*weight}));
   const auto res_type = residual.has_value() ? residual->scalar_type() : at::kFloat;
   const auto weight_type = weight.has_value() ? weight->scalar_type() : at::kFloat;
   visit_float_type(x.scalar_type(), [&](auto in_tag) {
@@ -98,17 +168,21 @@ std::tuple<at::Tensor, at::Tensor> rmsnorm_quant(const at::Tensor& x,
       using Res = decltype(res_tag);
       visit_float_type(weight_type, [&](auto weight_tag) {
         using W = decltype(weight_tag);
-        auto launch = [&](auto kernel, auto* res_out) {
+        auto launch = [&](auto* res_out) {
+          using ResOut = std::remove_pointer_t<decltype(res_out)>;
+          auto kernel = in_registers ? rmsnorm_quant_row_kernel<In, Res, ResOut, W>
+                                     : rmsnorm_quant_kernel<In, Res, ResOut, W>;
           check_kernel_image(kernel, "rmsnorm_quant");
-          quamba::launch_with_pdl(kernel, rows, kNormThreads, 0, current_stream(),
+          const int threads = in_registers ? round_up_to_warp(dim / kRowValues) : kNormThreads;
+          quamba::launch_with_pdl(kernel, rows, threads, 0, current_stream(),
                                   static_cast<const In*>(x.data_ptr()), data_or_null<Res>(residual),
                                   data_or_null<W>(weight), to_fp32(eps), to_fp32(out_inv_scale),
                                   q.data_ptr<int8_t>(), res_out, dim);
         };
         if (residual_in_fp32) {
-          launch(rmsnorm_quant_kernel<In, Res, float, W>, residual_out.data_ptr<float>());
+          launch(residual_out.data_ptr<float>());
         } else {
-          launch(rmsnorm_quant_kernel<In, Res, In, W>, static_cast<In*>(residual_out.data_ptr()));
+          launch(static_cast<In*>(residual_out.data_ptr()));
         }
       });
     });

@@ -786,6 +786,27 @@ __device__ __forceinline__ int lane_dt_sum(const StepArgs& a, int b, int d, int 
   return sum;
 }
 
+// The step is launched programmatically dependent on the kernel before (x_proj's or dt_proj's
+// GEMM, pdl.cuh). Before its wait a thread computes A from the parameters and brings into L2 what
+// it reads after the wait without depending on that kernel: channel d's row of a folded dt_proj
+// (lane ``lane`` of ``lanes`` takes every lanes-th of its 128-byte lines) and its states at ``offset`` (d, offset: -1 for
+// none). The states are read only after the wait: a step before, on the same state, may still
+// be running.
+__device__ __forceinline__ void prefetch_before_wait(const StepArgs& a, int d, int lane, int lanes,
+                                                     int64_t offset) {
+  if (a.dt_proj != nullptr && d >= 0) {
+    const int8_t* row = a.dt_proj + static_cast<int64_t>(d) * a.dt_rank;
+    const uintptr_t first_line = reinterpret_cast<uintptr_t>(row) & ~uintptr_t{127};
+    const uintptr_t end = reinterpret_cast<uintptr_t>(row + a.dt_rank);
+    for (uintptr_t line = first_line + 128 * lane; line < end; line += 128 * lanes) {
+      quamba::prefetch_l2(reinterpret_cast<const void*>(line));
+    }
+  }
+  if (offset >= 0) {
+    quamba::prefetch_l2(static_cast<const int8_t*>(a.state) + offset * (a.state_int8 ? 1 : 4));
+  }
+}
+
 // One group of kLanes lanes per (batch, channel): lane l steps states l·kStates ...
 // (l+1)·kStates − 1 (those below dstate) and sums its terms of C · h, and the group adds the
 // lanes' sums with shuffles, nearest lanes first: together the pairwise tree of state_readout.
@@ -801,6 +822,12 @@ __global__ void __launch_bounds__(kStepThreads) qsscan_update_kernel(const StepA
   const bool valid_group = group < a.batch * a.dim;
   const int b = valid_group ? group / a.dim : 0, d = valid_group ? group % a.dim : 0;
   const int first = lane * kStates;
+  const int count = valid_group ? min(kStates, a.dstate - first) : 0;  // states of the lane
+  const int64_t offset = static_cast<int64_t>(group) * a.dstate + first;
+  float A[kStates];
+  if (count > 0) load_A<kStates>(a, d, first, count, A);
+  prefetch_before_wait(a, valid_group ? d : -1, lane, kLanes, count > 0 ? offset : -1);
+  quamba::pdl_wait();
   // dt_proj folded in: the group's lanes split dt_low · the channel's row (integers: any order)
   int dt_sum = 0;
   if (a.dt_proj != nullptr) {
@@ -813,14 +840,11 @@ __global__ void __launch_bounds__(kStepThreads) qsscan_update_kernel(const StepA
   float contribution = 0.f, u = 0.f;
   if (valid_group) {
     u = a.u.load(b * a.u_st[0] + d * a.u_st[1]);
-    if (first < a.dstate) {
+    if (count > 0) {
       const float delta = a.dt_proj != nullptr ? projected_delta(a, dt_sum, d) : step_delta(a, b, d);
-      const int count = min(kStates, a.dstate - first);
-      float A[kStates], B[kStates], C[kStates];
-      load_A<kStates>(a, d, first, count, A);
+      float B[kStates], C[kStates];
       a.B.load_row(b * a.B_st[0] + first * a.B_st[1], a.B_st[1], count, B);
       a.C.load_row(b * a.C_st[0] + first * a.C_st[1], a.C_st[1], count, C);
-      const int64_t offset = static_cast<int64_t>(group) * a.dstate + first;
       contribution = step_lane<kMethod, kStates>(a, count, offset, u, delta, A, B, C);
     }
   }
@@ -936,57 +960,65 @@ __global__ void __launch_bounds__((kFolded ? kFoldedTileRows : kTileRows) * kTil
   const int first_row = (blockIdx.x / channel_tiles) * rows;
   const int dt_pitch = dt_row_pitch(a.dt_rank);
   int8_t* dt_low_tile = dt_tiles + kTileChannels * dt_pitch;
+  const int c = threadIdx.x % kTileChannels, r = threadIdx.x / kTileChannels;
+  const int d = first_channel + c, b = first_row + r;
+  const bool valid = d < a.dim && b < a.batch;
+  const int64_t offset = (static_cast<int64_t>(b) * a.dim + d) * a.dstate;
+  // Before the wait (prefetch_before_wait): the channels' dt_proj rows, A, the states into L2.
   if constexpr (kFolded) {
     stage_codes(dt_tiles, kTileChannels, dt_pitch,
                 a.dt_proj + static_cast<int64_t>(first_channel) * a.dt_rank, a.dt_rank, 1,
                 min(kTileChannels, a.dim - first_channel), a.dt_rank, a.dt_proj_wide);
+  }
+  if constexpr (kWhole) {  // 4 consecutive states a thread of the first kStepThreads, one word
+    static_assert(kTileChannels * kOneLaneStates == 4 * kStepThreads, "A: 4 states a thread");
+    const int tile_channel = threadIdx.x / 4, first = threadIdx.x % 4 * 4;
+    const int channel = first_channel + tile_channel;
+    if (threadIdx.x < kStepThreads) {
+      int8_t codes[4] = {};
+      if (channel < a.dim) load_row<4>(a.params.A_log + channel * kOneLaneStates + first, codes);
+      float A[4];
+#pragma unroll
+      for (int s = 0; s < 4; ++s) A[s] = -expf(dequantize(codes[s], a.params.A_log_scale));
+      store_row<4>(A_tile + tile_channel * kAPitch + first, A);
+    }
+  } else {
+    for (int i = threadIdx.x; i < kTileChannels * kOneLaneStates; i += blockDim.x) {
+      const int tile_channel = i / kOneLaneStates, s = i % kOneLaneStates;
+      const int channel = first_channel + tile_channel;
+      float A = 0.f;
+      if (channel < a.dim && s < a.dstate) {
+        A = -expf(dequantize(a.params.A_log[channel * a.dstate + s], a.params.A_log_scale));
+      }
+      A_tile[tile_channel * kAPitch + s] = A;
+    }
+  }
+  prefetch_before_wait(a, -1, 0, 1, valid ? offset : -1);
+  quamba::pdl_wait();
+  if constexpr (kFolded) {
     stage_codes(dt_low_tile, kFoldedTileRows, dt_pitch,
                 static_cast<const int8_t*>(a.dt.data) + first_row * a.dt_st[0], a.dt_st[0],
                 a.dt_st[1], min(rows, a.batch - first_row), a.dt_rank, a.dt_low_wide);
   }
-  if constexpr (kWhole) {  // 4 consecutive states a thread of the first kStepThreads, one word
-    static_assert(kTileChannels * kOneLaneStates == 4 * kStepThreads, "A: 4 states a thread");
-    const int c = threadIdx.x / 4, first = threadIdx.x % 4 * 4, d = first_channel + c;
-    if (threadIdx.x < kStepThreads) {
-      int8_t codes[4] = {};
-      if (d < a.dim) load_row<4>(a.params.A_log + d * kOneLaneStates + first, codes);
-      float A[4];
-#pragma unroll
-      for (int s = 0; s < 4; ++s) A[s] = -expf(dequantize(codes[s], a.params.A_log_scale));
-      store_row<4>(A_tile + c * kAPitch + first, A);
-    }
-  } else {
-    for (int i = threadIdx.x; i < kTileChannels * kOneLaneStates; i += blockDim.x) {
-      const int c = i / kOneLaneStates, s = i % kOneLaneStates, d = first_channel + c;
-      float A = 0.f;
-      if (d < a.dim && s < a.dstate) {
-        A = -expf(dequantize(a.params.A_log[d * a.dstate + s], a.params.A_log_scale));
-      }
-      A_tile[c * kAPitch + s] = A;
-    }
-  }
   if (threadIdx.x < rows * kOneLaneStates) {
-    const int r = threadIdx.x / kOneLaneStates, s = threadIdx.x % kOneLaneStates;
-    const int b = first_row + r;
-    const bool valid = b < a.batch && s < a.dstate;
-    B_rows[r][s] = valid ? a.B.load(b * a.B_st[0] + s * a.B_st[1]) : 0.f;
-    C_rows[r][s] = valid ? a.C.load(b * a.C_st[0] + s * a.C_st[1]) : 0.f;
+    const int tile_row = threadIdx.x / kOneLaneStates, s = threadIdx.x % kOneLaneStates;
+    const int row = first_row + tile_row;
+    const bool present = row < a.batch && s < a.dstate;
+    B_rows[tile_row][s] = present ? a.B.load(row * a.B_st[0] + s * a.B_st[1]) : 0.f;
+    C_rows[tile_row][s] = present ? a.C.load(row * a.C_st[0] + s * a.C_st[1]) : 0.f;
   }
   __syncthreads();
   if constexpr (kFolded) {
     if (threadIdx.x < 64) tile_dt_sums(dt_tiles, dt_low_tile, dt_pitch, a.dt_rank, dt_sums);
     __syncthreads();
   }
-  const int c = threadIdx.x % kTileChannels, r = threadIdx.x / kTileChannels;
-  const int d = first_channel + c, b = first_row + r;
-  if (d >= a.dim || b >= a.batch) return;
+  if (!valid) return;
   const float u = a.u.load(b * a.u_st[0] + d * a.u_st[1]);
   float delta;
   if constexpr (kFolded) delta = projected_delta(a, dt_sums[c][r], d);
   else delta = step_delta(a, b, d);
   float A[kOneLaneStates];
   load_row<kOneLaneStates>(A_tile + c * kAPitch, A);
-  const int64_t offset = (static_cast<int64_t>(b) * a.dim + d) * a.dstate;
   const int count = kWhole ? kOneLaneStates : a.dstate;
   const float sum =
       step_lane<kMethod, kOneLaneStates>(a, count, offset, u, delta, A, B_rows[r], C_rows[r]);
@@ -998,9 +1030,8 @@ void launch_step_group(const StepArgs& args) {
   auto kernel = qsscan_update_kernel<kMethod, kLanes, kStates, Out>;
   check_kernel_image(kernel, "qsscan_update");
   const int64_t threads = int64_t{args.batch} * args.dim * kLanes;
-  kernel<<<ceil_div(threads, kStepThreads), kStepThreads, 0,
-           current_stream()>>>(args);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  quamba::launch_with_pdl(kernel, ceil_div(threads, kStepThreads), kStepThreads, 0,
+                          current_stream(), args);
 }
 
 template <Discretization kMethod, typename Out>
@@ -1016,8 +1047,7 @@ void launch_step_one_lane(const StepArgs& args) {
   const int64_t blocks =
       ceil_div(int64_t{args.dim}, kTileChannels) * ceil_div(int64_t{args.batch}, int64_t{rows});
   const int dt_smem = args.dt_proj != nullptr ? dt_tile_bytes(args.dt_rank) : 0;
-  kernel<<<blocks, rows * kTileChannels, dt_smem, current_stream()>>>(args);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  quamba::launch_with_pdl(kernel, blocks, rows * kTileChannels, dt_smem, current_stream(), args);
 }
 
 // Channels (batch · dim) from which a step takes one lane a channel; fewer take one lane a state,

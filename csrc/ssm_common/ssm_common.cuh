@@ -10,6 +10,7 @@
 #include <cuda_fp16.h>
 
 #include <cstdio>
+#include <cstring>
 #include <string>
 #include <type_traits>
 
@@ -184,6 +185,53 @@ enum class InKind : int { kInt8 = 0, kHalf = 1, kBFloat16 = 2, kFloat = 3 };
 __device__ __forceinline__ float to_float(float v) { return v; }
 __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
 __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+// load_elements' (and store_elements') unit for V values of T.
+template <int V, typename T>
+using LoadChunk = WideChunk<V * static_cast<int>(sizeof(T))>;
+
+// V consecutive elements of src: in LoadChunk loads when src is aligned to them (`aligned`), else
+// one element at a time.
+template <int V, typename T>
+__device__ __forceinline__ void load_elements(const T* __restrict__ src, bool aligned, T (&values)[V]) {
+  using Chunk = LoadChunk<V, T>;
+  constexpr int kChunks = V * sizeof(T) / sizeof(Chunk);
+  if (aligned) {
+    Chunk chunks[kChunks];
+#pragma unroll
+    for (int i = 0; i < kChunks; ++i) chunks[i] = __ldg(reinterpret_cast<const Chunk*>(src) + i);
+    memcpy(values, chunks, sizeof(values));
+  } else {
+#pragma unroll
+    for (int r = 0; r < V; ++r) values[r] = src[r];
+  }
+}
+
+// V consecutive values from src as fp32.
+template <int V, typename In>
+__device__ __forceinline__ void load_values(const In* __restrict__ src, bool aligned, float (&v)[V]) {
+  In values[V];
+  load_elements<V>(src, aligned, values);
+#pragma unroll
+  for (int r = 0; r < V; ++r) v[r] = to_float(values[r]);
+}
+
+// V consecutive elements to dst, aligned to LoadChunk<V, T>, in LoadChunk stores.
+template <int V, typename T>
+__device__ __forceinline__ void store_elements(T* __restrict__ dst, const T (&values)[V]) {
+  using Chunk = LoadChunk<V, T>;
+  constexpr int kChunks = V * sizeof(T) / sizeof(Chunk);
+  Chunk chunks[kChunks];
+  memcpy(chunks, values, sizeof(values));
+#pragma unroll
+  for (int i = 0; i < kChunks; ++i) reinterpret_cast<Chunk*>(dst)[i] = chunks[i];
+}
+
+// Whether every load_elements<V> of p can use its wide loads (the segments start at multiples of V).
+template <int V, typename T>
+__device__ __forceinline__ bool wide_loads_fit(const T* p) {
+  return reinterpret_cast<uintptr_t>(p) % sizeof(LoadChunk<V, T>) == 0;
+}
 
 // fp32 value of an op input element: int8 codes times their scale, float values as they are.
 __device__ __forceinline__ float dequantize(int8_t v, float scale) {

@@ -199,6 +199,26 @@ def test_small_qconv1d_update_chain_equals_prefill(batch, dim, width):
     assert torch.equal(state, xz[:, seqlen - width + 1:, :dim].transpose(1, 2))
 
 
+@pytest.mark.parametrize("batch,dim", [(1, 5120), (8, 5120)])
+def test_small_qconv1d_update_back_to_back_equals_synchronized_steps(batch, dim):
+    """Steps queued back to back on one state (each launched programmatically dependent on the
+    one before, which it must wait for before reading the state) equal steps waited for one by one."""
+    seed_for("conv-back-to-back", batch, dim)
+    seqlen = 16
+    xz = codes(batch, seqlen, 2 * dim)
+    params = conv_params(dim, 4, with_bias=True)
+    out_scale = conv_out_scale(xz.transpose(1, 2)[:, :dim], params)
+    queued_state, waited_state = (torch.zeros(batch, dim, 3, dtype=torch.int8, device=DEVICE)
+                                  for _ in range(2))
+    queued = [conv_step(xz[:, t, :dim], queued_state, params, out_scale, "cuda")
+              for t in range(seqlen)]
+    for t in range(seqlen):
+        waited = conv_step(xz[:, t, :dim], waited_state, params, out_scale, "cuda")
+        torch.cuda.synchronize()
+        assert torch.equal(queued[t], waited), f"step {t}"
+    assert torch.equal(queued_state, waited_state)
+
+
 @pytest.mark.parametrize("batch,dim", [(1, 5120), (8, 1536), (3, 40)])
 def test_small_qconv1d_update_matches_reference(batch, dim):
     seed_for("conv-step", batch, dim)
@@ -469,6 +489,28 @@ def test_small_qsscan_update_chain_equals_prefill(batch, dim):
         y_t = run_step(state, None, step_inputs(inputs, t), params, torch.float32, "cuda")
         assert_close_to(y_t, y_prefill[:, :, t])
     assert_close_to(state, h_prefill)
+
+
+@pytest.mark.parametrize("state_scale", [None, 0.05])
+@pytest.mark.parametrize("batch,dim", [(1, 5120), (8, 5120)])
+def test_small_qsscan_update_back_to_back_equals_synchronized_steps(batch, dim, state_scale):
+    """Steps queued back to back on one state (each launched programmatically dependent on the
+    one before, which it must wait for before reading the state) equal steps waited for one by
+    one: batch 1 takes a lane a state, batch 8 the one-lane layout."""
+    seed_for("scan-back-to-back", batch, dim, state_scale)
+    seqlen = 16
+    inputs, params = scan_inputs(batch, dim, seqlen, "module"), ssm_params(dim)
+    state_dtype = torch.float32 if state_scale is None else torch.int8
+    queued_state, waited_state = (torch.zeros(batch, dim, D_STATE, dtype=state_dtype, device=DEVICE)
+                                  for _ in range(2))
+    queued = [run_step(queued_state, state_scale, step_inputs(inputs, t), params, torch.float16,
+                       "cuda") for t in range(seqlen)]
+    for t in range(seqlen):
+        waited = run_step(waited_state, state_scale, step_inputs(inputs, t), params, torch.float16,
+                          "cuda")
+        torch.cuda.synchronize()
+        assert torch.equal(queued[t], waited), f"step {t}"
+    assert torch.equal(queued_state, waited_state)
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float16, torch.float32], ids=str)
@@ -827,9 +869,12 @@ def test_small_qsscan_discretization_errors():
 
 # ---- rmsnorm_quant ---------------------------------------------------------------------------
 
+# Rows of a multiple of 8 values up to 8192 take the kernel that holds a row in registers; (3, 100)
+# and (2, 8200) the one for any row.
 NORM_CASES = [((1, 384), torch.float16), ((7, 768), torch.bfloat16),
               ((2048, 2560), torch.float16), ((3, 5, 1536), torch.float32),
-              ((1, 1, 5120), torch.float16), ((33, 40), torch.float32)]
+              ((1, 1, 5120), torch.float16), ((33, 40), torch.float32),
+              ((3, 100), torch.float16), ((2, 8192), torch.bfloat16), ((2, 8200), torch.float32)]
 
 
 @pytest.mark.parametrize("residual_kind", ["none", "same", "fp32"])
@@ -850,6 +895,20 @@ def test_rmsnorm_quant_matches_reference(shape, dtype, residual_kind, with_weigh
     q_ref, r_ref = rmsnorm_quant(*args, backend_name="torch")
     assert_codes_close(q, q_ref)
     assert r.dtype == r_ref.dtype and torch.equal(r, r_ref), "the residual sum is exact"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_small_rmsnorm_quant_unaligned_rows(dtype):
+    """x, residual and weight one element past an aligned address: the kernel for any row."""
+    seed_for("norm-unaligned", dtype)
+    x, residual = (torch.randn(1 + 5 * 768, device=DEVICE).to(dtype)[1:].view(5, 768)
+                   for _ in range(2))
+    weight = (1 + 0.1 * torch.randn(769, device=DEVICE)).to(dtype)[1:]
+    args = (x, residual, weight, 1e-5, 4.0 / 127, True)
+    q, r = rmsnorm_quant(*args, backend_name="cuda")
+    q_ref, r_ref = rmsnorm_quant(*args, backend_name="torch")
+    assert_codes_close(q, q_ref)
+    assert torch.equal(r, r_ref)
 
 
 def test_small_rmsnorm_quant_non_contiguous_input():
