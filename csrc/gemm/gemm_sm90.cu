@@ -11,6 +11,7 @@ namespace sm90 {
 void run_int8(const GemmArgs& args, int config);
 void run_fp16(const GemmArgs& args, int config);
 void run_bf16(const GemmArgs& args, int config);
+void run_stream_k(const GemmArgs& args, int config);  // configurations 2 and 3, any output type
 }  // namespace sm90
 
 namespace {
@@ -45,6 +46,7 @@ void launch_gemm_sm90(const GemmArgs& a, int config) {
   TORCH_CHECK(a.x_stride >= a.K && a.x_stride % 16 == 0,
               "w8a8 GEMM (CUTLASS sm90): x's rows must start a multiple of 16 bytes apart, at least K");
   if (config < 0) config = choose_config(a.M, a.N, a.K);
+  if (config == 2 || config == 3) return sm90::run_stream_k(a, config);
   switch (a.out_type) {
     case OutType::kInt8: sm90::run_int8(a, config); break;
     case OutType::kFloat16: sm90::run_fp16(a, config); break;

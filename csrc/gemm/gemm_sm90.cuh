@@ -7,11 +7,18 @@
 
 // run() launches the kernels with programmatic dependence (../pdl.cuh), so their producer warps
 // must wait (griddepcontrol.wait) before touching global memory: CUTLASS_GDC_ENABLED turns those
-// waits on in sm_90a device code. CUTLASS_ENABLE_GDC_FOR_SM90, the switch that sets it, would also
-// add an early release (launch_dependents) whose stream-K scheduler code does not compile in
-// CUTLASS 4.2 (is_last_tile); without it the kernels release their dependents when they exit.
+// waits on in sm_90a device code. A file that defines QUAMBA_SM90_EARLY_RELEASE before including
+// this header also gets CUTLASS's early release (CUTLASS_ENABLE_GDC_FOR_SM90): a kernel lets its
+// dependents launch once every CTA has finished the mainloop of its last tile, so the small kernel
+// after a decode GEMM (conv step, scan step, RMSNorm) is launched and resident during the GEMM's
+// epilogue instead of after its exit. The stream-K scheduler's code does not compile with it in
+// CUTLASS 4.2 (is_last_tile): configurations 2 and 3 are built without it
+// (gemm_sm90_stream_k.cu) and release their dependents when they exit.
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define CUTLASS_GDC_ENABLED
+#endif
+#ifdef QUAMBA_SM90_EARLY_RELEASE
+#define CUTLASS_ENABLE_GDC_FOR_SM90
 #endif
 
 #include <ATen/ATen.h>
@@ -186,18 +193,27 @@ using StreamK = cutlass::gemm::StreamKScheduler;
 //    32 rows of x, pingpong. 7 is the fastest of the W8A8 GEMMs at 17-64 rows where N > 256
 //    (H200, Mamba-2.8B's in_proj at 64 rows: 11.0 µs, against 17.5 for the skinny GEMM and 14.7
 //    for config 2); 128-row tiles with stream-K, a cluster of two and K tiles of 256 were slower.
+// The data-parallel configurations (all but 2 and 3), built with the early release.
 template <class ElementOut>
-void run_config(const GemmArgs& a, int config) {
+void run_tiled_config(const GemmArgs& a, int config) {
   switch (config) {
     case 0: run<Config<ElementOut, Shape<_128, _128, _128>, Shape<_2, _1, _1>, Pingpong, PingpongEpilogue>, ElementOut>(a); break;
     case 1: run<Config<ElementOut, Shape<_128, _64, _128>, Shape<_2, _1, _1>, Pingpong, PingpongEpilogue>, ElementOut>(a); break;
-    case 2: run<Config<ElementOut, Shape<_128, _128, _128>, Shape<_1, _1, _1>, Cooperative, CooperativeEpilogue, StreamK>, ElementOut>(a); break;
-    case 3: run<Config<ElementOut, Shape<_128, _64, _128>, Shape<_1, _1, _1>, Cooperative, CooperativeEpilogue, StreamK>, ElementOut>(a); break;
     case 4: run<Config<ElementOut, Shape<_128, _192, _128>, Shape<_2, _1, _1>, Cooperative, CooperativeEpilogue>, ElementOut>(a); break;
     case 5: run<Config<ElementOut, Shape<_256, _128, _128>, Shape<_2, _1, _1>, Cooperative, CooperativeEpilogue>, ElementOut>(a); break;
     case 6: run<Config<ElementOut, Shape<_64, _64, _128>, Shape<_1, _1, _1>, Pingpong, PingpongEpilogue, void, true>, ElementOut>(a); break;
     case 7: run<Config<ElementOut, Shape<_64, _32, _128>, Shape<_1, _1, _1>, Pingpong, PingpongEpilogue, void, true>, ElementOut>(a); break;
     default: TORCH_CHECK(false, "w8a8 GEMM (CUTLASS sm90): config must be in 0..", kSm90Configs - 1, ", got ", config);
+  }
+}
+
+// The stream-K configurations 2 and 3, built without it.
+template <class ElementOut>
+void run_stream_k_config(const GemmArgs& a, int config) {
+  switch (config) {
+    case 2: run<Config<ElementOut, Shape<_128, _128, _128>, Shape<_1, _1, _1>, Cooperative, CooperativeEpilogue, StreamK>, ElementOut>(a); break;
+    case 3: run<Config<ElementOut, Shape<_128, _64, _128>, Shape<_1, _1, _1>, Cooperative, CooperativeEpilogue, StreamK>, ElementOut>(a); break;
+    default: TORCH_CHECK(false, "w8a8 GEMM (CUTLASS sm90): configuration ", config, " is not stream-K");
   }
 }
 

@@ -37,7 +37,7 @@ def prompts(batch: int, length: int, seed: int):
     return torch.randint(0, 4000, (batch, length), device="cuda", generator=gen)
 
 
-@pytest.mark.parametrize("batch", [1, 3, 8])
+@pytest.mark.parametrize("batch", [1, 3, 8, 40])  # 40: in_proj and dt_proj on CUTLASS's wgmma
 @pytest.mark.parametrize("which", ["fp", "w8a8"])
 def test_graph_decode_gives_the_eager_tokens(request, which, batch):
     model = request.getfixturevalue(f"{which}_model")

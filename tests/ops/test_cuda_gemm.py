@@ -380,6 +380,29 @@ def test_w8a8_linear_dispatch_picks_a_kernel_for_every_m():
         assert_matches(out, reference(case))
 
 
+@pytest.mark.parametrize("M", [4, 32, 64])
+def test_small_gemm_feeds_the_next_kernel_back_to_back(M):
+    """A decode GEMM (GEMV at 4 rows, CUTLASS's swapped tiles at 32 and 64 on sm_90, which let
+    their dependents launch before the epilogue) followed by RMSNorm → int8, launched
+    programmatically dependent on it, six pairs queued without a sync: the same codes as pairs
+    waited for one by one, and the GEMM's output as the reference's."""
+    seed_for("back-to-back", M)
+    cases = [make_case(M, 2560, 5120, torch.float16) for _ in range(6)]
+    outs = [poisoned_out(M, 2560, torch.float16) for _ in cases]
+
+    def norm(out):
+        return ops.rmsnorm_quant(out, None, None, 1e-5, 127 / 8.0, False)[0]
+
+    queued = []
+    for case, out in zip(cases, outs):
+        ops.w8a8_linear_out(*op_arguments(case), out)
+        queued.append(norm(out))
+    for case, out, codes in zip(cases, outs, queued):
+        torch.cuda.synchronize()
+        assert_matches(out, reference(case))
+        assert torch.equal(codes, norm(out))
+
+
 @pytest.mark.parametrize("M", [1, 8, 32, 100, 1024])
 def test_w8a8_linear_replays_in_a_cuda_graph(M):
     """Decode runs under CUDA graphs: the ops must capture, and replay on new inputs."""
