@@ -789,9 +789,9 @@ __device__ __forceinline__ int lane_dt_sum(const StepArgs& a, int b, int d, int 
 // The step is launched programmatically dependent on the kernel before (x_proj's or dt_proj's
 // GEMM, pdl.cuh). Before its wait a thread computes A from the parameters and brings into L2 what
 // it reads after the wait without depending on that kernel: channel d's row of a folded dt_proj
-// (lane ``lane`` of ``lanes`` takes every lanes-th of its 128-byte lines) and its states at ``offset`` (d, offset: -1 for
-// none). The states are read only after the wait: a step before, on the same state, may still
-// be running.
+// (lane ``lane`` of ``lanes`` takes every lanes-th of the row's 128-byte lines) and its states at
+// ``offset`` (d, offset: -1 for none). The states are read only after the wait: a step before, on
+// the same state, may still be running.
 __device__ __forceinline__ void prefetch_before_wait(const StepArgs& a, int d, int lane, int lanes,
                                                      int64_t offset) {
   if (a.dt_proj != nullptr && d >= 0) {
