@@ -24,6 +24,7 @@
 #include "../conv1d/conv_epilogue.cuh"
 #include "../qsscan/scan_math.cuh"
 #include "../qsscan/scan_step.cuh"
+#include "gemm/mma.cuh"
 #include "pdl.cuh"
 
 namespace quamba_ssm {
@@ -82,13 +83,6 @@ __device__ __forceinline__ void cluster_wait_acquire() {
   asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 
-__device__ __forceinline__ int dot16(const int4& w, const int4& u, int acc) {
-  acc = __dp4a(w.x, u.x, acc);
-  acc = __dp4a(w.y, u.y, acc);
-  acc = __dp4a(w.z, u.z, acc);
-  return __dp4a(w.w, u.w, acc);
-}
-
 // This block's share of x_proj: for every output n, the sums over its slice's even and odd
 // 16-byte chunks (two threads a row), into partial[2 n] and partial[2 n + 1].
 __device__ __forceinline__ void x_proj_partials(const MixerStepArgs& a, const int8_t* w_x,
@@ -99,8 +93,8 @@ __device__ __forceinline__ void x_proj_partials(const MixerStepArgs& a, const in
     const int8_t* row = w_x + n * a.pitch;
     int acc = 0;
     for (int q = half; q < chunks; q += 2) {
-      acc = dot16(*reinterpret_cast<const int4*>(row + 16 * q),
-                  *reinterpret_cast<const int4*>(u_codes + 16 * q), acc);
+      acc = quamba::gemm::dot16(*reinterpret_cast<const int4*>(row + 16 * q),
+                                *reinterpret_cast<const int4*>(u_codes + 16 * q), acc);
     }
     partial[task] = acc;
   }

@@ -21,13 +21,6 @@
 namespace quamba::gemm {
 namespace {
 
-__device__ __forceinline__ int dot16(int4 a, int4 b, int acc) {
-  acc = __dp4a(a.x, b.x, acc);
-  acc = __dp4a(a.y, b.y, acc);
-  acc = __dp4a(a.z, b.z, acc);
-  return __dp4a(a.w, b.w, acc);
-}
-
 // Activations in shared memory: every warp reads all M rows of x over its K range, from L2 (see
 // below), so at M = 8 in_proj's warps read twice as many activation bytes as weight bytes. Where
 // the warps of a block share all of K (splits == 1) and M >= kStagedMinM, the block copies x to
@@ -37,8 +30,6 @@ __device__ __forceinline__ int dot16(int4 a, int4 b, int acc) {
 // 16.1, dt_proj 3.4 against 4.8; no gain below M = 5 (dt_proj at M = 2 and 3 lost 0.3-0.6 us).
 constexpr int kStagedMinM = 5;
 constexpr int kMaxStagedBytes = 40 * 1024;
-
-__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 
 // Sums over chunks [begin, end) of rows row0..row0+R-1 (rows past N re-read row N - 1; the
 // caller drops them); x's rows start x_chunks chunks apart, or are packed in staged_x (Staged,

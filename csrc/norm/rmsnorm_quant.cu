@@ -78,7 +78,7 @@ rmsnorm_quant_row_kernel(const In* __restrict__ x, const Res* __restrict__ resid
       sums[i] = from_float<ResOut>(r[i]);
       sum_sq = fmaf(r[i], r[i], sum_sq);
     }
-    store_elements<kRowValues>(residual_out + at, sums);
+    store_row<kRowValues>(residual_out + at, sums);
   }
   const float mean_sq = __fdiv_rn(block_sum(sum_sq), static_cast<float>(dim));
   const float rstd = __frsqrt_rn(__fadd_rn(mean_sq, eps));
@@ -90,7 +90,7 @@ rmsnorm_quant_row_kernel(const In* __restrict__ x, const Res* __restrict__ resid
     if (weight != nullptr) v = __fmul_rn(v, w[i]);
     codes[i] = quantize_rn(v, out_inv_scale);
   }
-  store_elements<kRowValues>(q + at, codes);
+  store_row<kRowValues>(q + at, codes);
 }
 
 int round_up_to_warp(int64_t threads) { return static_cast<int>((threads + 31) / 32 * 32); }

@@ -757,14 +757,6 @@ std::tuple<at::Tensor, at::Tensor> qsscan(
 
 constexpr int kStepThreads = 128;
 
-// sum + the dot product of 16 int8 codes in w and x (four words each).
-__device__ __forceinline__ int dot16(const int4& w, const int4& x, int sum) {
-  sum = __dp4a(w.x, x.x, sum);
-  sum = __dp4a(w.y, x.y, sum);
-  sum = __dp4a(w.z, x.z, sum);
-  return __dp4a(w.w, x.w, sum);
-}
-
 // Lane ``lane`` of kLanes's share of dt_low (row b) · channel d's dt_proj row: its 16-byte pieces
 // lane, lane + kLanes, ... where both are wide (one load each at batch 1's 16 lanes and dt_rank
 // up to 256, so the sum costs Δ one memory round trip, as dt's load did), else its codes.
@@ -776,8 +768,8 @@ __device__ __forceinline__ int lane_dt_sum(const StepArgs& a, int b, int d, int 
   if (a.dt_proj_wide && a.dt_low_wide) {
 #pragma unroll 4
     for (int i = lane * 16; i < a.dt_rank; i += kLanes * 16) {
-      sum = dot16(*reinterpret_cast<const int4*>(row + i), *reinterpret_cast<const int4*>(dt_low + i),
-                  sum);
+      sum = quamba::gemm::dot16(*reinterpret_cast<const int4*>(row + i),
+                                *reinterpret_cast<const int4*>(dt_low + i), sum);
     }
   } else {
 #pragma unroll 4

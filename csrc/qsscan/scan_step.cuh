@@ -57,28 +57,6 @@ struct StateInputs {
   float A, B, C, drive;
 };
 
-// kCount consecutive values at p (aligned to 16 bytes or to the row's size) in WideChunk pieces.
-template <int kCount, typename T>
-__device__ __forceinline__ void load_row(const T* p, T (&out)[kCount]) {
-  using Chunk = WideChunk<kCount * sizeof(T)>;
-#pragma unroll
-  for (int i = 0; i < static_cast<int>(kCount * sizeof(T) / sizeof(Chunk)); ++i) {
-    const Chunk chunk = reinterpret_cast<const Chunk*>(p)[i];
-    memcpy(reinterpret_cast<char*>(out) + sizeof(Chunk) * i, &chunk, sizeof(Chunk));
-  }
-}
-
-template <int kCount, typename T>
-__device__ __forceinline__ void store_row(T* p, const T (&values)[kCount]) {
-  using Chunk = WideChunk<kCount * sizeof(T)>;
-#pragma unroll
-  for (int i = 0; i < static_cast<int>(kCount * sizeof(T) / sizeof(Chunk)); ++i) {
-    Chunk chunk;
-    memcpy(&chunk, reinterpret_cast<const char*>(values) + sizeof(Chunk) * i, sizeof(Chunk));
-    reinterpret_cast<Chunk*>(p)[i] = chunk;
-  }
-}
-
 // The first ``count`` (at most kCount) values at p: loaded as a whole row where count is kCount
 // and ``aligned`` (p aligned as load_row needs), else one by one; out past count is left as is.
 template <int kCount, typename T>

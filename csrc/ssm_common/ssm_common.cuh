@@ -186,7 +186,7 @@ __device__ __forceinline__ float to_float(float v) { return v; }
 __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
 __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
 
-// load_elements' (and store_elements') unit for V values of T.
+// load_elements' unit for V values of T.
 template <int V, typename T>
 using LoadChunk = WideChunk<V * static_cast<int>(sizeof(T))>;
 
@@ -216,15 +216,26 @@ __device__ __forceinline__ void load_values(const In* __restrict__ src, bool ali
   for (int r = 0; r < V; ++r) v[r] = to_float(values[r]);
 }
 
-// V consecutive elements to dst, aligned to LoadChunk<V, T>, in LoadChunk stores.
-template <int V, typename T>
-__device__ __forceinline__ void store_elements(T* __restrict__ dst, const T (&values)[V]) {
-  using Chunk = LoadChunk<V, T>;
-  constexpr int kChunks = V * sizeof(T) / sizeof(Chunk);
-  Chunk chunks[kChunks];
-  memcpy(chunks, values, sizeof(values));
+// kCount consecutive values at p (aligned to 16 bytes or to the row's size) in WideChunk pieces.
+template <int kCount, typename T>
+__device__ __forceinline__ void load_row(const T* p, T (&out)[kCount]) {
+  using Chunk = WideChunk<kCount * sizeof(T)>;
 #pragma unroll
-  for (int i = 0; i < kChunks; ++i) reinterpret_cast<Chunk*>(dst)[i] = chunks[i];
+  for (int i = 0; i < static_cast<int>(kCount * sizeof(T) / sizeof(Chunk)); ++i) {
+    const Chunk chunk = reinterpret_cast<const Chunk*>(p)[i];
+    memcpy(reinterpret_cast<char*>(out) + sizeof(Chunk) * i, &chunk, sizeof(Chunk));
+  }
+}
+
+template <int kCount, typename T>
+__device__ __forceinline__ void store_row(T* p, const T (&values)[kCount]) {
+  using Chunk = WideChunk<kCount * sizeof(T)>;
+#pragma unroll
+  for (int i = 0; i < static_cast<int>(kCount * sizeof(T) / sizeof(Chunk)); ++i) {
+    Chunk chunk;
+    memcpy(&chunk, reinterpret_cast<const char*>(values) + sizeof(Chunk) * i, sizeof(Chunk));
+    reinterpret_cast<Chunk*>(p)[i] = chunk;
+  }
 }
 
 // Whether every load_elements<V> of p can use its wide loads (the segments start at multiples of V).
