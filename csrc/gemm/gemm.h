@@ -40,19 +40,23 @@ void launch_gemm_mma(const GemmArgs& args);
 
 // GEMM for a few rows of x on compute capability 9.0 and newer (M <= kSkinnyMaxM; the weight rows
 // are the MMA's wide dimension, K is split over a thread-block cluster). It reads x's rows in place
-// like the GEMV. warp_tiles (1 or 2 m16 tiles of weight rows per warp) and splits (1 to 16) are
-// chosen from the shape when 0. It launches with programmatic dependence and loads its first
-// weights before waiting for the kernel before it, unless weight_is_constant is false (a weight
-// that kernel wrote). gemm_skinny_can_run: the device has clusters and K fits the plan.
+// like the GEMV. The plan: warp_tiles (1 or 2 m16 tiles of weight rows per warp), splits (1 to 16)
+// and x_rows (16, 32 or 64 rows of x a block; M above it takes more blocks), each chosen from the
+// shape when 0. It launches with programmatic dependence and loads its first weights before
+// waiting for the kernel before it, unless weight_is_constant is false (a weight that kernel
+// wrote). gemm_skinny_can_run: the device has clusters and K fits the plan.
 constexpr int kSkinnyMaxM = 64;
+struct SkinnyPlan {
+  int warp_tiles = 0, splits = 0, x_rows = 0;
+};
 bool gemm_skinny_can_run(int M, int K);
-void launch_gemm_skinny(const GemmArgs& args, int warp_tiles = 0, int splits = 0, bool weight_is_constant = true);
+void launch_gemm_skinny(const GemmArgs& args, const SkinnyPlan& plan = {}, bool weight_is_constant = true);
 // The same kernel on a 4-bit weight (args.w: the packed uint8 [N, K / 2] of gemm4/gemm4.h) and its
 // int8 group multipliers [N, K / group_size], with no expanded weight: group_size % 128 == 0, or
-// one group of K <= 128 codes (w4a8_skinny_can_run).
+// one group of K <= 128 codes (w4a8_skinny_can_run). A block takes at most 32 rows of x.
 bool w4a8_skinny_can_run(int M, int K, int group_size);
-void launch_w4a8_skinny(const GemmArgs& args, const int8_t* group_multiplier, int group_size, int warp_tiles = 0,
-                        int splits = 0);
+void launch_w4a8_skinny(const GemmArgs& args, const int8_t* group_multiplier, int group_size,
+                        const SkinnyPlan& plan = {});
 
 // CUTLASS 3.x wgmma GEMM for sm_90a: int8/fp16/bf16 out; needs 16-byte aligned rows of out.
 // config is in 0..kSm90Configs-1 (listed in gemm_sm90.cuh); -1 picks one from the shape.

@@ -3,7 +3,7 @@
 //   w8a8_linear(x, weight, multiplier, multiplier_per_channel, bias, out_dtype) -> out
 //   w8a8_linear_out(..., out)                  the same into a preallocated out
 //   w8a8_gemv_out / w8a8_gemm_skinny_out / w8a8_gemm_mma_out / w8a8_gemm_sm90_out(..., out,
-//       [rows, splits | warp_tiles, splits | config])  one kernel, for tests and benchmarks
+//       [rows, splits | warp_tiles, splits, x_rows | config])  one kernel, for tests and benchmarks
 //   w8a8_gemm_sm90_configs() -> int            CUTLASS sm90 configurations built (0: none)
 //
 // x int8 [M, K] and weight int8 [N, K], K % 16 == 0, 16-byte aligned, weight contiguous; x
@@ -145,13 +145,14 @@ void w8a8_gemv_out(const at::Tensor& x, const at::Tensor& weight, double multipl
 
 void w8a8_gemm_skinny_out(const at::Tensor& x, const at::Tensor& weight, double multiplier,
                           const std::optional<at::Tensor>& multiplier_per_channel,
-                          const std::optional<at::Tensor>& bias, at::Tensor& out, int64_t warp_tiles, int64_t splits) {
+                          const std::optional<at::Tensor>& bias, at::Tensor& out, int64_t warp_tiles, int64_t splits,
+                          int64_t x_rows) {
   const auto guard = guard_for("w8a8_gemm_skinny", x);
   const GemmArgs args =
       make_args("w8a8_gemm_skinny", x, weight, multiplier, multiplier_per_channel, bias, out, Rows::kStrided);
   TORCH_CHECK(gemm_skinny_can_run(args.M, args.K), "w8a8_gemm_skinny: needs a GPU of compute capability 9.0 or "
               "newer, x of 1 to ", kSkinnyMaxM, " rows and K that fits its plan, got x ", x.sizes());
-  launch_gemm_skinny(args, static_cast<int>(warp_tiles), static_cast<int>(splits));
+  launch_gemm_skinny(args, SkinnyPlan{static_cast<int>(warp_tiles), static_cast<int>(splits), static_cast<int>(x_rows)});
 }
 
 void w8a8_gemm_mma_out(const at::Tensor& x, const at::Tensor& weight, double multiplier,
@@ -196,7 +197,7 @@ TORCH_LIBRARY_FRAGMENT(quamba, m) {
   m.def("w8a8_gemv_out(Tensor x, Tensor weight, float multiplier, Tensor? multiplier_per_channel, "
         "Tensor? bias, Tensor(a!) out, int rows=0, int splits=0) -> ()");
   m.def("w8a8_gemm_skinny_out(Tensor x, Tensor weight, float multiplier, Tensor? multiplier_per_channel, "
-        "Tensor? bias, Tensor(a!) out, int warp_tiles=0, int splits=0) -> ()");
+        "Tensor? bias, Tensor(a!) out, int warp_tiles=0, int splits=0, int x_rows=0) -> ()");
   m.def("w8a8_gemm_mma_out(Tensor x, Tensor weight, float multiplier, Tensor? multiplier_per_channel, "
         "Tensor? bias, Tensor(a!) out) -> ()");
   m.def("w8a8_gemm_sm90_out(Tensor x, Tensor weight, float multiplier, Tensor? multiplier_per_channel, "

@@ -4,7 +4,7 @@
 //   w4a8_linear(x, weight_packed, group_multiplier, group_size, multiplier, multiplier_per_channel,
 //               out_dtype) -> out
 //   w4a8_linear_out(..., out)           the same into a preallocated out
-//   w4a8_gemv_out(..., out, rows, splits, x_loads) / w4a8_skinny_out(..., out, warp_tiles, splits) /
+//   w4a8_gemv_out(..., out, rows, splits, x_loads) / w4a8_skinny_out(..., out, warp_tiles, splits, x_rows) /
 //   w4a8_gemm_out(..., out, config)     one path, for tests and benchmarks
 //   w4a8_expand_out(weight_packed, group_multiplier, group_size, out, overflow)
 //                                       int8 [N, K] = code * multiplier; sets overflow[0] = 1 when a
@@ -21,12 +21,13 @@
 // per channel (multiplier_per_channel fp32 [N]) or as one number; W4A16 out is float16, bfloat16
 // or float32.
 //
-// Paths: M <= 8 takes the GEMV (gemv4.cu), exact for any int8 group multiplier. M = 9-32 takes the
-// skinny GEMM on the packed weight (gemm/gemm_skinny.cu; compute capability 9.0, group_size % 128
-// == 0 or one group of K <= 128), also exact for any multiplier. Otherwise M > 8 expands the
-// weight to a temporary int8 [N, K] (code * multiplier, from the caching allocator) and runs the
-// W8A8 GEMM (on compute capability 9.0 the skinny GEMM or, at 33-64 rows where N > 256, CUTLASS
-// wgmma as w8a8_linear chooses; CUTLASS wgmma above 64 rows on sm_90a; mma.sync elsewhere) with the same epilogue. Where the skinny or the wgmma GEMM runs, both
+// Paths: M <= 8 takes the GEMV (gemv4.cu), exact for any int8 group multiplier. M = 9-32, and
+// 33-64 where N <= 256, take the skinny GEMM on the packed weight (gemm/gemm_skinny.cu; compute
+// capability 9.0, group_size % 128 == 0 or one group of K <= 128), also exact for any multiplier.
+// Otherwise M > 8 expands the weight to a temporary int8 [N, K] (code * multiplier, from the
+// caching allocator) and runs the W8A8 GEMM (on compute capability 9.0 the skinny GEMM or, at 33-64
+// rows where N > 256, CUTLASS wgmma as w8a8_linear chooses; CUTLASS wgmma above 64 rows on sm_90a;
+// mma.sync elsewhere) with the same epilogue. Where the skinny or the wgmma GEMM runs, both
 // launch with programmatic dependence (pdl.cuh), the GEMM reading the weight only after its wait:
 // the GEMM's blocks launch while the expansion's last blocks finish (W4A8 out_proj at M = 1024 on
 // the H100: 32.5 -> 30.1 us). That expansion is exact only while every |code * multiplier| fits
@@ -156,8 +157,14 @@ bool sm90_can_run(const W4A8Args& a, const at::Tensor& out, const std::optional<
 
 constexpr int64_t kConfigAuto = -1, kConfigMma = -2;
 // Rows up to which the skinny GEMM on the packed weight beats expansion + the int8 skinny GEMM
-// (Mamba-2.8B in_proj on an H200: 12.9 vs 24.9 us at 16 rows, 14.8 vs 25.7 at 32; 34.5 vs 31.1 at 64).
+// (Mamba-2.8B in_proj on an H200: 12.9 vs 24.9 us at 16 rows, 14.8 vs 25.7 at 32). Above, it
+// still beats expansion where the int8 GEMM would be the skinny one too (narrow N): x_proj at 64
+// rows on an H100, 6.1 against 7.8 us; where the swapped wgmma GEMM takes the int8 weight, it
+// loses (in_proj 29.4 against 25.4, out_proj 17.9 against 15.1; benchmarks/RESULTS.md).
 constexpr int kPackedSkinnyMaxM = 32;
+bool packed_skinny_preferred(const W4A8Args& a) {
+  return a.M <= kPackedSkinnyMaxM || !gemm::swapped_sm90_preferred(a.M, a.N);
+}
 
 gemm::GemmArgs gemm_args(const W4A8Args& a, const void* weight) {
   return gemm::GemmArgs{a.x, static_cast<const int8_t*>(weight), a.out, a.M, a.N, a.K, a.K, a.out_type,
@@ -168,7 +175,7 @@ gemm::GemmArgs gemm_args(const W4A8Args& a, const void* weight) {
 // temporary int8 [N, K] weight, then the W8A8 GEMM.
 void run_w4a8_gemm(const W4A8Args& a, const at::Tensor& x, const at::Tensor& out,
                    const std::optional<at::Tensor>& multiplier_per_channel, int64_t config) {
-  if (config == kConfigAuto && a.M <= kPackedSkinnyMaxM && gemm::w4a8_skinny_can_run(a.M, a.K, a.group_size))
+  if (config == kConfigAuto && packed_skinny_preferred(a) && gemm::w4a8_skinny_can_run(a.M, a.K, a.group_size))
     return gemm::launch_w4a8_skinny(gemm_args(a, a.w), a.group_multiplier, a.group_size);
   at::Tensor expanded = at::empty({a.N, a.K}, x.options().dtype(at::kChar));
   launch_w4a8_expand(a.w, a.group_multiplier, expanded.data_ptr<int8_t>(), a.N, a.K, a.group_size, nullptr, a.stream);
@@ -176,7 +183,7 @@ void run_w4a8_gemm(const W4A8Args& a, const at::Tensor& x, const at::Tensor& out
   const bool sm90 = sm90_can_run(a, out, multiplier_per_channel);
   if (config == kConfigAuto && gemm::gemm_skinny_can_run(a.M, a.K) &&
       !(sm90 && gemm::swapped_sm90_preferred(a.M, a.N))) {
-    gemm::launch_gemm_skinny(g, 0, 0, /*weight_is_constant=*/false);  // the expansion writes it
+    gemm::launch_gemm_skinny(g, {}, /*weight_is_constant=*/false);  // the expansion writes it
   } else if (config == kConfigMma || (config == kConfigAuto && !sm90)) {
     gemm::launch_gemm_mma(g);
   } else {
@@ -218,15 +225,16 @@ void w4a8_gemv_out(const at::Tensor& x, const at::Tensor& weight_packed, const a
 
 void w4a8_skinny_out(const at::Tensor& x, const at::Tensor& weight_packed, const at::Tensor& group_multiplier,
                      int64_t group_size, double multiplier, const std::optional<at::Tensor>& multiplier_per_channel,
-                     at::Tensor& out, int64_t warp_tiles, int64_t splits) {
+                     at::Tensor& out, int64_t warp_tiles, int64_t splits, int64_t x_rows) {
   const auto guard = guard_for("w4a8_skinny", x);
   const W4A8Args a = make_w4a8_args("w4a8_skinny", x, weight_packed, group_multiplier, group_size, multiplier,
                                     multiplier_per_channel, out);
   TORCH_CHECK(gemm::w4a8_skinny_can_run(a.M, a.K, a.group_size), "w4a8_skinny: needs a GPU of compute capability "
               "9.0 or newer, x of 1 to ", gemm::kSkinnyMaxM, " rows, group_size % 128 == 0 or one group of at most "
               "128, and K that fits its plan; got x ", x.sizes(), ", group_size ", group_size);
-  gemm::launch_w4a8_skinny(gemm_args(a, a.w), a.group_multiplier, a.group_size, static_cast<int>(warp_tiles),
-                           static_cast<int>(splits));
+  gemm::launch_w4a8_skinny(gemm_args(a, a.w), a.group_multiplier, a.group_size,
+                           gemm::SkinnyPlan{static_cast<int>(warp_tiles), static_cast<int>(splits),
+                                            static_cast<int>(x_rows)});
 }
 
 void w4a8_gemm_out(const at::Tensor& x, const at::Tensor& weight_packed, const at::Tensor& group_multiplier,
@@ -372,7 +380,7 @@ TORCH_LIBRARY_FRAGMENT(quamba, m) {
   m.def("w4a8_gemv_out(Tensor x, Tensor weight_packed, Tensor group_multiplier, int group_size, float multiplier, "
         "Tensor? multiplier_per_channel, Tensor(a!) out, int rows=0, int splits=0, int x_loads=0) -> ()");
   m.def("w4a8_skinny_out(Tensor x, Tensor weight_packed, Tensor group_multiplier, int group_size, float multiplier, "
-        "Tensor? multiplier_per_channel, Tensor(a!) out, int warp_tiles=0, int splits=0) -> ()");
+        "Tensor? multiplier_per_channel, Tensor(a!) out, int warp_tiles=0, int splits=0, int x_rows=0) -> ()");
   m.def("w4a8_gemm_out(Tensor x, Tensor weight_packed, Tensor group_multiplier, int group_size, float multiplier, "
         "Tensor? multiplier_per_channel, Tensor(a!) out, int config=-1) -> ()");
   m.def("w4a8_expand_out(Tensor weight_packed, Tensor group_multiplier, int group_size, Tensor(a!) out, "

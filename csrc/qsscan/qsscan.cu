@@ -905,10 +905,10 @@ int tile_rows(const StepArgs& args) {
 }
 
 // The staged dt_proj rows [kTileChannels] · dt_low rows [kFoldedTileRows] of a tile as int32 sums
-// [channel][row] in ``sums``, on the tensor cores: warp w (0 or 1) takes channels 16w ... 16w + 15,
+// [channel][row] in ``sums`` (kTileChannels rows), on the tensor cores: warp w (0 or 1) takes channels 16w ... 16w + 15,
 // one m16n8k32 MMA per 32 codes of dt_rank (exact: int8 products, int32 accumulators).
 __device__ __forceinline__ void tile_dt_sums(const int8_t* w_tile, const int8_t* x_tile, int pitch,
-                                             int dt_rank, int (&sums)[kTileChannels][kFoldedTileRows]) {
+                                             int dt_rank, int (*sums)[kFoldedTileRows]) {
   const int warp = threadIdx.x / 32, group = threadIdx.x % 32 / 4, quad = threadIdx.x % 4;
   const int8_t* w_rows = w_tile + (warp * 16 + group) * pitch + quad * 4;
   const int8_t* x_row = x_tile + group * pitch + quad * 4;
@@ -924,6 +924,67 @@ __device__ __forceinline__ void tile_dt_sums(const int8_t* w_tile, const int8_t*
   sums[channel][row + 1] = acc[1];
   sums[channel + 8][row] = acc[2];
   sums[channel + 8][row + 1] = acc[3];
+}
+
+// A one-lane block's shared memory and a thread's place in it (qsscan_update_lane_kernel).
+struct OneLaneTile {
+  const float* A_tile;  // [kTileChannels][kAPitch]
+  float* B_rows;        // [rows][kOneLaneStates], as C_rows
+  float* C_rows;
+  const int8_t* dt_proj_tile;  // folded: [kTileChannels][dt_pitch]
+  int8_t* dt_low_tile;         // folded: [kFoldedTileRows][dt_pitch]
+  int (*dt_sums)[kFoldedTileRows];
+  int dt_pitch, first_row, rows, r, c, b, d;
+  bool valid;
+  int64_t offset;  // of the thread's states
+  float skip;      // D of channel d
+};
+
+// The one-lane step after the wait, on a state of type State. A thread reads its u, dt, z and
+// states before the block stages its rows of B and C (and of dt_low), so that all of these reads
+// are in flight at once rather than one after the other; z, read before the states are written,
+// no longer waits for those stores (which it may alias) either.
+template <Discretization kMethod, bool kWhole, bool kFolded, typename Out, typename State>
+__device__ __forceinline__ void one_lane_after_wait(const StepArgs& a, const OneLaneTile& t) {
+  const int count = kWhole ? kOneLaneStates : a.dstate;
+  float u = 0.f, dt = 0.f, z = 0.f;
+  State old_state[kOneLaneStates];
+  if (t.valid) {
+    u = a.u.load(t.b * a.u_st[0] + t.d * a.u_st[1]);
+    if constexpr (!kFolded) dt = a.dt.load(t.b * a.dt_st[0] + t.d * a.dt_st[1]);
+    z = load_gate(a, t.b, t.d);
+    load_lane_states<kOneLaneStates>(a, count, t.offset, old_state);
+  }
+  if constexpr (kFolded) {
+    stage_codes(t.dt_low_tile, kFoldedTileRows, t.dt_pitch,
+                static_cast<const int8_t*>(a.dt.data) + t.first_row * a.dt_st[0], a.dt_st[0],
+                a.dt_st[1], min(t.rows, a.batch - t.first_row), a.dt_rank, a.dt_low_wide);
+  }
+  if (threadIdx.x < t.rows * kOneLaneStates) {
+    const int tile_row = threadIdx.x / kOneLaneStates, s = threadIdx.x % kOneLaneStates;
+    const int row = t.first_row + tile_row;
+    const bool present = row < a.batch && s < a.dstate;
+    t.B_rows[threadIdx.x] = present ? a.B.load(row * a.B_st[0] + s * a.B_st[1]) : 0.f;
+    t.C_rows[threadIdx.x] = present ? a.C.load(row * a.C_st[0] + s * a.C_st[1]) : 0.f;
+  }
+  __syncthreads();
+  if constexpr (kFolded) {
+    if (threadIdx.x < 64) tile_dt_sums(t.dt_proj_tile, t.dt_low_tile, t.dt_pitch, a.dt_rank, t.dt_sums);
+    __syncthreads();
+  }
+  if (!t.valid) return;
+  float delta;
+  if constexpr (kFolded) delta = projected_delta(a, t.dt_sums[t.c][t.r], t.d);
+  else delta = delta_of(a, dt, t.d);
+  float A[kOneLaneStates];
+  load_row<kOneLaneStates>(t.A_tile + t.c * kAPitch, A);
+  State new_state[kOneLaneStates];
+  const float sum = step_states<kMethod, kOneLaneStates>(a, count, t.offset, u, delta, A,
+                                                          t.B_rows + t.r * kOneLaneStates,
+                                                          t.C_rows + t.r * kOneLaneStates,
+                                                          old_state, new_state);
+  store_lane_states<kOneLaneStates>(a, count, t.offset, new_state);
+  store_y<Out>(a, t.b, t.d, sum, u, t.skip, z);
 }
 
 // The one-lane layout: a block steps kTileChannels channels for tile_rows batch rows, a thread
@@ -986,35 +1047,12 @@ __global__ void __launch_bounds__((kFolded ? kFoldedTileRows : kTileRows) * kTil
     }
   }
   prefetch_before_wait(a, -1, 0, 1, valid ? offset : -1);
+  const float skip = valid ? a.params.skip(d) : 0.f;  // a parameter: read before the wait
   quamba::pdl_wait();
-  if constexpr (kFolded) {
-    stage_codes(dt_low_tile, kFoldedTileRows, dt_pitch,
-                static_cast<const int8_t*>(a.dt.data) + first_row * a.dt_st[0], a.dt_st[0],
-                a.dt_st[1], min(rows, a.batch - first_row), a.dt_rank, a.dt_low_wide);
-  }
-  if (threadIdx.x < rows * kOneLaneStates) {
-    const int tile_row = threadIdx.x / kOneLaneStates, s = threadIdx.x % kOneLaneStates;
-    const int row = first_row + tile_row;
-    const bool present = row < a.batch && s < a.dstate;
-    B_rows[tile_row][s] = present ? a.B.load(row * a.B_st[0] + s * a.B_st[1]) : 0.f;
-    C_rows[tile_row][s] = present ? a.C.load(row * a.C_st[0] + s * a.C_st[1]) : 0.f;
-  }
-  __syncthreads();
-  if constexpr (kFolded) {
-    if (threadIdx.x < 64) tile_dt_sums(dt_tiles, dt_low_tile, dt_pitch, a.dt_rank, dt_sums);
-    __syncthreads();
-  }
-  if (!valid) return;
-  const float u = a.u.load(b * a.u_st[0] + d * a.u_st[1]);
-  float delta;
-  if constexpr (kFolded) delta = projected_delta(a, dt_sums[c][r], d);
-  else delta = step_delta(a, b, d);
-  float A[kOneLaneStates];
-  load_row<kOneLaneStates>(A_tile + c * kAPitch, A);
-  const int count = kWhole ? kOneLaneStates : a.dstate;
-  const float sum =
-      step_lane<kMethod, kOneLaneStates>(a, count, offset, u, delta, A, B_rows[r], C_rows[r]);
-  store_y<Out>(a, b, d, sum, u);
+  const OneLaneTile tile{A_tile, &B_rows[0][0], &C_rows[0][0], dt_tiles, dt_low_tile, dt_sums,
+                         dt_pitch, first_row, rows, r, c, b, d, valid, offset, skip};
+  if (a.state_int8) one_lane_after_wait<kMethod, kWhole, kFolded, Out, int8_t>(a, tile);
+  else one_lane_after_wait<kMethod, kWhole, kFolded, Out, float>(a, tile);
 }
 
 template <Discretization kMethod, int kLanes, int kStates, typename Out>

@@ -211,12 +211,22 @@ __device__ __forceinline__ float gated_y(float sum, float u, float skip, bool ga
   return gated ? __fmul_rn(y, silu_rn(z)) : y;
 }
 
+// z of (b, d) where the step is gated (0 where not).
+__device__ __forceinline__ float load_gate(const StepArgs& a, int b, int d) {
+  return a.z.data != nullptr ? a.z.load(b * a.z_st[0] + d * a.z_st[1]) : 0.f;
+}
+
+// y of (b, d) from its sum of C · h, u, D (skip) and z.
+template <typename Out>
+__device__ __forceinline__ void store_y(const StepArgs& a, int b, int d, float sum, float u,
+                                        float skip, float z) {
+  static_cast<Out*>(a.y)[static_cast<int64_t>(b) * a.dim + d] =
+      from_float<Out>(gated_y(sum, u, skip, a.z.data != nullptr, z));
+}
+
 template <typename Out>
 __device__ __forceinline__ void store_y(const StepArgs& a, int b, int d, float sum, float u) {
-  const bool gated = a.z.data != nullptr;
-  const float z = gated ? a.z.load(b * a.z_st[0] + d * a.z_st[1]) : 0.f;
-  static_cast<Out*>(a.y)[static_cast<int64_t>(b) * a.dim + d] =
-      from_float<Out>(gated_y(sum, u, a.params.skip(d), gated, z));
+  store_y<Out>(a, b, d, sum, u, a.params.skip(d), load_gate(a, b, d));
 }
 
 }  // namespace quamba_ssm

@@ -4,9 +4,8 @@
 SKINNY_MAX_STAGED_BYTES = 96 * 1024
 
 
-def skinny_staged_bytes(M, K, splits):
-    """Shared memory the skinny kernel stages x in: its rows rounded up to 16, 32 or 64, each a
-    split's K range (a multiple of 128 bytes) and 64 bytes of padding."""
-    x_rows = 16 if M <= 16 else 32 if M <= 32 else 64
+def skinny_staged_bytes(x_rows, K, splits):
+    """Shared memory a block of the skinny kernel stages x in: its x_rows rows (16, 32 or 64), each
+    a split's K range (a multiple of 128 bytes) and 64 bytes of padding."""
     per_split = -(-K // splits)
     return x_rows * (-(-per_split // 128) * 128 + 64)

@@ -106,8 +106,8 @@ def run_gemv(case, out, rows=0, splits=0):
     ops.w8a8_gemv_out(*op_arguments(case), out, rows, splits)
 
 
-def run_skinny(case, out, warp_tiles=0, splits=0):
-    ops.w8a8_gemm_skinny_out(*op_arguments(case), out, warp_tiles, splits)
+def run_skinny(case, out, warp_tiles=0, splits=0, x_rows=0):
+    ops.w8a8_gemm_skinny_out(*op_arguments(case), out, warp_tiles, splits, x_rows)
 
 
 def run_mma(case, out):
@@ -185,20 +185,23 @@ def test_gemm_skinny_matches_reference(M, N, K, out_dtype):
 
 
 @needs_clusters
+@pytest.mark.parametrize("x_rows", [16, 32, 64])
 @pytest.mark.parametrize("splits", [1, 2, 3, 8, 16])
 @pytest.mark.parametrize("warp_tiles", [1, 2])
 @pytest.mark.parametrize("M", [9, 33, 64])
 @pytest.mark.parametrize("N,K", [(192, 5120), (2560, 2048), (100, 80), (36, 1040), (1536, 48)])
-def test_gemm_skinny_every_plan(M, N, K, warp_tiles, splits):
-    """Every tile width and cluster size, where K splits unevenly (the last range shorter, or
-    fewer ranges than asked) and where N is not a multiple of the block's rows. A plan whose K
-    range of x does not fit in shared memory is refused with the sizes."""
-    seed_for("skinny plans", M, N, K, warp_tiles, splits)
+def test_gemm_skinny_every_plan(M, N, K, warp_tiles, splits, x_rows):
+    """Every tile width, cluster size and block height of x, where K splits unevenly (the last
+    range shorter, or fewer ranges than asked), where N is not a multiple of the block's rows and
+    where x's rows fill the last block partly (9 or 33 rows in blocks of 16 or 32) or fill fewer
+    blocks than their height. A plan whose K range of x does not fit in shared memory is refused
+    with the sizes."""
+    seed_for("skinny plans", M, N, K, warp_tiles, splits, x_rows)
 
     def run(case, out):
-        run_skinny(case, out, warp_tiles, splits)
+        run_skinny(case, out, warp_tiles, splits, x_rows)
 
-    if skinny_staged_bytes(M, K, splits) > SKINNY_MAX_STAGED_BYTES:
+    if skinny_staged_bytes(x_rows, K, splits) > SKINNY_MAX_STAGED_BYTES:
         with pytest.raises(RuntimeError, match=f"K = {K} in .* splits stages .* bytes of x, more than"):
             check_path(run, M, N, K, torch.int8)
     else:
@@ -505,6 +508,8 @@ def test_skinny_rejects_more_than_64_rows_and_unknown_plans():
         ops.w8a8_gemm_skinny_out(a["x"], a["weight"], a["multiplier"], None, None, a["out"], 3, 0)
     with pytest.raises(RuntimeError, match="splits must be 1 to 16"):
         ops.w8a8_gemm_skinny_out(a["x"], a["weight"], a["multiplier"], None, None, a["out"], 0, 17)
+    with pytest.raises(RuntimeError, match=r"x_rows must be 16, 32 or 64 \(0: chosen\), got 48"):
+        ops.w8a8_gemm_skinny_out(a["x"], a["weight"], a["multiplier"], None, None, a["out"], 0, 0, 48)
 
 
 @needs_sm90

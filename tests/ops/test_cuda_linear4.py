@@ -131,8 +131,8 @@ def run_w4a8_gemm(case, out, config=-1):
     ops.w4a8_gemm_out(*w4a8_op_arguments(case), out, config)
 
 
-def run_w4a8_skinny(case, out, warp_tiles=0, splits=0):
-    ops.w4a8_skinny_out(*w4a8_op_arguments(case), out, warp_tiles, splits)
+def run_w4a8_skinny(case, out, warp_tiles=0, splits=0, x_rows=0):
+    ops.w4a8_skinny_out(*w4a8_op_arguments(case), out, warp_tiles, splits, x_rows)
 
 
 def run_w4a8_linear(case, out):
@@ -182,8 +182,9 @@ def test_w4a8_gemv_both_x_loads(M, N, K, G, splits, x_loads):
 @pytest.mark.parametrize("N,K,G", MAMBA_2_8B + SMALL_SHAPES)
 @pytest.mark.parametrize("M", PREFILL_M)
 def test_w4a8_linear_prefill_matches_reference(M, N, K, G, out_dtype):
-    """The dispatching op: the skinny GEMM at 9-32 rows where it takes the groups, else expansion +
-    the W8A8 GEMM the device gets (sm90 where it can run)."""
+    """The dispatching op: the skinny GEMM at 9-32 rows (and at 33-64 for at most 256 weight rows,
+    x_proj) where it takes the groups, else expansion + the W8A8 GEMM the device gets (sm90 where
+    it can run)."""
     seed_for("w4a8 gemm", M, N, K, G, out_dtype)
     check_w4a8(run_w4a8_linear, M, N, K, G, out_dtype)
 
@@ -235,17 +236,19 @@ def test_w4a8_skinny_matches_reference(M, N, K, G, out_dtype):
 
 
 @needs_clusters
+@pytest.mark.parametrize("x_rows", [16, 32])
 @pytest.mark.parametrize("splits", [1, 2, 3, 8, 16])
 @pytest.mark.parametrize("M", [9, 40, 64])
 @pytest.mark.parametrize("N,K,G", [(192, 5120, 128), (100, 1024, 256), (33, 1024, 128)])
-def test_w4a8_skinny_every_split(M, N, K, G, splits):
-    """Every cluster size; a plan whose K range of x does not fit in shared memory is refused."""
-    seed_for("w4a8 skinny splits", M, N, K, G, splits)
+def test_w4a8_skinny_every_split(M, N, K, G, splits, x_rows):
+    """Every cluster size and block height of x (at most 32 rows: 64 take two blocks); a plan
+    whose K range of x does not fit in shared memory is refused."""
+    seed_for("w4a8 skinny splits", M, N, K, G, splits, x_rows)
 
     def run(case, out):
-        run_w4a8_skinny(case, out, 1, splits)
+        run_w4a8_skinny(case, out, 1, splits, x_rows)
 
-    if skinny_staged_bytes(M, K, splits) > SKINNY_MAX_STAGED_BYTES:
+    if skinny_staged_bytes(x_rows, K, splits) > SKINNY_MAX_STAGED_BYTES:
         with pytest.raises(RuntimeError, match=f"K = {K} in .* splits stages .* bytes of x, more than"):
             check_w4a8(run, M, N, K, G, torch.int8)
     else:
@@ -259,6 +262,8 @@ def test_w4a8_skinny_refuses_groups_that_straddle_its_steps():
         run_w4a8_skinny(case, poisoned_out(16, 72, torch.int8))
     with pytest.raises(RuntimeError, match="warp_tiles must be 1 to 1"):
         run_w4a8_skinny(w4a8_case(16, 72, 256, 128, torch.int8), poisoned_out(16, 72, torch.int8), 2, 0)
+    with pytest.raises(RuntimeError, match=r"x_rows must be 16, 32 \(0: chosen\), got 64"):
+        run_w4a8_skinny(w4a8_case(16, 72, 256, 128, torch.int8), poisoned_out(16, 72, torch.int8), 0, 0, 64)
 
 
 @pytest.mark.parametrize("out_dtype", [torch.int8, torch.float16], ids=str)
