@@ -905,8 +905,9 @@ int tile_rows(const StepArgs& args) {
 }
 
 // The staged dt_proj rows [kTileChannels] · dt_low rows [kFoldedTileRows] of a tile as int32 sums
-// [channel][row] in ``sums`` (kTileChannels rows), on the tensor cores: warp w (0 or 1) takes channels 16w ... 16w + 15,
-// one m16n8k32 MMA per 32 codes of dt_rank (exact: int8 products, int32 accumulators).
+// [channel][row] in ``sums`` (kTileChannels rows), on the tensor cores: warp w (0 or 1) takes
+// channels 16w ... 16w + 15, one m16n8k32 MMA per 32 codes of dt_rank (exact: int8 products,
+// int32 accumulators).
 __device__ __forceinline__ void tile_dt_sums(const int8_t* w_tile, const int8_t* x_tile, int pitch,
                                              int dt_rank, int (*sums)[kFoldedTileRows]) {
   const int warp = threadIdx.x / 32, group = threadIdx.x % 32 / 4, quad = threadIdx.x % 4;
@@ -1017,7 +1018,7 @@ __global__ void __launch_bounds__((kFolded ? kFoldedTileRows : kTileRows) * kTil
   const int d = first_channel + c, b = first_row + r;
   const bool valid = d < a.dim && b < a.batch;
   const int64_t offset = (static_cast<int64_t>(b) * a.dim + d) * a.dstate;
-  // Before the wait (prefetch_before_wait): the channels' dt_proj rows, A, the states into L2.
+  // Before the wait (prefetch_before_wait): the channels' dt_proj rows, A, D, the states into L2.
   if constexpr (kFolded) {
     stage_codes(dt_tiles, kTileChannels, dt_pitch,
                 a.dt_proj + static_cast<int64_t>(first_channel) * a.dt_rank, a.dt_rank, 1,
