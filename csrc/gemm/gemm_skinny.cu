@@ -325,14 +325,15 @@ Plan choose_plan(int M, int N, int K, int sms, int max_warp_tiles, int max_x_row
   const int most_splits = most_splits_of(K);
   const int warp_tiles = max_warp_tiles == 2 && tiles_of(N, 2) * std::min(8, most_splits) >= 2 * sms ? 2 : 1;
   const int tiles = tiles_of(N, warp_tiles);
-  int x_rows = std::min(x_rows_of(M), max_x_rows), splits = 1;
+  const int x_rows = std::min(x_rows_of(M), max_x_rows);
+  int splits = 1;
   while (splits < most_splits && (tiles * splits < 2 * sms ||
                                   staged_bytes(x_rows, split_k(K, warp_tiles, splits, x_rows).k_per_split) >
                                       kMaxStagedBytes))
     splits *= 2;
-  const Plan plan = split_k(K, warp_tiles, std::min(splits, most_splits), x_rows);
-  while (x_rows > 16 && tiles * plan.splits * x_groups_of(M, x_rows) < sms) x_rows /= 2;
-  return {plan.warp_tiles, plan.splits, plan.k_per_split, x_rows};
+  Plan plan = split_k(K, warp_tiles, std::min(splits, most_splits), x_rows);
+  while (plan.x_rows > 16 && tiles * plan.splits * x_groups_of(M, plan.x_rows) < sms) plan.x_rows /= 2;
+  return plan;
 }
 
 template <typename Codes, int NT, int WR, typename OutT>

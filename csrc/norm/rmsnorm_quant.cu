@@ -15,6 +15,20 @@ constexpr int kNormThreads = 256;
 constexpr int kRowValues = 8;          // values a thread of rmsnorm_quant_row_kernel holds
 constexpr int kMaxRowThreads = 1024;   // so rows of up to 8192 values
 
+// 1 / RMS of a row from a thread's part of its sum of squares (the block's threads add theirs).
+__device__ __forceinline__ float row_rstd(float sum_sq, int dim, float eps) {
+  const float mean_sq = __fdiv_rn(block_sum(sum_sq), static_cast<float>(dim));
+  return __frsqrt_rn(__fadd_rn(mean_sq, eps));
+}
+
+// The int8 code of one normalized value r · rstd (· its weight where there is one).
+__device__ __forceinline__ int8_t normalized_code(float r, float rstd, bool weighted, float w,
+                                                  float out_inv_scale) {
+  float v = __fmul_rn(r, rstd);
+  if (weighted) v = __fmul_rn(v, w);
+  return quantize_rn(v, out_inv_scale);
+}
+
 // One block per row, for any dim and alignment. r = x + residual is formed twice (for the sum of
 // squares, then for the output) instead of being kept: the second read hits the cache.
 template <typename In, typename Res, typename ResOut, typename W>
@@ -35,12 +49,10 @@ rmsnorm_quant_kernel(const In* __restrict__ x, const Res* __restrict__ residual,
     residual_out[row + i] = from_float<ResOut>(r);
     sum_sq = fmaf(r, r, sum_sq);
   }
-  const float mean_sq = __fdiv_rn(block_sum(sum_sq), static_cast<float>(dim));
-  const float rstd = __frsqrt_rn(__fadd_rn(mean_sq, eps));
+  const float rstd = row_rstd(sum_sq, dim, eps);
   for (int i = threadIdx.x; i < dim; i += kNormThreads) {
-    float v = __fmul_rn(sum_at(i), rstd);
-    if (weight != nullptr) v = __fmul_rn(v, to_float(weight[i]));
-    q[row + i] = quantize_rn(v, out_inv_scale);
+    const float w = weight != nullptr ? to_float(weight[i]) : 1.f;
+    q[row + i] = normalized_code(sum_at(i), rstd, weight != nullptr, w, out_inv_scale);
   }
 }
 
@@ -58,7 +70,7 @@ rmsnorm_quant_row_kernel(const In* __restrict__ x, const Res* __restrict__ resid
   quamba::pdl_launch_dependents();  // the next GEMV may start loading its weights (pdl.cuh)
   const int first = threadIdx.x * kRowValues;
   const bool holds = first < dim;  // the last warp may reach past the row
-  float w[kRowValues];
+  float w[kRowValues] = {};
   if (weight != nullptr && holds) load_values<kRowValues>(weight + first, true, w);
   quamba::pdl_wait();  // x comes from the kernel before
   const int64_t at = static_cast<int64_t>(blockIdx.x) * dim + first;
@@ -80,15 +92,12 @@ rmsnorm_quant_row_kernel(const In* __restrict__ x, const Res* __restrict__ resid
     }
     store_row<kRowValues>(residual_out + at, sums);
   }
-  const float mean_sq = __fdiv_rn(block_sum(sum_sq), static_cast<float>(dim));
-  const float rstd = __frsqrt_rn(__fadd_rn(mean_sq, eps));
+  const float rstd = row_rstd(sum_sq, dim, eps);
   if (!holds) return;
   int8_t codes[kRowValues];
 #pragma unroll
   for (int i = 0; i < kRowValues; ++i) {
-    float v = __fmul_rn(r[i], rstd);
-    if (weight != nullptr) v = __fmul_rn(v, w[i]);
-    codes[i] = quantize_rn(v, out_inv_scale);
+    codes[i] = normalized_code(r[i], rstd, weight != nullptr, w[i], out_inv_scale);
   }
   store_row<kRowValues>(q + at, codes);
 }
