@@ -30,10 +30,14 @@ using WideChunk = std::conditional_t<
                                           std::conditional_t<kBytes % 2 == 0, uint16_t, uint8_t>>>>;
 
 // quantize(): clamp(rne(x · inv), -127, 127) with the multiply rounded on its own (no FMA
-// contraction into a neighbouring add), exactly as quamba.ops.quant.quantize.
+// contraction into a neighbouring add), exactly as quamba.ops.quant.quantize. Clamping before
+// rounding gives the same codes (the bounds are integers). The rounding is an fp32 add of
+// 1.5 · 2^23, which leaves no fraction bits, so the sum is rounded half to even and its low byte is
+// the code in two's complement: one full-rate add where rintf and a conversion to int are two
+// quarter-rate instructions (the decode step quantizes 16 states a thread with it).
 __device__ __forceinline__ int8_t quantize_rn(float x, float inv_scale) {
-  float q = rintf(__fmul_rn(x, inv_scale));
-  return static_cast<int8_t>(fminf(fmaxf(q, -kInt8Max), kInt8Max));
+  const float clamped = fminf(fmaxf(__fmul_rn(x, inv_scale), -kInt8Max), kInt8Max);
+  return static_cast<int8_t>(__float_as_int(__fadd_rn(clamped, 12582912.f)));
 }
 
 // Sum over a block of whole warps (up to 1024 threads); every thread gets the total. Consecutive

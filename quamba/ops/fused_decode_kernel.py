@@ -19,8 +19,9 @@ the schedule. The arithmetic is the torch reference's operation by operation (qu
 rounding rule: round half to even of x · fp32(1/scale), saturated to ±127, nothing contracted
 into an FMA: the kernels are compiled with fp fusion off), so that the integer outputs match the
 chain of reference ops to one int8 step and y to the scan's tolerance. On a GPU exp and log1p are
-libdevice's (the CUDA kernels' expf and log1pf), and every output equals the chain of CUDA ops'
-bit for bit (tests/ops/test_cuda_fused_decode.py); under Triton's interpreter exp is numpy's.
+libdevice's (the CUDA kernels' expf and log1pf) and the state's decay is ex2.approx (as the CUDA
+step's), so every output equals the chain of CUDA ops' bit for bit
+(tests/ops/test_cuda_fused_decode.py); under Triton's interpreter exp is numpy's.
 
 Tiles: at most 8 batch rows per program (decode's batch 1-8 is one row block; larger batches take
 more, each reading the weights again), and tiles of at most TILE elements. The
@@ -71,6 +72,19 @@ def _exp(x, LIBDEVICE: tl.constexpr):
         result = libdevice.exp(x)
     else:
         result = tl.exp(x)
+    return result
+
+
+@triton.jit
+def _decay(z, LIBDEVICE: tl.constexpr):
+    """zoh's exp(z) as the CUDA step computes it (csrc/qsscan/scan_step.cuh): ex2.approx of
+    z · log2 e, flushing subnormals."""
+    scaled = z * 1.4426950408889634
+    if LIBDEVICE:
+        result = tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [scaled],
+                                           dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        result = tl.exp2(scaled)
     return result
 
 
@@ -280,7 +294,7 @@ def _dt_proj_scan_kernel(partial_ptr, xdbl_multipliers_ptr, u_ptr, z_ptr, sz_b, 
     h = tl.load(state_ptr + offsets, mask=state_mask, other=0).to(tl.float32)
     if INT8_STATE:
         h = h * state_scale
-    decay = _exp(delta[:, :, None] * A[None, :, :], LIBDEVICE)
+    decay = _decay(delta[:, :, None] * A[None, :, :], LIBDEVICE)
     h = decay * h + (delta * u)[:, :, None] * B[:, None, :]
     if INT8_STATE:
         tl.store(state_ptr + offsets, _quantize(h, state_inverse).to(tl.int8), mask=state_mask)
@@ -292,8 +306,8 @@ def _dt_proj_scan_kernel(partial_ptr, xdbl_multipliers_ptr, u_ptr, z_ptr, sz_b, 
     tl.store(y_ptr + m[:, None] * d_inner + d[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-# libdevice's exp and log1p where the kernels are compiled; Triton's interpreter (TRITON_INTERPRET
-# when they were defined) has no external functions and runs numpy's
+# libdevice's exp and log1p and inline PTX where the kernels are compiled; Triton's interpreter
+# (TRITON_INTERPRET when they were defined) has neither and runs numpy's
 LIBDEVICE_MATH = not isinstance(_dt_proj_scan_kernel, InterpretedFunction)
 
 
