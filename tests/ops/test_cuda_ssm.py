@@ -13,8 +13,9 @@ Tolerances, and why:
   an fp32 value the two backends compute a few ulps apart landing on opposite sides of a .5
   boundary: the scan's last state (it sums in another order than the sequential reference, takes
   exp(Δ A) through ex2.approx and softplus through ex2.approx / lg2.approx, which keeps Δ within
-  ~1e-5 relative), the decode step's int8 state (zoh's decay through ex2.approx), RMSNorm (sums the squares in another order), the Hadamard kernel (adds the
-  m × m factor in another order than BLAS).
+  ~1e-5 relative), the decode step's int8 state (zoh's decay through ex2.approx), RMSNorm (sums
+  the squares in another order), the Hadamard kernel (adds the m × m factor in another order than
+  BLAS).
 * float outputs within 1e-3 relative, plus one unit in the last place of a 16-bit output dtype
   (two fp32 values a few ulps apart may round to neighbouring fp16/bf16 numbers), with an
   absolute floor of 1e-4 of the reference's RMS for values that cancel to near zero.
