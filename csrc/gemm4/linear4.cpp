@@ -5,7 +5,8 @@
 //               out_dtype) -> out
 //   w4a8_linear_out(..., out)           the same into a preallocated out
 //   w4a8_gemv_out(..., out, rows, splits, x_loads) / w4a8_skinny_out(..., out, warp_tiles, splits, x_rows) /
-//   w4a8_gemm_out(..., out, config)     one path, for tests and benchmarks
+//   w4a8_tiled_out(..., out, splits) / w4a8_gemm_out(..., out, config)
+//                                       one path, for tests and benchmarks
 //   w4a8_expand_out(weight_packed, group_multiplier, group_size, out, overflow)
 //                                       int8 [N, K] = code * multiplier; sets overflow[0] = 1 when a
 //                                       product is outside [-128, 127]
@@ -21,13 +22,14 @@
 // per channel (multiplier_per_channel fp32 [N]) or as one number; W4A16 out is float16, bfloat16
 // or float32.
 //
-// Paths: M <= 8 takes the GEMV (gemv4.cu), exact for any int8 group multiplier. M = 9-32, and
-// 33-64 where N <= 256, take the skinny GEMM on the packed weight (gemm/gemm_skinny.cu; compute
-// capability 9.0, group_size % 128 == 0 or one group of K <= 128), also exact for any multiplier.
-// Otherwise M > 8 expands the weight to a temporary int8 [N, K] (code * multiplier, from the
-// caching allocator) and runs the W8A8 GEMM (on compute capability 9.0 the skinny GEMM or, at 33-64
-// rows where N > 256, CUTLASS wgmma as w8a8_linear chooses; CUTLASS wgmma above 64 rows on sm_90a;
-// mma.sync elsewhere) with the same epilogue. Where the skinny or the wgmma GEMM runs, both
+// Paths: M <= 8 takes the GEMV (gemv4.cu), exact for any int8 group multiplier. On compute
+// capability 9.0 with group_size % 128 == 0 (or one group of K <= 128), M = 17-64 takes the tiled
+// GEMM on the packed weight (w4a8_tiled.cu), except a weight of at most 256 rows at 17-32 rows,
+// which like M = 9-16 takes the skinny GEMM on the packed weight (gemm/gemm_skinny.cu); both are
+// exact for any multiplier. Otherwise M > 8 expands the weight to a temporary int8 [N, K] (code *
+// multiplier, from the caching allocator) and runs the W8A8 GEMM (on compute capability 9.0 the
+// skinny GEMM or, at 17-64 rows where N > 256, CUTLASS wgmma as w8a8_linear chooses; CUTLASS wgmma
+// above 64 rows on sm_90a; mma.sync elsewhere) with the same epilogue. Where the skinny or the wgmma GEMM runs, both
 // launch with programmatic dependence (pdl.cuh), the GEMM reading the weight only after its wait:
 // the GEMM's blocks launch while the expansion's last blocks finish (W4A8 out_proj at M = 1024 on
 // the H100: 32.5 -> 30.1 us). That expansion is exact only while every |code * multiplier| fits
@@ -156,14 +158,19 @@ bool sm90_can_run(const W4A8Args& a, const at::Tensor& out, const std::optional<
 }
 
 constexpr int64_t kConfigAuto = -1, kConfigMma = -2;
-// Rows up to which the skinny GEMM on the packed weight beats expansion + the int8 skinny GEMM
-// (Mamba-2.8B in_proj on an H200: 12.9 vs 24.9 us at 16 rows, 14.8 vs 25.7 at 32). Above, it
-// still beats expansion where the int8 GEMM would be the skinny one too (narrow N): x_proj at 64
-// rows on an H100, 6.1 against 7.8 us; where the swapped wgmma GEMM takes the int8 weight, it
-// loses (in_proj 29.4 against 25.4, out_proj 17.9 against 15.1; benchmarks/RESULTS.md).
-constexpr int kPackedSkinnyMaxM = 32;
+// Graph replays on an H100 (benchmarks/RESULTS.md), µs, Mamba-2.8B: the tiled GEMM against the
+// path before it (the skinny GEMM on the packed weight at 32 rows; expansion + CUTLASS at 64):
+// in_proj 9.9 / 16.1 at 32 rows, 13.7 / 25.5 at 64; out_proj 7.2 / 9.7, 10.2 / 15.1; x_proj (192
+// rows) at 64 rows 5.9 / 6.1. At 17-32 rows a weight that narrow keeps the skinny GEMM (5.6 at 32).
+constexpr int kNarrowN = 256;
+bool tiled_preferred(const W4A8Args& a) {
+  return a.M >= kTiledMinM && a.M <= kTiledMaxM && (a.N > kNarrowN || a.M > 32);
+}
+// Where the tiled GEMM is not taken: the skinny GEMM on the packed weight up to 32 rows, and at
+// 33-64 for narrow N, beats expansion + the int8 GEMM (in_proj on an H200: 12.9 vs 24.9 us at 16
+// rows; x_proj at 64 rows on an H100, 6.1 against 7.8).
 bool packed_skinny_preferred(const W4A8Args& a) {
-  return a.M <= kPackedSkinnyMaxM || !gemm::swapped_sm90_preferred(a.M, a.N);
+  return a.M <= 32 || !gemm::swapped_sm90_preferred(a.M, a.N);
 }
 
 gemm::GemmArgs gemm_args(const W4A8Args& a, const void* weight) {
@@ -175,6 +182,8 @@ gemm::GemmArgs gemm_args(const W4A8Args& a, const void* weight) {
 // temporary int8 [N, K] weight, then the W8A8 GEMM.
 void run_w4a8_gemm(const W4A8Args& a, const at::Tensor& x, const at::Tensor& out,
                    const std::optional<at::Tensor>& multiplier_per_channel, int64_t config) {
+  if (config == kConfigAuto && tiled_preferred(a) && w4a8_tiled_can_run(a.M, a.K, a.group_size))
+    return launch_w4a8_tiled(a);
   if (config == kConfigAuto && packed_skinny_preferred(a) && gemm::w4a8_skinny_can_run(a.M, a.K, a.group_size))
     return gemm::launch_w4a8_skinny(gemm_args(a, a.w), a.group_multiplier, a.group_size);
   at::Tensor expanded = at::empty({a.N, a.K}, x.options().dtype(at::kChar));
@@ -235,6 +244,15 @@ void w4a8_skinny_out(const at::Tensor& x, const at::Tensor& weight_packed, const
   gemm::launch_w4a8_skinny(gemm_args(a, a.w), a.group_multiplier, a.group_size,
                            gemm::SkinnyPlan{static_cast<int>(warp_tiles), static_cast<int>(splits),
                                             static_cast<int>(x_rows)});
+}
+
+void w4a8_tiled_out(const at::Tensor& x, const at::Tensor& weight_packed, const at::Tensor& group_multiplier,
+                    int64_t group_size, double multiplier, const std::optional<at::Tensor>& multiplier_per_channel,
+                    at::Tensor& out, int64_t splits) {
+  const auto guard = guard_for("w4a8_tiled", x);
+  const W4A8Args a = make_w4a8_args("w4a8_tiled", x, weight_packed, group_multiplier, group_size, multiplier,
+                                    multiplier_per_channel, out);
+  launch_w4a8_tiled(a, static_cast<int>(splits));
 }
 
 void w4a8_gemm_out(const at::Tensor& x, const at::Tensor& weight_packed, const at::Tensor& group_multiplier,
@@ -360,6 +378,7 @@ void register_impls(torch::Library& m) {
   m.impl("w4a8_linear_out", &w4a8_linear_out);
   m.impl("w4a8_gemv_out", &w4a8_gemv_out);
   m.impl("w4a8_skinny_out", &w4a8_skinny_out);
+  m.impl("w4a8_tiled_out", &w4a8_tiled_out);
   m.impl("w4a8_gemm_out", &w4a8_gemm_out);
   m.impl("w4a8_expand_out", &w4a8_expand_out);
   m.impl("w4a16_linear", &w4a16_linear);
@@ -381,6 +400,8 @@ TORCH_LIBRARY_FRAGMENT(quamba, m) {
         "Tensor? multiplier_per_channel, Tensor(a!) out, int rows=0, int splits=0, int x_loads=0) -> ()");
   m.def("w4a8_skinny_out(Tensor x, Tensor weight_packed, Tensor group_multiplier, int group_size, float multiplier, "
         "Tensor? multiplier_per_channel, Tensor(a!) out, int warp_tiles=0, int splits=0, int x_rows=0) -> ()");
+  m.def("w4a8_tiled_out(Tensor x, Tensor weight_packed, Tensor group_multiplier, int group_size, float multiplier, "
+        "Tensor? multiplier_per_channel, Tensor(a!) out, int splits=0) -> ()");
   m.def("w4a8_gemm_out(Tensor x, Tensor weight_packed, Tensor group_multiplier, int group_size, float multiplier, "
         "Tensor? multiplier_per_channel, Tensor(a!) out, int config=-1) -> ()");
   m.def("w4a8_expand_out(Tensor weight_packed, Tensor group_multiplier, int group_size, Tensor(a!) out, "

@@ -135,6 +135,10 @@ def run_w4a8_skinny(case, out, warp_tiles=0, splits=0, x_rows=0):
     ops.w4a8_skinny_out(*w4a8_op_arguments(case), out, warp_tiles, splits, x_rows)
 
 
+def run_w4a8_tiled(case, out, splits=0):
+    ops.w4a8_tiled_out(*w4a8_op_arguments(case), out, splits)
+
+
 def run_w4a8_linear(case, out):
     ops.w4a8_linear_out(*w4a8_op_arguments(case), out)
 
@@ -264,6 +268,39 @@ def test_w4a8_skinny_refuses_groups_that_straddle_its_steps():
         run_w4a8_skinny(w4a8_case(16, 72, 256, 128, torch.int8), poisoned_out(16, 72, torch.int8), 2, 0)
     with pytest.raises(RuntimeError, match=r"x_rows must be 16, 32 \(0: chosen\), got 64"):
         run_w4a8_skinny(w4a8_case(16, 72, 256, 128, torch.int8), poisoned_out(16, 72, torch.int8), 0, 0, 64)
+
+
+@needs_clusters
+@pytest.mark.parametrize("out_dtype", W4A8_OUT, ids=str)
+@pytest.mark.parametrize("N,K,G", SKINNY_SHAPES + [(2560, 640, 128), (264, 256, 128)])
+@pytest.mark.parametrize("M", [1, 16, 17, 31, 32, 33, 48, 63, 64])
+def test_w4a8_tiled_matches_reference(M, N, K, G, out_dtype):
+    """The tiled GEMM on the packed weight (either tile: N <= 256 or wider; 4 or 8 tiles of x),
+    exact for any int8 multiplier (up to 127 here)."""
+    seed_for("w4a8 tiled", M, N, K, G, out_dtype)
+    check_w4a8(run_w4a8_tiled, M, N, K, G, out_dtype, max_multiplier=127)
+
+
+@needs_clusters
+@pytest.mark.parametrize("splits", [1, 2, 3, 5, 8, 16])
+@pytest.mark.parametrize("M", [20, 64])
+@pytest.mark.parametrize("N,K,G", [(192, 5120, 128), (100, 1024, 256), (33, 1024, 128), (300, 1280, 256),
+                                   (2560, 640, 128)])
+def test_w4a8_tiled_every_split(M, N, K, G, splits):
+    """Every cluster size, including splits whose K ranges end inside a stage or a group, and more
+    splits than the K range has stages (fewer are used)."""
+    seed_for("w4a8 tiled splits", M, N, K, G, splits)
+    check_w4a8(lambda case, out: run_w4a8_tiled(case, out, splits), M, N, K, G, torch.int8, max_multiplier=127)
+
+
+@needs_clusters
+def test_w4a8_tiled_refuses_what_it_cannot_run():
+    with pytest.raises(RuntimeError, match="group_size % 128 == 0 or one group of at most 128 codes"):
+        run_w4a8_tiled(w4a8_case(20, 72, 256, 32, torch.int8), poisoned_out(20, 72, torch.int8))
+    with pytest.raises(RuntimeError, match="x of 1 to 64 rows"):
+        run_w4a8_tiled(w4a8_case(65, 72, 256, 128, torch.int8), poisoned_out(65, 72, torch.int8))
+    with pytest.raises(RuntimeError, match=r"splits must be 1 to 16 \(0: chosen\), got 17"):
+        run_w4a8_tiled(w4a8_case(20, 72, 256, 128, torch.int8), poisoned_out(20, 72, torch.int8), 17)
 
 
 @pytest.mark.parametrize("out_dtype", [torch.int8, torch.float16], ids=str)
@@ -496,7 +533,7 @@ def test_small_every_path_small_shapes(M, N, K, G):
     if M <= 8:
         w4a8_runs.append(run_w4a8_gemv)
     if HAS_CLUSTERS and (G % 128 == 0 or G == K <= 128):
-        w4a8_runs.append(run_w4a8_skinny)
+        w4a8_runs += [run_w4a8_skinny, run_w4a8_tiled]
     for run in w4a8_runs:
         check_w4a8(run, M, N, K, G, torch.int8)
         check_w4a8(run, M, N, K, G, torch.float16)
