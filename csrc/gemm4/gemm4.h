@@ -62,10 +62,10 @@ enum class XLoads { kAuto = 0, kPerLane = 1, kShared = 2 };
 void launch_w4a8_gemv(const W4A8Args& args, int rows = 0, int splits = 0, XLoads x_loads = XLoads::kAuto);
 void launch_w4a16_gemv(const W4A16Args& args, int rows = 0, int splits = 0, XLoads x_loads = XLoads::kAuto);
 
-// The tiled W4A8 GEMM on the packed weight for decode at 17-64 rows (w4a8_tiled.cu; compute
+// The tiled W4A8 GEMM on the packed weight for decode at 9-64 rows (w4a8_tiled.cu; compute
 // capability 9.0, group_size % 128 == 0 or one group of K <= 128): exact for any int8 group
 // multiplier. splits (1 to 16 blocks of a cluster sharing K) 0 = chosen from the shape.
-constexpr int kTiledMinM = 17, kTiledMaxM = 64;
+constexpr int kTiledMinM = 9, kTiledMaxM = 64;
 bool w4a8_tiled_can_run(int M, int K, int group_size);
 void launch_w4a8_tiled(const W4A8Args& args, int splits = 0);
 

@@ -23,10 +23,10 @@
 // or float32.
 //
 // Paths: M <= 8 takes the GEMV (gemv4.cu), exact for any int8 group multiplier. On compute
-// capability 9.0 with group_size % 128 == 0 (or one group of K <= 128), M = 17-64 takes the tiled
-// GEMM on the packed weight (w4a8_tiled.cu), except a weight of at most 256 rows at 17-32 rows,
-// which like M = 9-16 takes the skinny GEMM on the packed weight (gemm/gemm_skinny.cu); both are
-// exact for any multiplier. Otherwise M > 8 expands the weight to a temporary int8 [N, K] (code *
+// capability 9.0 with group_size % 128 == 0 (or one group of K <= 128), M = 9-64 takes the tiled
+// GEMM on the packed weight (w4a8_tiled.cu), except a weight of at most 256 rows at 33-64 rows,
+// which takes the skinny GEMM on the packed weight (gemm/gemm_skinny.cu); both are exact for any
+// multiplier. Otherwise M > 8 expands the weight to a temporary int8 [N, K] (code *
 // multiplier, from the caching allocator) and runs the W8A8 GEMM (on compute capability 9.0 the
 // skinny GEMM or, at 17-64 rows where N > 256, CUTLASS wgmma as w8a8_linear chooses; CUTLASS wgmma
 // above 64 rows on sm_90a; mma.sync elsewhere) with the same epilogue. Where the skinny or the wgmma GEMM runs, both
@@ -158,17 +158,17 @@ bool sm90_can_run(const W4A8Args& a, const at::Tensor& out, const std::optional<
 }
 
 constexpr int64_t kConfigAuto = -1, kConfigMma = -2;
-// Graph replays on an H100 (benchmarks/RESULTS.md), µs, Mamba-2.8B: the tiled GEMM against the
-// path before it (the skinny GEMM on the packed weight at 32 rows; expansion + CUTLASS at 64):
-// in_proj 9.9 / 16.1 at 32 rows, 13.7 / 25.5 at 64; out_proj 7.2 / 9.7, 10.2 / 15.1; x_proj (192
-// rows) at 64 rows 5.9 / 6.1. At 17-32 rows a weight that narrow keeps the skinny GEMM (5.6 at 32).
+// Graph replays on a fresh H100 (benchmarks/RESULTS.md), µs, Mamba-2.8B, the tiled GEMM against the
+// skinny GEMM on the packed weight and against expansion + CUTLASS (the path before it at 33-64 rows
+// where N > 256): in_proj 10.0 / 14.4 at 16 rows, 10.7 / 15.8 at 32, 14.6 / 29.7 / 25.6 at 64;
+// out_proj 7.2 / 8.6, 7.8 / 9.8, 10.8 / 18.0 / 15.1; x_proj (192 rows) 4.9 / 5.4, 4.9 / 5.6, but at
+// 48 and 64 rows 6.0 / 5.9 and 6.3 / 6.1, so a weight that narrow keeps the skinny GEMM above 32.
 constexpr int kNarrowN = 256;
 bool tiled_preferred(const W4A8Args& a) {
-  return a.M >= kTiledMinM && a.M <= kTiledMaxM && (a.N > kNarrowN || a.M > 32);
+  return a.M >= kTiledMinM && a.M <= kTiledMaxM && (a.N > kNarrowN || a.M <= 32);
 }
-// Where the tiled GEMM is not taken: the skinny GEMM on the packed weight up to 32 rows, and at
-// 33-64 for narrow N, beats expansion + the int8 GEMM (in_proj on an H200: 12.9 vs 24.9 us at 16
-// rows; x_proj at 64 rows on an H100, 6.1 against 7.8).
+// Where the tiled GEMM is not taken, the skinny GEMM on the packed weight beats expansion + the int8
+// GEMM up to 32 rows, and at 33-64 for narrow N (x_proj at 64 rows on an H100: 6.1 against 7.1).
 bool packed_skinny_preferred(const W4A8Args& a) {
   return a.M <= 32 || !gemm::swapped_sm90_preferred(a.M, a.N);
 }

@@ -1,4 +1,4 @@
-// W4A8 GEMM for 17-64 rows of x (decode at batch 17-64) on sm_90, on the packed 4-bit weight
+// W4A8 GEMM for 9-64 rows of x (decode at batch 9-64) on sm_90, on the packed 4-bit weight
 // (gemm4.h's format) with no int8 copy: a block streams a tile of weight rows and x's rows over its
 // K range through a cp.async pipeline in shared memory, expands the codes in registers and
 // multiplies them on mma.sync m16n8k32; K is split over the blocks of a thread-block cluster, which
@@ -18,8 +18,8 @@
 // Against the skinny GEMM on the same packed weight, which holds a warp's weight loads in
 // registers and stages all of a block's x before its first MMA, this pipeline keeps both operands
 // in flight in shared memory and folds each round's sums right after its MMAs, which leaves
-// registers for 64 rows of x in one block: Mamba-2.8B in_proj at 64 rows 29.4 -> 13.7 us on the
-// H100, out_proj 18.0 -> 10.2 (benchmarks/RESULTS.md).
+// registers for 64 rows of x in one block: Mamba-2.8B in_proj at 64 rows 29.7 -> 14.6 us on an
+// H100, out_proj 18.0 -> 10.8; at 16 rows 14.4 -> 10.0 and 8.6 -> 7.2 (benchmarks/RESULTS.md).
 #pragma once
 
 #include <cooperative_groups.h>

@@ -4,8 +4,8 @@
 Up to 8 rows run the decode GEMVs (W4A8: exact for any int8 group multiplier; W4A16: fp32
 accumulation, on tensor cores, or on CUDA cores for one row of a layer with few weight rows).
 More rows run the prefill GEMMs. At 9–64 rows on compute capability 9.0, with groups of a multiple of
-128, W4A8 runs a GEMM on the packed codes, exact for any multiplier: the tiled one at 17–64 rows (at
-17–32 only for a weight of more than 256 rows), else the skinny one. Otherwise
+128, W4A8 runs a GEMM on the packed codes, exact for any multiplier: the tiled one, or the skinny one
+at 33–64 rows for a weight of at most 256 rows (x_proj). Otherwise
 it expands the codes to an int8 weight (code × group multiplier) and runs the W8A8 GEMM, which is
 exact only while every product fits int8 — multipliers in 1…18 for codes in -7…7
 (quamba.ops.quant4). Above 8 rows that is checked here, on the device, whichever path runs (a
