@@ -11,9 +11,10 @@ weights come from device memory.
     python benchmarks/bench_gemm4.py [--out results.json] [--quick] [--decode_m 1,2,...,8] [--no_prefill]
                                      [--gemm_m 16,32,64,...]
 
---gemm_m replaces the prefill sizes: at 9 to 32 rows (decode at batch 9 to 32, compute capability
-9.0) W4A8 takes the skinny GEMM on the packed weight; at 9 to 64 rows that kernel is timed on its
-own (w4a8_skinny_us) beside the expansion and the W8A8 GEMM that are the other path.
+--gemm_m replaces the prefill sizes: at 9 to 64 rows (decode at batch 9 to 64, compute capability
+9.0) W4A8 takes the tiled GEMM on the packed weight (x_proj above 32 rows the skinny one); there
+both kernels are timed on their own (w4a8_tiled_us, w4a8_skinny_us) beside the expansion and the
+W8A8 GEMM that are the path above 64 rows.
 """
 from __future__ import annotations
 
@@ -168,6 +169,8 @@ def bench_prefill(layer):
             "w8a8_gemm_us": layer.w8a8_us(), "dequant_us": layer.dequantize_us(),
             "w4a8_skinny_us": (layer.w4a8_us(torch.ops.quamba.w4a8_skinny_out)
                                if skinny_gemm_runs(layer.M) else None),
+            "w4a8_tiled_us": (layer.w4a8_us(torch.ops.quamba.w4a8_tiled_out)
+                              if skinny_gemm_runs(layer.M) else None),
             "fp16_transposed_us": fp16_t, "w4a16_transposed_us": w4a16_t,
             "w4a16_transposed_speedup": fp16_t / w4a16_t, "w4a16_copied_us": layer.transposed_us("copied")}
 
@@ -231,7 +234,7 @@ def main():
                                 "best_w4a16_gemv", "best_w4a16_gemv_us"],
                        "\nW4A8 / W4A16 GEMV (decode) vs fp16 F.linear (GB/s: packed weight bytes only)"))
     print(format_table(prefill, ["layer", "M", "N", "K", "out", "fp16_us", "w4a8_us", "w4a8_speedup", "expand_us",
-                                 "w8a8_gemm_us", "w4a8_skinny_us", "w4a16_us", "w4a16_speedup", "dequant_us"],
+                                 "w8a8_gemm_us", "w4a8_skinny_us", "w4a8_tiled_us", "w4a16_us", "w4a16_speedup", "dequant_us"],
                        "\nW4A8 / W4A16 prefill vs fp16 F.linear"))
     print(format_table(prefill, ["layer", "M", "fp16_transposed_us", "w4a16_transposed_us",
                                  "w4a16_transposed_speedup", "w4a16_copied_us"],

@@ -13,9 +13,10 @@ namespace {
 
 using tiled::Tile;
 
-// A split's K range of about 640 codes (5 rounds): measured best for Mamba-2.8B on the H100 at 64
-// rows, in_proj in 4 splits (13.7 us against 16.6 in 2) and out_proj in 8 (10.2 against 13.1 in
-// 16); a weight whose tiles and splits would leave SMs idle (x_proj's 192 rows) takes up to 16.
+// A split's K range of about 640 codes (5 rounds): measured best for Mamba-2.8B at 64 rows on the
+// H100 (the standalone harness of benchmarks/RESULTS.md), in_proj in 4 splits (13.7 us against 16.6
+// in 2) and out_proj in 8 (11.2 against 13.1 in 16; clusters of at most 4 made W4A8's batch-64
+// step 12% slower); a weight whose tiles would leave SMs idle (x_proj's 192 rows) takes up to 16.
 constexpr int kCodesPerSplit = 640;
 
 struct Plan {
