@@ -24,6 +24,7 @@
 
 #include <algorithm>
 
+#include "gemm/cluster_reduce.cuh"
 #include "gemm/epilogue.cuh"
 #include "gemm/gemm.h"
 #include "gemm/mma.cuh"
@@ -38,7 +39,7 @@ constexpr int kBlockWarps = 4;
 constexpr int kBlockThreads = 32 * kBlockWarps;
 constexpr int kSplitAlign = 128;        // a split's K range is a multiple of this many codes
 constexpr int kWeightLoadsPerLane = 16; // 16-byte weight loads in flight per lane
-constexpr int kMaxSplits = 16;          // the largest (non-portable) cluster on sm_90
+constexpr int kMaxSplits = kMaxClusterSplits;
 constexpr int kMaxStagedBytes = 96 * 1024;
 // Partial sums are stored [x row][weight row], rows kRows + 4 ints apart: the 32 lanes' stores of
 // one accumulator register then hit 32 different banks.
@@ -248,15 +249,7 @@ gemm_skinny_kernel(const int8_t* __restrict__ x, int x_stride, const uint8_t* __
 
   __syncthreads();  // every warp is done with the staged x: its space takes the partial sums
   int* partial = reinterpret_cast<int*>(smem);
-#pragma unroll
-  for (int r = 0; r < WR; ++r)
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int v = 0; v < 4; ++v) {  // fragment: weight row g (+8 for v >= 2), x row 2 t + v % 2
-        const int n_local = warp * 16 * WR + 16 * r + g + 8 * (v / 2);
-        partial[(nt * 8 + 2 * t + v % 2) * T::kPartialStride + n_local] = acc[r][nt][v];
-      }
+  store_partials(partial, T::kPartialStride, acc, warp * 16 * WR, g, t);
   cg::cluster_group cluster = cg::this_cluster();
   cluster.sync();
 
@@ -266,14 +259,7 @@ gemm_skinny_kernel(const int8_t* __restrict__ x, int x_stride, const uint8_t* __
   for (int i = blockIdx.y * kBlockThreads + threadIdx.x; i < quads; i += splits * kBlockThreads) {
     const int m = 4 * i / T::kRows, n_local = 4 * i % T::kRows;
     const int at = m * T::kPartialStride + n_local;
-    int4 sum = make_int4(0, 0, 0, 0);
-#pragma unroll
-    for (int s = 0; s < kMaxSplits; ++s) {  // unrolled: every rank's read is in flight at once
-      if (s < splits) {
-        const int4 p = *reinterpret_cast<const int4*>(cluster.map_shared_rank(partial, s) + at);
-        sum.x += p.x, sum.y += p.y, sum.z += p.z, sum.w += p.w;
-      }
-    }
+    const int4 sum = cluster_sum4(cluster, partial, at, splits);
     const int n = n_base + n_local;
     OutT* row = out + static_cast<int64_t>(m) * N;
     const int sums[4] = {sum.x, sum.y, sum.z, sum.w};
@@ -346,23 +332,10 @@ void launch(const GemmArgs& a, const Plan& p, bool weight_is_constant, const Gro
               " bytes of x, more than ", kMaxStagedBytes);
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   if (p.splits > 8) C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
-  cudaLaunchAttribute attributes[2];
-  attributes[0].id = cudaLaunchAttributeClusterDimension;
-  attributes[0].val.clusterDim.x = 1;
-  attributes[0].val.clusterDim.y = p.splits;
-  attributes[0].val.clusterDim.z = 1;
-  attributes[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attributes[1].val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(tiles_of(a.N, WR), p.splits, x_groups_of(a.M, p.x_rows));
-  config.blockDim = dim3(kBlockThreads);
-  config.dynamicSmemBytes = smem;
-  config.stream = a.stream;
-  config.attrs = attributes;
-  config.numAttrs = 2;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, a.x, a.x_stride, reinterpret_cast<const uint8_t*>(a.w),
-                                    static_cast<OutT*>(a.out), a.M, a.N, a.K, p.k_per_split, weight_is_constant, groups,
-                                    Epilogue::from(a)));
+  launch_clusters_with_pdl(kernel, dim3(tiles_of(a.N, WR), p.splits, x_groups_of(a.M, p.x_rows)), dim3(1, p.splits, 1),
+                           dim3(kBlockThreads), smem, a.stream, a.x, a.x_stride, reinterpret_cast<const uint8_t*>(a.w),
+                           static_cast<OutT*>(a.out), a.M, a.N, a.K, p.k_per_split, weight_is_constant, groups,
+                           Epilogue::from(a));
 }
 
 // The plan from the shape, or as given (warp_tiles, splits, x_rows: 0 = chosen), then the kernel

@@ -46,23 +46,10 @@ void launch(const W4A8Args& a, int asked_splits) {
   const int smem = T::smem_bytes(split_groups);
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   if (p.splits > 8) C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
-  cudaLaunchAttribute attributes[2];
-  attributes[0].id = cudaLaunchAttributeClusterDimension;
-  attributes[0].val.clusterDim.x = 1;
-  attributes[0].val.clusterDim.y = p.splits;
-  attributes[0].val.clusterDim.z = 1;
-  attributes[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attributes[1].val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(tiles, p.splits, 1);
-  config.blockDim = dim3(T::kThreads);
-  config.dynamicSmemBytes = smem;
-  config.stream = a.stream;
-  config.attrs = attributes;
-  config.numAttrs = 2;
   const tiled::Problem problem{a.x, a.K, a.w, a.group_multiplier, a.group_size, a.M, a.N, a.K, p.k_per_split};
   const gemm::Epilogue epilogue{a.multiplier, a.multiplier_per_channel, nullptr};
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, problem, static_cast<OutT*>(a.out), epilogue));
+  launch_clusters_with_pdl(kernel, dim3(tiles, p.splits, 1), dim3(1, p.splits, 1), dim3(T::kThreads), smem, a.stream,
+                           problem, static_cast<OutT*>(a.out), epilogue);
 }
 
 // Tiles (in_proj, out_proj: 2 m16 tiles a warp, one 128-code round a stage, 4 stages) or, for a

@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "gemm/cluster_reduce.cuh"
 #include "gemm/epilogue.cuh"
 #include "gemm/mma.cuh"
 #include "pdl.cuh"
@@ -37,7 +38,7 @@ constexpr int kSubCodes = 128;  // K of one round of a warp's MMAs: four m16n8k3
 // x rows in a stage start 16 bytes past a multiple of 128: the two rows an 8-lane phase of a
 // 16-byte read touches then fall on different banks.
 constexpr int kXRowPad = 16;
-constexpr int kMaxSplits = 16;  // the largest (non-portable) cluster on sm_90
+constexpr int kMaxSplits = gemm::kMaxClusterSplits;
 // Partial sums are stored [x row][weight row], rows kRows + 4 ints apart, so that the 32 lanes'
 // stores of one accumulator register hit 32 different banks.
 constexpr int kPartialPad = 4;
@@ -290,13 +291,7 @@ w4a8_tiled_kernel(Problem p, OutT* __restrict__ out, gemm::Epilogue epilogue) {
 
   __syncthreads();  // every warp is done with the stages: their space takes the partial sums
   int* partial = reinterpret_cast<int*>(smem);
-#pragma unroll
-  for (int r = 0; r < WR; ++r)
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int v = 0; v < 4; ++v)  // fragment: weight row g (+8 for v >= 2), x row 2 t + v % 2
-        partial[(nt * 8 + 2 * t + v % 2) * T::kPartialStride + warp_row + 16 * r + g + 8 * (v / 2)] = acc[r][nt][v];
+  gemm::store_partials(partial, T::kPartialStride, acc, warp_row, g, t);
   namespace cg = cooperative_groups;
   cg::cluster_group cluster = cg::this_cluster();
   cluster.sync();
@@ -307,14 +302,7 @@ w4a8_tiled_kernel(Problem p, OutT* __restrict__ out, gemm::Epilogue epilogue) {
   for (int i = blockIdx.y * T::kThreads + threadIdx.x; i < quads; i += splits * T::kThreads) {
     const int m = 4 * i / T::kRows;
     const int at = m * T::kPartialStride + (n_first - row0);
-    int4 sum = make_int4(0, 0, 0, 0);
-#pragma unroll
-    for (int s = 0; s < kMaxSplits; ++s) {  // unrolled: every rank's read is in flight at once
-      if (s < splits) {
-        const int4 q = *reinterpret_cast<const int4*>(cluster.map_shared_rank(partial, s) + at);
-        sum.x += q.x, sum.y += q.y, sum.z += q.z, sum.w += q.w;
-      }
-    }
+    const int4 sum = gemm::cluster_sum4(cluster, partial, at, splits);
     const int sums[4] = {sum.x, sum.y, sum.z, sum.w};
     OutT values[4];
 #pragma unroll
