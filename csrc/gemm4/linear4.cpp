@@ -26,10 +26,10 @@
 // capability 9.0 with group_size % 128 == 0 (or one group of K <= 128), M = 9-64 takes the tiled
 // GEMM on the packed weight (w4a8_tiled.cu), except a weight of at most 256 rows at 33-64 rows,
 // which takes the skinny GEMM on the packed weight (gemm/gemm_skinny.cu); both are exact for any
-// multiplier. Otherwise M > 8 expands the weight to a temporary int8 [N, K] (code *
-// multiplier, from the caching allocator) and runs the W8A8 GEMM (on compute capability 9.0 the
-// skinny GEMM or, at 17-64 rows where N > 256, CUTLASS wgmma as w8a8_linear chooses; CUTLASS wgmma
-// above 64 rows on sm_90a; mma.sync elsewhere) with the same epilogue. Where the skinny or the wgmma GEMM runs, both
+// multiplier. Otherwise M > 8 expands the weight to a temporary int8 [N, K] (code * multiplier,
+// from the caching allocator) and runs the W8A8 GEMM (on compute capability 9.0 the skinny GEMM or,
+// at 17-64 rows where N > 256, CUTLASS wgmma as w8a8_linear chooses; CUTLASS wgmma above 64 rows on
+// sm_90a; mma.sync elsewhere) with the same epilogue. Where the skinny or the wgmma GEMM runs, both
 // launch with programmatic dependence (pdl.cuh), the GEMM reading the weight only after its wait:
 // the GEMM's blocks launch while the expansion's last blocks finish (W4A8 out_proj at M = 1024 on
 // the H100: 32.5 -> 30.1 us). That expansion is exact only while every |code * multiplier| fits
@@ -160,9 +160,9 @@ bool sm90_can_run(const W4A8Args& a, const at::Tensor& out, const std::optional<
 constexpr int64_t kConfigAuto = -1, kConfigMma = -2;
 // Graph replays on a fresh H100 (benchmarks/RESULTS.md), µs, Mamba-2.8B, the tiled GEMM against the
 // skinny GEMM on the packed weight and against expansion + CUTLASS (the path before it at 33-64 rows
-// where N > 256): in_proj 10.0 / 14.4 at 16 rows, 10.7 / 15.8 at 32, 14.6 / 29.7 / 25.6 at 64;
-// out_proj 7.2 / 8.6, 7.8 / 9.8, 10.8 / 18.0 / 15.1; x_proj (192 rows) 4.9 / 5.4, 4.9 / 5.6, but at
-// 48 and 64 rows 6.0 / 5.9 and 6.3 / 6.1, so a weight that narrow keeps the skinny GEMM above 32.
+// where N > 256): in_proj 10.0 / 14.4 at 16 rows, 10.7 / 16.0 at 32, 14.6 / 29.4 / 25.5 at 64;
+// out_proj 7.3 / 8.7, 7.8 / 9.8, 10.9 / 18.0 / 15.2; x_proj (192 rows) 4.8 / 5.5, 4.8 / 5.6, but at
+// 48 and 64 rows 6.0 / 6.0 and 6.2 / 6.1, so a weight that narrow keeps the skinny GEMM above 32.
 constexpr int kNarrowN = 256;
 bool tiled_preferred(const W4A8Args& a) {
   return a.M >= kTiledMinM && a.M <= kTiledMaxM && (a.N > kNarrowN || a.M <= 32);

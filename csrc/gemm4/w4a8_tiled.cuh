@@ -18,8 +18,8 @@
 // Against the skinny GEMM on the same packed weight, which holds a warp's weight loads in
 // registers and stages all of a block's x before its first MMA, this pipeline keeps both operands
 // in flight in shared memory and folds each round's sums right after its MMAs, which leaves
-// registers for 64 rows of x in one block: Mamba-2.8B in_proj at 64 rows 29.7 -> 14.6 us on an
-// H100, out_proj 18.0 -> 10.8; at 16 rows 14.4 -> 10.0 and 8.6 -> 7.2 (benchmarks/RESULTS.md).
+// registers for 64 rows of x in one block: Mamba-2.8B in_proj at 64 rows 29.4 -> 14.6 us on an
+// H100, out_proj 18.0 -> 10.9; at 16 rows 14.4 -> 10.0 and 8.7 -> 7.3 (benchmarks/RESULTS.md).
 #pragma once
 
 #include <cooperative_groups.h>
