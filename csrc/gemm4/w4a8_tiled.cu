@@ -37,8 +37,8 @@ Plan plan_for(int tiles, int K, int stage_codes, int asked_splits) {
 
 template <int WR, int NT, int kSub, int kStages, typename OutT>
 void launch(const W4A8Args& a, int asked_splits) {
-  using T = Tile<WR, NT, kSub, kStages, /*kWarps=*/4>;
-  const auto kernel = tiled::w4a8_tiled_kernel<WR, NT, kSub, kStages, 4, OutT>;
+  using T = Tile<WR, NT, kSub, kStages>;
+  const auto kernel = tiled::w4a8_tiled_kernel<WR, NT, kSub, kStages, OutT>;
   gemm::check_kernel_image(reinterpret_cast<const void*>(kernel), "tiled W4A8 GEMM");
   const int tiles = (a.N + T::kRows - 1) / T::kRows;
   const Plan p = plan_for(tiles, a.K, T::kStageCodes, asked_splits);
@@ -48,8 +48,8 @@ void launch(const W4A8Args& a, int asked_splits) {
   if (p.splits > 8) C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
   const tiled::Problem problem{a.x, a.K, a.w, a.group_multiplier, a.group_size, a.M, a.N, a.K, p.k_per_split};
   const gemm::Epilogue epilogue{a.multiplier, a.multiplier_per_channel, nullptr};
-  launch_clusters_with_pdl(kernel, dim3(tiles, p.splits, 1), dim3(1, p.splits, 1), dim3(T::kThreads), smem, a.stream,
-                           problem, static_cast<OutT*>(a.out), epilogue);
+  launch_clusters_with_pdl(kernel, dim3(tiles, p.splits, 1), dim3(1, p.splits, 1), dim3(tiled::kThreads), smem,
+                           a.stream, problem, static_cast<OutT*>(a.out), epilogue);
 }
 
 // Tiles (in_proj, out_proj: 2 m16 tiles a warp, one 128-code round a stage, 4 stages) or, for a

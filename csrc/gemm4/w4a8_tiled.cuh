@@ -43,11 +43,13 @@ constexpr int kMaxSplits = gemm::kMaxClusterSplits;
 // stores of one accumulator register hit 32 different banks.
 constexpr int kPartialPad = 4;
 
+constexpr int kWarps = 4;  // 8 a block measured slower (benchmarks/RESULTS.md)
+constexpr int kThreads = 32 * kWarps;
+
 // kWarps warps of WR m16 tiles of weight rows each, NT n8 tiles of x rows, kStages stages of
 // kSub rounds of 128 codes.
-template <int WR, int NT, int kSub, int kStages, int kWarps>
+template <int WR, int NT, int kSub, int kStages>
 struct Tile {
-  static constexpr int kThreads = 32 * kWarps;
   static constexpr int kRows = 16 * WR * kWarps;
   static constexpr int kXRows = 8 * NT;
   static constexpr int kStageCodes = kSub * kSubCodes;
@@ -121,12 +123,12 @@ struct StageCopies {
         x_row(threadIdx.x / T::kXRowChunks), x_chunk(threadIdx.x % T::kXRowChunks), x_rows_valid(0) {
 #pragma unroll
     for (int i = 0; i < T::kWeightChunks; ++i) {
-      const int64_t n = min(row0 + weight_row + i * (T::kThreads / T::kWeightRowChunks), p.N - 1);  // never stored
+      const int64_t n = min(row0 + weight_row + i * (kThreads / T::kWeightRowChunks), p.N - 1);  // never stored
       weight_src[i] = p.w + n * (p.K / 2) + k_begin / 2 + 16 * weight_chunk;
     }
 #pragma unroll
     for (int i = 0; i < T::kXChunks; ++i) {
-      const int row = x_row + i * (T::kThreads / T::kXRowChunks);
+      const int row = x_row + i * (kThreads / T::kXRowChunks);
       x_src[i] = p.x + static_cast<int64_t>(min(row, p.M - 1)) * p.x_stride + k_begin + 16 * x_chunk;
       x_rows_valid |= static_cast<uint32_t>(row < p.M) << i;
     }
@@ -138,17 +140,17 @@ struct StageCopies {
     const bool valid = step * T::kStageCodes + 32 * weight_chunk < codes;
 #pragma unroll
     for (int i = 0; i < T::kWeightChunks; ++i)
-      cp_async_weight(stage + T::weight_offset(weight_row + i * (T::kThreads / T::kWeightRowChunks), weight_chunk),
-                  weight_src[i] + (valid ? step * T::kWeightRowBytes : 0), valid);
+      cp_async_weight(stage + T::weight_offset(weight_row + i * (kThreads / T::kWeightRowChunks), weight_chunk),
+                      weight_src[i] + (valid ? step * T::kWeightRowBytes : 0), valid);
   }
   __device__ __forceinline__ void x(uint32_t stage, int step, int codes) const {
     const bool in_k = step * T::kStageCodes + 16 * x_chunk < codes;
 #pragma unroll
     for (int i = 0; i < T::kXChunks; ++i) {
       const bool valid = in_k && (x_rows_valid >> i & 1u);
-      const int row = x_row + i * (T::kThreads / T::kXRowChunks);
+      const int row = x_row + i * (kThreads / T::kXRowChunks);
       cp_async_x(stage + T::kWeightStageBytes + row * T::kXRowBytes + 16 * x_chunk,
-                  x_src[i] + (valid ? step * T::kStageCodes : 0), valid);
+                 x_src[i] + (valid ? step * T::kStageCodes : 0), valid);
     }
   }
 };
@@ -215,11 +217,11 @@ __device__ __forceinline__ void store4(OutT* at, int n, int N, const OutT (&v)[4
 // (i+1) kRows) over K range s against all of x's rows (M <= kXRows); the blocks of a cluster then
 // each finish a share of the tile. Launched with programmatic dependence: the weight, its
 // multipliers and the epilogue's vectors are constants and load before the wait, x after it.
-template <int WR, int NT, int kSub, int kStages, int kWarps, typename OutT>
-__global__ void __launch_bounds__(32 * kWarps)
+template <int WR, int NT, int kSub, int kStages, typename OutT>
+__global__ void __launch_bounds__(kThreads)
 w4a8_tiled_kernel(Problem p, OutT* __restrict__ out, gemm::Epilogue epilogue) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  using T = Tile<WR, NT, kSub, kStages, kWarps>;
+  using T = Tile<WR, NT, kSub, kStages>;
   extern __shared__ __align__(16) uint8_t smem[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
@@ -237,14 +239,14 @@ w4a8_tiled_kernel(Problem p, OutT* __restrict__ out, gemm::Epilogue epilogue) {
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s)
     if (s < steps) copies.weight(smem_base + s * T::kStageBytes, s, codes);
-  for (int i = threadIdx.x; i < T::kRows * split_groups; i += T::kThreads) {
+  for (int i = threadIdx.x; i < T::kRows * split_groups; i += kThreads) {
     const int row = i / split_groups, group = i % split_groups;
     multipliers[i] = p.group_multiplier[static_cast<int64_t>(min(row0 + row, p.N - 1)) * groups_per_row +
                                         first_group + group];
   }
   // The outputs this thread finishes (below) are 4 channels from n_first, the same in every row.
   const int splits = gridDim.y;
-  const int n_first = row0 + 4 * (blockIdx.y * T::kThreads + threadIdx.x) % T::kRows;
+  const int n_first = row0 + 4 * (blockIdx.y * kThreads + threadIdx.x) % T::kRows;
   gemm::Epilogue::Channel channels[4];
 #pragma unroll
   for (int j = 0; j < 4; ++j) channels[j] = epilogue.channel<OutT>(min(n_first + j, p.N - 1));
@@ -299,7 +301,7 @@ w4a8_tiled_kernel(Problem p, OutT* __restrict__ out, gemm::Epilogue epilogue) {
   // Block s of the cluster finishes every splits-th group of 4 outputs of the tile's M x kRows;
   // 4 kThreads is a multiple of kRows, so a thread's channels stay n_first..n_first + 3.
   const int quads = p.M * T::kRows / 4;
-  for (int i = blockIdx.y * T::kThreads + threadIdx.x; i < quads; i += splits * T::kThreads) {
+  for (int i = blockIdx.y * kThreads + threadIdx.x; i < quads; i += splits * kThreads) {
     const int m = 4 * i / T::kRows;
     const int at = m * T::kPartialStride + (n_first - row0);
     const int4 sum = gemm::cluster_sum4(cluster, partial, at, splits);
