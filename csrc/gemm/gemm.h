@@ -66,10 +66,13 @@ int gemm_sm90_num_configs();
 void launch_gemm_sm90(const GemmArgs& args, int config = -1);
 
 // Whether the wgmma GEMM, computed swapped (gemm_sm90.cuh's configuration 7), beats the skinny
-// GEMM on M rows of x: 17-64 rows and N > 256, measured on the H200 (benchmarks/RESULTS.md). The
-// skinny GEMM keeps 9-16 rows (out_proj 7.4 against 7.6 µs at 16) and narrow N (x_proj 4.3
-// against 6.4 at 32).
-constexpr int kSwappedMinM = 17;
+// GEMM on M rows of x: 9-64 rows and N > 256 (benchmarks/RESULTS.md; graph replays on an H100,
+// Mamba-2.8B at 9 / 16 rows, µs: in_proj 13.5 / 13.7 against 14.9 / 15.3, out_proj 8.1 / 7.9
+// against 8.7 / 8.9, dt_proj 3.2 / 3.3 against 3.7 / 3.9; W8A8 at batch 16 3.00 -> 2.59 ms a
+// step). The skinny GEMM keeps narrow N (x_proj 4.5 against 6.6 at 16 rows). At 8 rows and fewer
+// the GEMV stays: swapped at 8 out_proj alone was faster (8.1 against 9.3 µs) but the step slower
+// (2.39 against 2.32 ms), as the GEMV streams its weight before the kernel before it ends.
+constexpr int kSwappedMinM = 9;
 inline bool swapped_sm90_preferred(int M, int N) { return M >= kSwappedMinM && M <= kSkinnyMaxM && N > 256; }
 
 // Fails with a clear message when this binary holds no machine code (nor PTX) for the device.

@@ -1,9 +1,9 @@
 // W8A8 and W4A8 GEMM for a few rows of x (decode at batch 9 to 64) on sm_90: the weight is
 // streamed once, straight from global memory into tensor-core fragments, and the K dimension is
 // split over the blocks of a thread-block cluster, which add their int32 partial sums through
-// distributed shared memory. w8a8_linear takes it at 9-16 rows and for narrow N (x_proj); at 17-64
-// rows the wgmma GEMM computed swapped (gemm_sm90.cuh, 64 weight rows by 32 rows of x a tile) is
-// faster (benchmarks/RESULTS.md). W4A8 reads its packed 4-bit codes and group multipliers itself,
+// distributed shared memory. w8a8_linear takes it for narrow N (x_proj) at 9-64 rows; for wider N
+// the wgmma GEMM computed swapped (gemm_sm90.cuh, 64 weight rows by 32 rows of x a tile) is
+// faster (gemm.h's swapped_sm90_preferred, benchmarks/RESULTS.md). W4A8 reads its packed 4-bit codes and group multipliers itself,
 // with no int8 copy of the weight.
 //
 // Each warp waits for one iteration's weight loads (16 per lane, in registers) before it issues

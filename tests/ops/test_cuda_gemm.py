@@ -376,7 +376,7 @@ def test_small_w8a8_linear_cuda_backend_scalar_tensor_scale():
 
 def test_w8a8_linear_dispatch_picks_a_kernel_for_every_m():
     seed_for("dispatch")
-    for M in [1, 8, 9, 32, 64, 65, 1000]:
+    for M in [1, 8, 9, 16, 17, 32, 64, 65, 1000]:
         case = make_case(M, 2560, 5120, torch.float16)
         out = poisoned_out(M, 2560, torch.float16)
         ops.w8a8_linear_out(*op_arguments(case), out)
