@@ -35,6 +35,23 @@ Plan plan_for(int tiles, int K, int stage_codes, int asked_splits) {
   return {(K + per_split - 1) / per_split, per_split};
 }
 
+// Dynamic shared memory for a launch of `blocks` blocks: at least the tile's `smem`, and enough
+// that an SM holds at most ceil(blocks / SMs) of them. Launched programmatically dependent, the
+// GEMM's clusters are placed while the kernel before it still holds SMs, and the block scheduler
+// then stacks up to 3 blocks on some SMs while others stay idle. On an H100 (graph replays,
+// benchmarks/RESULTS.md) the Hadamard kernel and out_proj at 64 rows (160 blocks) took 19.6 us
+// together, against 4.1 and 11.4 alone; with at most 2 blocks an SM 17.0, out_proj alone
+// unchanged. A launch that fits one block an SM keeps its tile's size: clusters of 16 at one
+// block an SM would need 16 idle SMs of one GPC.
+int capped_smem(int smem, int blocks) {
+  const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
+  const int per_sm = (blocks + prop->multiProcessorCount - 1) / prop->multiProcessorCount;
+  if (per_sm < 2) return smem;
+  // One block more than per_sm would need 16 bytes beyond the SM's shared memory.
+  const size_t share = prop->sharedMemPerMultiprocessor / (per_sm + 1) - prop->reservedSharedMemPerBlock;
+  return std::max(smem, static_cast<int>(share) + 16);
+}
+
 template <int WR, int NT, int kSub, int kStages, typename OutT>
 void launch(const W4A8Args& a, int asked_splits) {
   using T = Tile<WR, NT, kSub, kStages>;
@@ -43,7 +60,7 @@ void launch(const W4A8Args& a, int asked_splits) {
   const int tiles = (a.N + T::kRows - 1) / T::kRows;
   const Plan p = plan_for(tiles, a.K, T::kStageCodes, asked_splits);
   const int split_groups = (p.k_per_split + a.group_size - 1) / a.group_size + 1;  // a range may straddle one more
-  const int smem = T::smem_bytes(split_groups);
+  const int smem = capped_smem(T::smem_bytes(split_groups), tiles * p.splits);
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   if (p.splits > 8) C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
   const tiled::Problem problem{a.x, a.K, a.w, a.group_multiplier, a.group_size, a.M, a.N, a.K, p.k_per_split};
