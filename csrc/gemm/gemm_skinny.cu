@@ -3,8 +3,8 @@
 // split over the blocks of a thread-block cluster, which add their int32 partial sums through
 // distributed shared memory. w8a8_linear takes it for narrow N (x_proj) at 9-64 rows; for wider N
 // the wgmma GEMM computed swapped (gemm_sm90.cuh, 64 weight rows by 32 rows of x a tile) is
-// faster (gemm.h's swapped_sm90_preferred, benchmarks/RESULTS.md). W4A8 reads its packed 4-bit codes and group multipliers itself,
-// with no int8 copy of the weight.
+// faster (gemm.h's swapped_sm90_preferred, benchmarks/RESULTS.md). W4A8 reads its packed 4-bit
+// codes and group multipliers itself, with no int8 copy of the weight.
 //
 // Each warp waits for one iteration's weight loads (16 per lane, in registers) before it issues
 // the next: a cp.async ring of 4 stages per warp, tried instead (benchmarks/RESULTS.md), was faster
