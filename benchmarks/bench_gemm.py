@@ -10,7 +10,7 @@ how the dispatcher's choices were made. Every call reads its own copy of the ope
                                     [--gemm_m 16,32,64,...]
 
 --gemm_m replaces the prefill sizes (M = 1024, 2048) of the GEMM table: decode past the GEMV (M 9
-to 64, batch 9 to 64) takes the skinny GEMM or, at 17-64 rows where N > 256, the sm90 GEMM computed
+to 64, batch 9 to 64) takes the skinny GEMM or, where N > 256, the sm90 GEMM computed
 swapped (compute capability 9.0); the table sweeps the skinny GEMM's plans and every sm90
 configuration.
 The table's int_mm_us column times cuBLASLt's int8 GEMM (torch._int_mm, int32 out, no epilogue: a

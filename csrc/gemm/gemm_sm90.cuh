@@ -190,7 +190,7 @@ using StreamK = cutlass::gemm::StreamKScheduler;
 // 5: 256x128 tiles, cooperative: many waves of a long K (out_proj at M = 8192: 145.7 against
 //    163.8 us for config 0 on the H100; at M = 2048, 2.4 waves of 128x128 tiles, it was slower).
 // 6, 7: swapped (w · x^T, Config's kSwapAB) for decode's 9-64 rows of x: 64 weight rows by 64 or
-//    32 rows of x, pingpong. 7 is the fastest of the W8A8 GEMMs at 17-64 rows where N > 256
+//    32 rows of x, pingpong. 7 is the fastest of the W8A8 GEMMs at 9-64 rows where N > 256
 //    (H200, Mamba-2.8B's in_proj at 64 rows: 11.0 µs, against 17.5 for the skinny GEMM and 14.7
 //    for config 2); 128-row tiles with stream-K, a cluster of two and K tiles of 256 were slower.
 // The data-parallel configurations (all but 2 and 3), built with the early release.

@@ -28,7 +28,7 @@
 // which takes the skinny GEMM on the packed weight (gemm/gemm_skinny.cu); both are exact for any
 // multiplier. Otherwise M > 8 expands the weight to a temporary int8 [N, K] (code * multiplier,
 // from the caching allocator) and runs the W8A8 GEMM (on compute capability 9.0 the skinny GEMM or,
-// at 17-64 rows where N > 256, CUTLASS wgmma as w8a8_linear chooses; CUTLASS wgmma above 64 rows on
+// at 9-64 rows where N > 256, CUTLASS wgmma as w8a8_linear chooses; CUTLASS wgmma above 64 rows on
 // sm_90a; mma.sync elsewhere) with the same epilogue. Where the skinny or the wgmma GEMM runs, both
 // launch with programmatic dependence (pdl.cuh), the GEMM reading the weight only after its wait:
 // the GEMM's blocks launch while the expansion's last blocks finish (W4A8 out_proj at M = 1024 on
