@@ -41,12 +41,13 @@ Plan plan_for(int tiles, int K, int stage_codes, int asked_splits) {
 // then stacks up to 3 blocks on some SMs while others stay idle. On an H100 (graph replays,
 // benchmarks/RESULTS.md) the Hadamard kernel and out_proj at 64 rows (160 blocks) took 19.6 us
 // together, against 4.1 and 11.4 alone; with at most 2 blocks an SM 17.0, out_proj alone
-// unchanged. A launch that fits one block an SM keeps its tile's size: clusters of 16 at one
-// block an SM would need 16 idle SMs of one GPC.
+// unchanged. A launch that fits one block an SM is held to 2 an SM, not 1: clusters of 16 at one
+// block an SM would need 16 idle SMs of one GPC. x_proj at up to 32 rows (48 blocks) is such a
+// launch: held to 2 an SM, W4A8 at batch 32 took 2.55-2.58 ms a step against 2.63-2.67 with its
+// tile's own size (an H200, same machine; batch 16 and 64 within the runs' spread).
 int capped_smem(int smem, int blocks) {
   const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
-  const int per_sm = (blocks + prop->multiProcessorCount - 1) / prop->multiProcessorCount;
-  if (per_sm < 2) return smem;
+  const int per_sm = std::max(2, (blocks + prop->multiProcessorCount - 1) / prop->multiProcessorCount);
   // One block more than per_sm would need 16 bytes beyond the SM's shared memory.
   const size_t share = prop->sharedMemPerMultiprocessor / (per_sm + 1) - prop->reservedSharedMemPerBlock;
   return std::max(smem, static_cast<int>(share) + 16);
