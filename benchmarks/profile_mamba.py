@@ -4,7 +4,7 @@ W4A16, at the shapes of a published Mamba size with random weights (no download)
 
     python benchmarks/profile_mamba.py --config 2.8b [--precisions fp16,w8a8,w4a8,w4a16]
         [--batch 1,8,32,64] [--prompt_len 1024] [--gen_len 128] [--repeats 10] [--breakdown]
-        [--state_cache int8|fp32] [--fused_decode] [--out result.json]
+        [--state_cache int8|fp32] [--lm_head fp16|int8|int4] [--fused_decode] [--out result.json]
     python benchmarks/profile_mamba.py --model state-spaces/mamba-130m ...
 
 * TTFT: a prefill of prompt_len tokens that fills the decode cache and returns the last token's
@@ -26,7 +26,8 @@ Each is the median of --repeats runs timed with CUDA events after warm-up; token
 is batch / TPOT, of prefill batch · prompt_len / TTFT. --batch takes several sizes (1,8,32,64):
 the whole run repeats per size, and the JSON then holds one run per size under "runs". Memory: the weights
 (parameters and buffers, tied tensors once), the decode caches (SSM state and conv state apart,
-also per sequence; --state_cache picks the quantized rows' SSM state format), and the peak allocated during one
+also per sequence; --state_cache picks the quantized rows' SSM state format, --lm_head their head's:
+quamba.layers.qhead, the float head by default), and the peak allocated during one
 TTLT run with only that model on the GPU (the FP model waits on the CPU meanwhile). Ratios are to
 the mamba-ssm row of the same run; without mamba-ssm, FP16 and W4A16 (whose conv and scan would
 run as torch references) are skipped unless --reference_fp_ops is given, and the ratios are to
@@ -66,6 +67,7 @@ from common import (check_backends, copy_bandwidth_gbs, format_table, graph_laun
                     median_ms, run_metadata, write_json)
 
 from quamba import QuantConfig, quantize
+from quamba.layers.qhead import LM_HEAD_FORMATS
 from quamba.models.config import PRESETS, preset_config
 from quamba.models.generation import GraphedStep, graphed_decoder, graphed_prefill
 from quamba.models.mamba import MambaLMHeadModel, randomize_
@@ -91,6 +93,8 @@ def parse_args(argv=None):
                         help="batch size, or comma-separated sizes each measured in turn (default 1)")
     parser.add_argument("--state_cache", choices=STATE_CACHE_FORMATS, default="int8",
                         help="SSM state format of the quantized rows' decode cache (default int8)")
+    parser.add_argument("--lm_head", choices=LM_HEAD_FORMATS, default="fp16",
+                        help="lm_head format of the quantized rows (default fp16, the float head)")
     parser.add_argument("--prompt_len", type=int, default=1024)
     parser.add_argument("--gen_len", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=10, help="timed runs per number (median)")
@@ -116,6 +120,9 @@ def parse_args(argv=None):
     unknown = sorted(set(args.precisions) - set(PRECISIONS))
     if unknown:
         parser.error(f"unknown precision {', '.join(unknown)}; choose from {', '.join(PRECISIONS)}")
+    if args.lm_head == "int8" and "w4a16" in args.precisions:
+        parser.error("--lm_head int8 quantizes the head's input, which w4a16 does not calibrate; "
+                     "leave w4a16 out of --precisions or take --lm_head int4")
     args.batches = batch_sizes(args.batch, parser)
     for name in ("prompt_len", "gen_len", "repeats"):
         if getattr(args, name) <= 0:
@@ -380,7 +387,8 @@ def quantized_model(fp_model, precision: str, args):
     gen = torch.Generator(device="cuda").manual_seed(args.seed)
     calib = torch.randint(0, fp_model.config.vocab_size, (CALIB_SAMPLES, CALIB_SEQLEN),
                           generator=gen, device="cuda")
-    config = QuantConfig(w_bits=w_bits, a_bits=a_bits, group_size=args.group_size, seed=args.seed)
+    config = QuantConfig(w_bits=w_bits, a_bits=a_bits, group_size=args.group_size, seed=args.seed,
+                         lm_head=args.lm_head)
     qmodel = quantize(fp_model, config=config, calib_data=calib, progress=False)
     qmodel.__dict__["fp_model"] = None  # only the quantized blocks are timed
     qmodel.set_state_cache(args.state_cache)
@@ -437,7 +445,7 @@ def run(args) -> dict:
         _add_ratios(rows, args)
     config = fp_model.config.to_dict()
     return {"meta": run_metadata(), "copy_bandwidth_gbs": bandwidth, "model": args.model or args.config,
-            "config": config, "batch": args.batch, "state_cache": args.state_cache,
+            "config": config, "batch": args.batch, "state_cache": args.state_cache, "lm_head": args.lm_head,
             "prompt_len": args.prompt_len,
             "gen_len": args.gen_len, "repeats": args.repeats, "fp_kernels": fp_kernels.missing() is None,
             "rows": rows, "notes": notes}

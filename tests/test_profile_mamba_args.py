@@ -49,3 +49,15 @@ def test_replay_timeline_gives_each_kernel_its_share_of_the_critical_path():
     gaps = {row["kernel"]: row["us"] for row in timeline["gaps_before"]}
     assert gaps == {"scan": 1.0, "norm": 2.5}  # the second replay starts 5 µs after the first ends
     assert timeline["span_us"] == 17.5 and timeline["idle_us"] == 3.5
+
+
+def test_an_int8_head_with_w4a16_is_a_one_line_error(capsys):
+    with pytest.raises(SystemExit):
+        profile_mamba.parse_args(["--lm_head", "int8", "--precisions", "w8a8,w4a16"])
+    assert "w4a16 does not calibrate" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_unknown_head_formats_are_refused(capsys):
+    with pytest.raises(SystemExit):
+        profile_mamba.parse_args(["--lm_head", "int3"])
+    assert "invalid choice: 'int3'" in capsys.readouterr().err.strip().splitlines()[-1]
