@@ -27,6 +27,8 @@ from quamba.ops.discretization import (DEFAULT as DEFAULT_DISCRETIZATION,
                                        check as check_discretization, input_drive)
 from quamba.ops.fused_decode import (ConvWeights, StepScales, W4A8Weight, W8A8Weight,
                                      qmixer_ssm_step)
+from quamba.ops import backend
+from quamba.ops.fused_layer import LayerWeights
 from quamba.ops.hadamard import hadamard_transform
 from quamba.ops.qconv1d import qconv1d, qconv1d_update
 from quamba.ops.qhadamard import hadamard_quant
@@ -75,6 +77,10 @@ class QMambaMixer(QuantModule):
         # H200: 12.8 against 7.9 µs a layer at batch 1, benchmarks/RESULTS.md).
         # QuantizedModel.set_fused_decode switches every mixer of a model.
         self.fused_decode = False
+        # True: a batch-1 decode step on a GPU runs the whole block (norm included) as one op,
+        # qmamba_layer_step, where its layer kernel applies (:meth:`layer_step_weights`); the
+        # chain's numbers bit for bit. QuantizedModel.set_fused_layer switches every mixer.
+        self.fused_layer = True
 
     def _linear(self, in_features, out_features, in_scale, out_scale, device, dtype=torch.float16):
         """A linear layer of the recipe's weight bits (int8 out when ``out_scale`` is given)."""
@@ -259,6 +265,42 @@ class QMambaMixer(QuantModule):
             return None
         linears = (_fused_weight(self.x_proj), _fused_weight(self.dt_proj))
         return None if None in linears else linears
+
+    def layer_step_weights(self, norm, hidden, residual, state: MixerState) -> LayerWeights | None:
+        """What qmamba_layer_step reads of this block (``norm`` its QRMSNorm) where its layer
+        kernel runs this decode step, else None (the block then runs norm and mixer op by op):
+        ``fused_layer`` set, the int8 mode with zoh, an int8 state, no taps, :meth:`layer_weights`,
+        and what the kernel checks (batch 1, a CUDA float16 model of Mamba-2.8B's sizes, compute
+        capability 9.0, 128 SMs)."""
+        if not (self.fused_layer and hidden.is_cuda and self.mode == "int8" and self.int8_state
+                and self.taps is None and self.discretization == DEFAULT_DISCRETIZATION
+                and backend.requested_backend(self.backend) != "torch"
+                and backend.cuda_extension_error() is None):
+            return None
+        weights = self.layer_weights(norm)
+        if weights is None:
+            return None
+        from quamba.ops.cuda_backend import layer_step
+        kernel_lacks = layer_step.lacks(hidden, residual, weights, state.conv, state.ssm)
+        return weights if kernel_lacks is None else None
+
+    def layer_weights(self, norm) -> LayerWeights | None:
+        """The block's weights as qmamba_layer_step takes them (``norm`` its QRMSNorm), or None
+        where the op cannot take them: it needs W8A8 linear layers with per-tensor scales, the
+        Hadamard rotation and a norm without weight (the rotation folds it into in_proj), the
+        residual in fp32."""
+        if not (self.weight_bits == 8 and self.hadamard and norm.weight is None
+                and norm.residual_in_fp32):
+            return None
+        in_proj, x_proj, dt_proj = (_fused_weight(linear)
+                                    for linear in (self.in_proj, self.x_proj, self.dt_proj))
+        out = self.out_proj
+        if None in (in_proj, x_proj, dt_proj) or out.per_channel:
+            return None
+        out_proj = W8A8Weight(out.weight, out.scales["weight_scale"], out.scales["in_scale"], None)
+        return LayerWeights(norm.eps, norm.scales["out_scale"], in_proj,
+                            ConvWeights(*self._conv_weights("")), x_proj, dt_proj, self.ssm_params,
+                            self._step_scales(), self.scales["y_scale"], out_proj, self.out_dtype)
 
     def _step_scales(self) -> StepScales:
         s = self.scales

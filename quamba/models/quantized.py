@@ -29,6 +29,7 @@ from quamba.layers.qnorm import QRMSNorm
 from quamba.layers.weight_only import weight_only_mixer
 from quamba.models.config import MambaConfig
 from quamba.models.mamba import Block, MambaLMHeadModel, RMSNorm
+from quamba.ops.fused_layer import qmamba_layer_step
 
 log = logging.getLogger("quamba")
 
@@ -39,6 +40,7 @@ class QuantizedModel:
     base model). Needs ``quant_config``, ``base_model``, ``ssm_mode`` and ``dtype``."""
 
     fused_decode = False  # whether the Mamba1 mixers' decode step is fused (set_fused_decode)
+    fused_layer = True  # whether a W8A8 block's batch-1 decode step is one op (set_fused_layer)
 
     @property
     def weight_only(self) -> bool:
@@ -84,6 +86,17 @@ class QuantizedModel:
             if hasattr(module, "fused_decode"):
                 module.fused_decode = bool(enabled)
         self.fused_decode = bool(enabled)
+        return self
+
+    def set_fused_layer(self, enabled: bool):
+        """Run each W8A8 Mamba1 block's batch-1 decode step on a GPU as one op, qmamba_layer_step
+        (``enabled`` True, the default), where its layer kernel applies
+        (QMambaMixer.layer_step_weights says where), or as its norm and mixer op by op: the same
+        numbers bit for bit either way."""
+        for module in self.modules():
+            if hasattr(module, "fused_layer"):
+                module.fused_layer = bool(enabled)
+        self.fused_layer = bool(enabled)
         return self
 
     def _fp(self):
@@ -192,7 +205,23 @@ def _int8_block(config: MambaConfig, quant_config, w_bits: int, dtype, device) -
                             config.dt_rank, {name: 1.0 for name in ACTIVATION_SCALES}, 1.0,
                             hadamard, dtype, device, w_bits, quant_config.group_size,
                             discretization=config.discretization)
+        return QMambaBlock(norm, mixer)
     return Block(norm, mixer)
+
+
+class QMambaBlock(Block):
+    """A W8A8 or W4A8 Mamba1 block: QRMSNorm and QMambaMixer, whose decode step runs as one op,
+    qmamba_layer_step, where the mixer's layer kernel applies (QMambaMixer.layer_step_weights),
+    else op by op; the same numbers either way."""
+
+    def forward(self, hidden, residual=None, state=None, step=False, ssm_A=None, **mixer_kwargs):
+        if step and not mixer_kwargs:
+            weights = self.mixer.layer_step_weights(self.norm, hidden, residual, state)
+            if weights is not None:
+                return qmamba_layer_step(hidden, residual, weights, state.conv, state.ssm,
+                                         backend_name=self.mixer.backend)
+        return super().forward(hidden, residual, state=state, step=step, ssm_A=ssm_A,
+                               **mixer_kwargs)
 
 
 def _weight_only_block(config: MambaConfig, quant_config, dtype, device) -> Block:

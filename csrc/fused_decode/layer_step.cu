@@ -1,0 +1,639 @@
+// A whole W8A8 Mamba1 block's decode step at batch 1 in one persistent kernel (qmamba_layer_step;
+// specification: quamba/ops/fused_layer.py, the chain rmsnorm_quant → in_proj → qconv1d_update →
+// x_proj → dt_proj folded into qsscan_update → hadamard_quant → out_proj). Mamba-2.8B's sizes:
+// d_model 2560, d_inner 5120 = 20 · 256, d_state 16, dt_rank 160, conv width 4.
+//
+// At batch 1 a block's seven kernels cost more in their launches, waits and tails than in their
+// bytes (benchmarks/RESULTS.md: 23.5 µs a layer on an H200 for 8.5 MB of weights). Here 128
+// blocks, one an SM, run the block between three synchronizations: the launch's own wait for the
+// layer before, and two grid barriers. Block b owns 40 channels of d_inner (their x and z rows of
+// in_proj, their conv, x_proj columns, dt_proj rows and scan) and 20 rows of out_proj. A producer
+// warp streams every weight byte the block reads, from the kernel's start (weights are written by
+// no kernel, so before the wait), into a ring of 20 KB shared-memory slots with bulk copies
+// (cp.async.bulk, completion on an mbarrier), at most kInFlight chunks ahead of the consumers:
+// deeper queues of bulk copies delay the step's small reads. The 8 consumer warps: residual add +
+// RMSNorm of the whole row in every block, in_proj rows, conv + SiLU, x_proj's partial sums added
+// across blocks with int32 atomics (8 copies; integers, so exact), grid barrier, dt_proj, the scan
+// and the gate, grid barrier, the Hadamard of all of y in every block, out_proj rows.
+//
+// Every rounding is the chain's, so the outputs equal the chain of CUDA kernels bit for bit: the
+// row norm's sum of squares in rmsnorm_quant_row_kernel's order (its 320 threads of 8 values and
+// block_sum's tree, emulated by 8 warps), the GEMVs' epilogue (gemm/epilogue.cuh; their integer
+// sums are exact in any order), the conv epilogue and the scan step (conv_epilogue.cuh,
+// scan_step.cuh; a channel's 16 terms of y in state_readout's tree over 4 lanes), and the
+// Hadamard's butterflies and its signed sums of 20 columns in hadamard_quant's decode order.
+#include <torch/library.h>
+
+#include <cstdint>
+#include <string>
+#include <utility>
+
+#include "../conv1d/conv_epilogue.cuh"
+#include "../qsscan/scan_step.cuh"
+#include "gemm/epilogue.cuh"
+#include "pdl.cuh"
+
+namespace quamba_ssm {
+namespace {
+
+constexpr int kModel = 2560, kInner = 5120, kStates = 16, kRank = 160, kWidth = 4;
+constexpr int kOuts = kRank + 2 * kStates;                  // x_proj's outputs: dt_low, B, C
+constexpr int kBlocks = 128, kChannels = kInner / kBlocks;  // 40 channels a block
+constexpr int kOutRows = kModel / kBlocks;                  // 20 out_proj rows a block
+constexpr int kThreads = 256, kWarps = kThreads / 32;       // consumers; one producer warp more
+constexpr int kBlockThreads = kThreads + 32;
+constexpr int kSlots = 9, kChunkBytes = 20480, kInFlight = 2;
+constexpr int kInRows = kChunkBytes / kModel;  // 8 in_proj rows a chunk, one a warp
+constexpr int kOutRowsPerChunk = kChunkBytes / kInner;
+constexpr int kInChunks = 2 * kChannels / kInRows;  // x rows, then z rows
+constexpr int kOutChunks = kOutRows / kOutRowsPerChunk;
+constexpr int kSmallBytes = kOuts * kChannels + kChannels * kRank;  // x_proj columns, dt_proj rows
+constexpr int kSmallChunk = kInChunks, kOutChunk0 = kSmallChunk + 1, kChunks = kOutChunk0 + kOutChunks;
+constexpr int kSumCopies = 8;  // copies of x_proj's sums: blocks b and b + 8 share one
+// The Hadamard: 5120 = 20 · 256, Paley S_20 (hadamard_quant.cu's base_column<20>).
+constexpr int kSegment = 256, kBase = kInner / kSegment;
+// rmsnorm_quant_row_kernel's shape for d_model: threads of 8 values, whole warps of them.
+constexpr int kRowValues = 8, kRowThreads = kModel / kRowValues, kRowWarps = kRowThreads / 32;
+static_assert(kInRows == kWarps && kInRows * kModel == kChunkBytes && kOutRowsPerChunk * kInner == kChunkBytes);
+static_assert(kChannels % kInRows == 0 && kOutRows % kOutRowsPerChunk == 0 && 2 * kOutRows % kWarps == 0);
+static_assert(kSmallBytes <= kChunkBytes && kSmallBytes % 16 == 0 && kOuts <= kThreads);
+static_assert(4 * kChannels <= kThreads && kSegment == kThreads && kRowThreads % 32 == 0);
+static_assert(kRowWarps <= 2 * kWarps && kOuts * kSumCopies <= 8 * kThreads);
+
+// The workspace's int32 words: the barrier counter (alone in its 128 bytes), x_proj's sums, y.
+constexpr int kCounterWords = 32, kSumWords = kSumCopies * kOuts, kYWords = kInner / 2;
+constexpr int kWorkspaceWords = kCounterWords + kSumWords + kYWords;
+
+struct LayerStepArgs {
+  const __half* hidden;    // [d_model]: the block before's output (or the embedding)
+  const float* residual;   // [d_model] or nullptr (the first block)
+  float* residual_out;     // [d_model]: hidden + residual
+  __half* out;             // [d_model]: out_proj's output
+  const int8_t* in_proj;   // [2 d_inner, d_model]
+  const int8_t* small;     // [blocks, kSmallBytes]: x_proj's columns [kOuts, 40], dt_proj's rows [40, kRank]
+  const int8_t* out_proj;  // [d_model, d_inner]
+  const int8_t* conv_weight;  // [d_inner, width]
+  int8_t* conv_state;      // [d_inner, width - 1], in place
+  ConvEpilogue conv;       // u codes: out_inv_scale = 1 / u_scale, silu
+  StepArgs step;           // the scan step: params, the int8 state and scales (u, dt, B / C)
+  float z_scale;
+  float eps, h_inv_scale;  // the norm's, and 1 / its output scale
+  float in_multiplier, xdbl_multiplier, dt_multiplier, out_multiplier;
+  float y_norm, y_inv_scale;  // the Hadamard's 1 / sqrt(d_inner), and 1 / y_scale
+  unsigned* counter;       // the grid barrier's
+  int* sums;               // [kSumCopies, kOuts]: x_proj's sums, zero between launches
+  __half* y;               // [d_inner]: the gated scan output
+};
+
+struct __align__(128) Smem {
+  int8_t ring[kSlots][kChunkBytes];
+  float hadamard[kInner];
+  alignas(16) int8_t act[kInner];  // h codes (d_model) for in_proj, y codes for out_proj
+  unsigned long long full[kSlots], empty[kSlots];
+  alignas(16) int8_t x_codes[kChannels];
+  alignas(16) int8_t z_codes[kChannels];
+  alignas(16) int8_t u_codes[kChannels];
+  alignas(16) int8_t xdbl[kOuts];
+  float B[kStates], C[kStates];
+  float warp_sums[32];
+  int half_rows[2 * kOutRows];
+};
+
+__device__ __forceinline__ unsigned smem_address(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_address(bar)), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(unsigned long long* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_address(bar)) : "memory");
+}
+
+__device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
+  asm volatile(
+      "{\n .reg .pred p;\n WAIT_%=:\n"
+      " mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      " @!p bra WAIT_%=;\n}\n" ::"r"(smem_address(bar)),
+      "r"(parity)
+      : "memory");
+}
+
+// The consumers' own barrier (the producer warp never joins it).
+__device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, %0;" ::"n"(kThreads) : "memory"); }
+
+// Chunk k of the block's weights: in_proj's x rows then z rows (8 a chunk), the small chunk,
+// out_proj's rows (4 a chunk).
+__device__ __forceinline__ void chunk_source(const LayerStepArgs& a, int k, const int8_t*& src, int& bytes) {
+  const int b = blockIdx.x;
+  if (k < kSmallChunk) {
+    const int half = k / (kInChunks / 2), part = k % (kInChunks / 2);
+    src = a.in_proj + static_cast<int64_t>(half * kInner + b * kChannels + part * kInRows) * kModel;
+    bytes = kChunkBytes;
+  } else if (k == kSmallChunk) {
+    src = a.small + static_cast<int64_t>(b) * kSmallBytes;
+    bytes = kSmallBytes;
+  } else {
+    src = a.out_proj + static_cast<int64_t>(b * kOutRows + (k - kOutChunk0) * kOutRowsPerChunk) * kInner;
+    bytes = kChunkBytes;
+  }
+}
+
+// The producer warp's lane 0: every chunk in order, each once its slot is free and fewer than
+// kInFlight are in flight.
+__device__ void produce(const LayerStepArgs& a, Smem& sm) {
+  for (int k = 0; k < kChunks; ++k) {
+    const int slot = k % kSlots;
+    if (k >= kSlots) mbar_wait(&sm.empty[slot], (k / kSlots - 1) & 1);
+    if (k >= kInFlight) mbar_wait(&sm.full[(k - kInFlight) % kSlots], ((k - kInFlight) / kSlots) & 1);
+    const int8_t* src;
+    int bytes;
+    chunk_source(a, k, src, bytes);
+    const unsigned bar = smem_address(&sm.full[slot]);
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+            smem_address(sm.ring[slot])),
+        "l"(src), "r"(bytes), "r"(bar)
+        : "memory");
+  }
+}
+
+__device__ __forceinline__ const int8_t* wait_chunk(Smem& sm, int k) {
+  mbar_wait(&sm.full[k % kSlots], (k / kSlots) & 1);
+  return sm.ring[k % kSlots];
+}
+
+// Every consumer thread: its warp is done with chunks k ... k + n - 1.
+__device__ __forceinline__ void release(Smem& sm, int k, int n = 1) {
+  __syncwarp();
+  if (threadIdx.x % 32 == 0)
+    for (int i = 0; i < n; ++i) mbar_arrive(&sm.empty[(k + i) % kSlots]);
+}
+
+// All blocks at this point: the counter only grows, by kBlocks a barrier, so a block's ticket
+// (the count before its arrival) says which barrier it is at and the count that ends it.
+__device__ __forceinline__ void grid_barrier(unsigned* counter) {
+  consumer_sync();
+  if (threadIdx.x == 0) {
+    unsigned ticket, seen;
+    asm volatile("atom.add.release.gpu.global.u32 %0, [%1], 1;" : "=r"(ticket) : "l"(counter) : "memory");
+    const unsigned target = (ticket / kBlocks + 1) * kBlocks;
+    do {
+      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(counter) : "memory");
+    } while (static_cast<int>(seen - target) < 0);
+  }
+  consumer_sync();
+}
+
+__device__ __forceinline__ float warp_tree_sum(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+__device__ __forceinline__ int warp_int_sum(int v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+__device__ __forceinline__ int dot16(int4 w, int4 x, int acc) {
+  acc = __dp4a(w.x, x.x, acc);
+  acc = __dp4a(w.y, x.y, acc);
+  acc = __dp4a(w.z, x.z, acc);
+  return __dp4a(w.w, x.w, acc);
+}
+
+// Residual add + RMSNorm → h codes in sm.act, in every block. Warp w plays the row kernel's warps
+// w and w + 8: lane l of row warp v holds values 8 (32 v + l) ... + 7, adds their squares with
+// fmaf in order, and the warps' sums and the sum of those take block_sum's trees. Each block
+// writes its share of the residual.
+__device__ void rmsnorm(const LayerStepArgs& a, Smem& sm) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  float r[2][kRowValues];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int row_warp = warp + i * kWarps;
+    if (row_warp >= kRowWarps) break;
+    const int first = (32 * row_warp + lane) * kRowValues;
+    float values[kRowValues];
+    load_values<kRowValues>(a.hidden + first, true, values);
+    if (a.residual != nullptr) {
+      float res[kRowValues];
+      load_values<kRowValues>(a.residual + first, true, res);
+#pragma unroll
+      for (int j = 0; j < kRowValues; ++j) values[j] = __fadd_rn(values[j], res[j]);
+    }
+    float sum_sq = 0.f;
+#pragma unroll
+    for (int j = 0; j < kRowValues; ++j) {
+      r[i][j] = values[j];
+      sum_sq = fmaf(values[j], values[j], sum_sq);
+    }
+    sum_sq = warp_tree_sum(sum_sq);
+    if (lane == 0) sm.warp_sums[row_warp] = sum_sq;
+    if ((32 * row_warp + lane) % kBlocks == blockIdx.x) store_row<kRowValues>(a.residual_out + first, r[i]);
+  }
+  consumer_sync();
+  const float total = warp_tree_sum(lane < kRowWarps ? sm.warp_sums[lane] : 0.f);
+  const float rstd = __frsqrt_rn(__fadd_rn(__fdiv_rn(total, static_cast<float>(kModel)), a.eps));
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int row_warp = warp + i * kWarps;
+    if (row_warp >= kRowWarps) break;
+    int8_t codes[kRowValues];
+#pragma unroll
+    for (int j = 0; j < kRowValues; ++j) codes[j] = quantize_rn(__fmul_rn(r[i][j], rstd), a.h_inv_scale);
+    store_row<kRowValues>(sm.act + (32 * row_warp + lane) * kRowValues, codes);
+  }
+  consumer_sync();
+}
+
+constexpr int kInLoads = kModel / 16 / 32;  // 16-byte pieces of an in_proj row a lane takes
+static_assert(kInLoads * 16 * 32 == kModel);
+
+// in_proj's x and z codes of the block's channels: warp w takes row w of each chunk.
+__device__ void in_proj(const LayerStepArgs& a, Smem& sm, int& k) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  int4 h[kInLoads];
+#pragma unroll
+  for (int i = 0; i < kInLoads; ++i) h[i] = reinterpret_cast<const int4*>(sm.act)[lane + 32 * i];
+  const quamba::gemm::Epilogue epilogue{a.in_multiplier, nullptr, nullptr};
+  const quamba::gemm::Epilogue::Channel channel{a.in_multiplier, 0.f};
+  for (int c = 0; c < kInChunks; c += 2, k += 2) {
+    int sums[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int8_t* row = wait_chunk(sm, k + i) + warp * kModel;
+      int acc = 0;
+#pragma unroll
+      for (int j = 0; j < kInLoads; ++j) acc = dot16(reinterpret_cast<const int4*>(row)[lane + 32 * j], h[j], acc);
+      sums[i] = acc;
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int total = warp_int_sum(sums[i]);
+      const int cc = c + i, row = (cc % (kInChunks / 2)) * kInRows + warp;
+      if (lane == 0) (cc < kInChunks / 2 ? sm.x_codes : sm.z_codes)[row] = epilogue.apply<int8_t>(total, channel);
+    }
+    release(sm, k, 2);
+  }
+  consumer_sync();
+}
+
+// The Hadamard of y (all of d_inner, in every block) → y codes in sm.act. Thread j holds
+// position j of the 20 segments of 256: the butterflies of halves 1 ... 16 through shuffles, of
+// 32 ... 128 through shared memory (the reference's pairs and order of stages), then the signed
+// sums of the 20 columns in order, as hadamard_quant's decode kernel (signed_sums) adds them.
+template <int A>
+__device__ __forceinline__ void signed_sums(const float (&column)[kBase], float norm, float inv_scale, int j,
+                                            int8_t* codes) {
+  if constexpr (A < kBase) {
+    constexpr uint32_t kColumns[kBase] = {0xffffe, 0x615e4, 0xc2bc8, 0x85792, 0xaf26,  0x15e4c, 0x2bc98,
+                                          0x57930, 0xaf260, 0x5e4c2, 0xbc984, 0x7930a, 0xf2614, 0xe4c2a,
+                                          0xc9856, 0x930ae, 0x2615e, 0x4c2bc, 0x98578, 0x30af2};
+    constexpr uint32_t kSigns = kColumns[A];  // bit c set where S[c, A] = -1
+    float sum = (kSigns & 1) ? -column[0] : column[0];
+#pragma unroll
+    for (int c = 1; c < kBase; ++c) sum = (kSigns >> c & 1) ? __fsub_rn(sum, column[c]) : __fadd_rn(sum, column[c]);
+    codes[A * kSegment + j] = quantize_rn(__fmul_rn(sum, norm), inv_scale);
+    signed_sums<A + 1>(column, norm, inv_scale, j, codes);
+  }
+}
+
+__device__ void hadamard(const LayerStepArgs& a, Smem& sm) {
+  const int j = threadIdx.x, lane = j % 32;
+  float column[kBase];
+#pragma unroll
+  for (int c = 0; c < kBase; ++c) column[c] = __half2float(__ldcg(a.y + c * kSegment + j));
+#pragma unroll
+  for (int half = 1; half < 32; half *= 2) {
+    const bool second = lane & half;
+#pragma unroll
+    for (int c = 0; c < kBase; ++c) {
+      const float other = __shfl_xor_sync(0xffffffffu, column[c], half);
+      column[c] = second ? __fsub_rn(other, column[c]) : __fadd_rn(column[c], other);
+    }
+  }
+#pragma unroll
+  for (int half = 32; half < kSegment; half *= 2) {
+    const bool second = j & half;
+#pragma unroll
+    for (int c = 0; c < kBase; ++c) sm.hadamard[c * kSegment + j] = column[c];
+    consumer_sync();
+#pragma unroll
+    for (int c = 0; c < kBase; ++c) {
+      const float other = sm.hadamard[c * kSegment + (j ^ half)];
+      column[c] = second ? __fsub_rn(other, column[c]) : __fadd_rn(column[c], other);
+    }
+    consumer_sync();
+  }
+  signed_sums<0>(column, a.y_norm, a.y_inv_scale, j, sm.act);
+  consumer_sync();
+}
+
+// out_proj's rows of the block (its chunks waited for): warp w takes half w % 2 of d_inner for
+// rows w / 2, w / 2 + 4, ...; the two halves' sums go to sm.half_rows.
+__device__ void out_proj(Smem& sm, int k) {
+  constexpr int kHalfRows = 2 * kOutRows / kWarps, kLoads = kInner / 2 / 512;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int8_t* act = sm.act + (warp % 2) * (kInner / 2);
+  int4 y[kLoads];
+#pragma unroll
+  for (int j = 0; j < kLoads; ++j) y[j] = *reinterpret_cast<const int4*>(act + lane * 16 + j * 512);
+  int acc[kHalfRows] = {};
+#pragma unroll
+  for (int h = 0; h < kHalfRows; ++h) {
+    const int row = (warp + h * kWarps) / 2;
+    const int8_t* src = sm.ring[(k + row / kOutRowsPerChunk) % kSlots] + (row % kOutRowsPerChunk) * kInner +
+                        (warp % 2) * (kInner / 2);
+#pragma unroll
+    for (int j = 0; j < kLoads; ++j) acc[h] = dot16(*reinterpret_cast<const int4*>(src + lane * 16 + j * 512), y[j], acc[h]);
+  }
+#pragma unroll
+  for (int h = 0; h < kHalfRows; ++h) {
+    const int total = warp_int_sum(acc[h]);
+    if (lane == 0) sm.half_rows[warp + h * kWarps] = total;
+  }
+}
+
+__global__ void __launch_bounds__(kBlockThreads, 1) layer_step_kernel(const LayerStepArgs a) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
+  const int t = threadIdx.x, b = blockIdx.x;
+  if (t == 0) {
+    for (int i = 0; i < kSlots; ++i) mbar_init(&sm.full[i], 1), mbar_init(&sm.empty[i], kWarps);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  quamba::pdl_launch_dependents();  // the next block's kernel may start streaming its weights
+  if (t >= kThreads) {
+    if (t == kThreads) produce(a, sm);
+    return;
+  }
+  const StepArgs& s = a.step;
+  // Weights and parameters, which no kernel writes, before the wait.
+  const int d_conv = b * kChannels + t;  // t < kChannels: the conv's channel
+  int conv_weight[kWidth] = {};
+  float conv_bias = 0.f;
+  if (t < kChannels) {
+#pragma unroll
+    for (int i = 0; i < kWidth; ++i) conv_weight[i] = a.conv_weight[d_conv * kWidth + i];
+    conv_bias = a.conv.bias_of(d_conv);
+  }
+  const int ch = t / 4, q = t % 4, d = b * kChannels + ch;  // t < 4 · 40: states 4q ... 4q + 3 of d
+  const bool scans = t < 4 * kChannels;
+  float A[4] = {}, skip = 0.f;
+  if (scans) {
+    load_A<4>(s, d, 4 * q, 4, A);
+    skip = s.params.skip(d);
+  }
+  quamba::pdl_wait();  // hidden, residual and the states come from earlier kernels
+
+  int window[kWidth] = {};
+  int8_t* conv_state = a.conv_state + d_conv * (kWidth - 1);
+  if (t < kChannels) {
+#pragma unroll
+    for (int i = 0; i < kWidth - 1; ++i) window[i] = conv_state[i];
+  }
+  int8_t state[4] = {};
+  const int64_t state_offset = static_cast<int64_t>(d) * kStates + 4 * q;
+  if (scans) load_lane_states<4>(s, 4, state_offset, state);
+
+  rmsnorm(a, sm);
+  int k = 0;  // the next chunk
+  in_proj(a, sm, k);
+
+  // conv + SiLU of the block's channels → u codes; the conv state shifts.
+  if (t < kChannels) {
+    window[kWidth - 1] = sm.x_codes[t];
+    int acc = 0;
+#pragma unroll
+    for (int i = 0; i < kWidth; ++i) acc += conv_weight[i] * window[i];
+#pragma unroll
+    for (int i = 0; i < kWidth - 1; ++i) conv_state[i] = static_cast<int8_t>(window[i + 1]);
+    sm.u_codes[t] = quantize_rn(a.conv.apply(acc, conv_bias, a.conv.multiplier), a.conv.out_inv_scale);
+  }
+  consumer_sync();
+
+  // x_proj's sums over the block's channels, added across the blocks.
+  const int8_t* small = wait_chunk(sm, k);
+  if (t < kOuts) {
+    int acc = 0;
+#pragma unroll
+    for (int i = 0; i < kChannels / 4; ++i)
+      acc = __dp4a(*reinterpret_cast<const int*>(small + t * kChannels + 4 * i),
+                   *reinterpret_cast<const int*>(sm.u_codes + 4 * i), acc);
+    atomicAdd(a.sums + (b % kSumCopies) * kOuts + t, acc);
+  }
+  grid_barrier(a.counter);
+  if (t < kOuts) {
+    int sum = 0;
+#pragma unroll
+    for (int i = 0; i < kSumCopies; ++i) sum += __ldcg(a.sums + i * kOuts + t);
+    const int8_t code = quantize_rn(__int2float_rn(sum), a.xdbl_multiplier);
+    sm.xdbl[t] = code;
+    if (t >= kRank && t < kRank + kStates) sm.B[t - kRank] = dequantize(code, s.B.scale);
+    if (t >= kRank + kStates) sm.C[t - kRank - kStates] = dequantize(code, s.C.scale);
+  }
+  consumer_sync();
+
+  // dt_proj (4 lanes a channel), Δ, the scan step of 4 states a lane, D skip and the gate.
+  if (scans) {
+    const int8_t* dt_row = small + kOuts * kChannels + ch * kRank + q * (kRank / 4);
+    int acc = 0;
+#pragma unroll
+    for (int i = 0; i < kRank / 16; ++i)
+      acc = __dp4a(*reinterpret_cast<const int*>(dt_row + 4 * i),
+                   *reinterpret_cast<const int*>(sm.xdbl + q * (kRank / 4) + 4 * i), acc);
+    acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+    acc += __shfl_xor_sync(0xffffffffu, acc, 2);
+    const float delta = delta_of(s, dequantize(projected_dt_code(acc, a.dt_multiplier), s.dt.scale), d);
+    const float u = dequantize(sm.u_codes[ch], s.u.scale);
+    int8_t next[4];
+    float y = step_states<Discretization::kZoh, 4>(s, 4, state_offset, u, delta, A, sm.B + 4 * q, sm.C + 4 * q,
+                                                   state, next);
+    store_lane_states<4>(s, 4, state_offset, next);
+    y = __fadd_rn(y, __shfl_xor_sync(0xffffffffu, y, 1));  // state_readout's tree over the 4 lanes
+    y = __fadd_rn(y, __shfl_xor_sync(0xffffffffu, y, 2));
+    if (q == 0) {
+      const float z = dequantize(sm.z_codes[ch], a.z_scale);
+      a.y[d] = __float2half_rn(gated_y(y, u, skip, true, z));
+    }
+  }
+  release(sm, k++);
+  grid_barrier(a.counter);
+  if (b == 0) {  // every block has read x_proj's sums: zero them for the next launch
+    for (int i = t; i < kSumWords; i += kThreads) a.sums[i] = 0;
+  }
+
+  hadamard(a, sm);
+  for (int c = 0; c < kOutChunks; ++c) wait_chunk(sm, k + c);
+  out_proj(sm, k);
+  consumer_sync();
+  if (t < kOutRows) {
+    const quamba::gemm::Epilogue epilogue{a.out_multiplier, nullptr, nullptr};
+    a.out[b * kOutRows + t] = epilogue.apply<__half>(sm.half_rows[2 * t] + sm.half_rows[2 * t + 1],
+                                                     quamba::gemm::Epilogue::Channel{a.out_multiplier, 0.f});
+  }
+  release(sm, k, kOutChunks);
+#else
+  __trap();  // never launched: the host requires compute capability 9.0
+#endif
+}
+
+// Why the kernel cannot run a block of these sizes ("" where it can).
+std::string shape_lacks(int64_t d_model, int64_t d_inner, int64_t d_state, int64_t dt_rank, int64_t width) {
+  if (d_model != kModel || d_inner != kInner || d_state != kStates || dt_rank != kRank || width != kWidth) {
+    return "it is built for Mamba-2.8B's blocks (d_model 2560, d_inner 5120, d_state 16, dt_rank 160, "
+           "conv width 4), not d_model " + text(d_model) + ", d_inner " + text(d_inner) + ", d_state " +
+           text(d_state) + ", dt_rank " + text(dt_rank) + ", width " + text(width);
+  }
+  return "";
+}
+
+// Why this device cannot hold the kernel's grid, one block an SM ("" where it can).
+std::string device_lacks(int device) {
+  cudaDeviceProp props;
+  C10_CUDA_CHECK(cudaGetDeviceProperties(&props, device));
+  if (props.major < 9) return "it needs compute capability 9.0 (bulk copies), got " + text(props.major);
+  if (props.multiProcessorCount < kBlocks) {
+    return "its " + text(kBlocks) + " blocks need as many SMs, the device has " + text(props.multiProcessorCount);
+  }
+  if (props.sharedMemPerBlockOptin < sizeof(Smem)) return "its blocks need " + text(sizeof(Smem)) + " bytes of shared memory";
+  return "";
+}
+
+void check_tensor(const at::Tensor& t, const at::Tensor& ref, at::ScalarType dtype, at::IntArrayRef shape,
+                  const char* name) {
+  check_same_device(t, ref, name);
+  check_dtype(t, dtype, name);
+  check_shape(t, shape, name);
+  TORCH_CHECK(t.is_contiguous() && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name,
+              " must be contiguous and 16-byte aligned");
+}
+
+// hidden: fp16 [d_model]; residual: fp32 [d_model] or None; in_proj int8 [2 d_inner, d_model];
+// small: qmamba_layer_small's [128, 14080] (x_proj's columns and dt_proj's rows of each block);
+// out_proj int8 [d_model, d_inner]; conv_weight int8 [d_inner, 4], conv_bias int8 [d_inner] or
+// None; conv_state int8 [d_inner, 3] and ssm_state int8 [d_inner, 16], stepped in place;
+// workspace: int32 [qmamba_layer_workspace_words()], zero when first used. Scales and multipliers
+// are fp32 values as the chain's ops compute them (quamba/ops/cuda_backend/layer_step.py). Returns
+// (out fp16 [d_model], residual_out fp32 [d_model]).
+std::tuple<at::Tensor, at::Tensor> qmamba_layer_step(
+    const at::Tensor& hidden, const c10::optional<at::Tensor>& residual, const at::Tensor& in_proj,
+    double in_multiplier, const at::Tensor& small, const at::Tensor& out_proj, double out_multiplier,
+    const at::Tensor& conv_weight, const c10::optional<at::Tensor>& conv_bias, double conv_multiplier,
+    double conv_bias_scale, double u_inv_scale, at::Tensor& conv_state, at::Tensor& ssm_state,
+    double state_scale, double xdbl_multiplier, double dt_multiplier, double u_scale, double xdbl_scale,
+    double dt_scale, double z_scale, const at::Tensor& A_log, double A_log_scale, const at::Tensor& D,
+    double D_scale, const at::Tensor& dt_bias, double dt_bias_scale, double eps, double h_inv_scale,
+    double y_norm, double y_inv_scale, at::Tensor& workspace) {
+  check_cuda(hidden, "hidden");
+  check_tensor(hidden, hidden, at::kHalf, {kModel}, "hidden");
+  if (residual.has_value()) check_tensor(*residual, hidden, at::kFloat, {kModel}, "residual");
+  check_tensor(in_proj, hidden, at::kChar, {2 * kInner, kModel}, "in_proj");
+  check_tensor(small, hidden, at::kChar, {kBlocks, kSmallBytes}, "small");
+  check_tensor(out_proj, hidden, at::kChar, {kModel, kInner}, "out_proj");
+  check_tensor(conv_weight, hidden, at::kChar, {kInner, kWidth}, "conv_weight");
+  if (conv_bias.has_value()) check_tensor(*conv_bias, hidden, at::kChar, {kInner}, "conv_bias");
+  check_tensor(conv_state, hidden, at::kChar, {kInner, kWidth - 1}, "conv_state");
+  check_tensor(ssm_state, hidden, at::kChar, {kInner, kStates}, "ssm_state");
+  check_ssm_params(hidden, A_log, A_log_scale, D, D_scale, dt_bias, dt_bias_scale, kInner, kStates);
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(A_log.data_ptr()) % 16 == 0, "A_log must be 16-byte aligned");
+  check_tensor(workspace, hidden, at::kInt, {kWorkspaceWords}, "workspace");
+  const std::pair<double, const char*> scales[] = {
+      {state_scale, "state_scale"}, {u_scale, "u_scale"}, {xdbl_scale, "xdbl_scale"}, {dt_scale, "dt_scale"},
+      {z_scale, "z_scale"}};
+  for (const auto& [value, name] : scales) check_positive_scale(value, name);
+  const c10::cuda::CUDAGuard guard(hidden.device());
+  const std::string lacks = device_lacks(hidden.get_device());
+  TORCH_CHECK(lacks.empty(), "qmamba_layer_step: ", lacks);
+
+  at::Tensor out = at::empty({kModel}, hidden.options());
+  at::Tensor residual_out = at::empty({kModel}, hidden.options().dtype(at::kFloat));
+  LayerStepArgs args{};
+  args.hidden = static_cast<const __half*>(hidden.data_ptr());
+  args.residual = residual.has_value() ? residual->data_ptr<float>() : nullptr;
+  args.residual_out = residual_out.data_ptr<float>();
+  args.out = static_cast<__half*>(out.data_ptr());
+  args.in_proj = in_proj.data_ptr<int8_t>();
+  args.small = small.data_ptr<int8_t>();
+  args.out_proj = out_proj.data_ptr<int8_t>();
+  args.conv_weight = conv_weight.data_ptr<int8_t>();
+  args.conv_state = conv_state.data_ptr<int8_t>();
+  args.conv = ConvEpilogue{to_fp32(conv_multiplier), conv_bias.has_value() ? conv_bias->data_ptr<int8_t>() : nullptr,
+                           to_fp32(conv_bias_scale), to_fp32(u_inv_scale), true, nullptr, nullptr};
+  StepArgs& step = args.step;
+  step.u = FloatSource{nullptr, InKind::kInt8, to_fp32(u_scale)};
+  step.dt = FloatSource{nullptr, InKind::kInt8, to_fp32(dt_scale)};
+  step.B = FloatSource{nullptr, InKind::kInt8, to_fp32(xdbl_scale)};
+  step.C = step.B;
+  step.params = ssm_params(A_log, A_log_scale, D, D_scale, dt_bias, dt_bias_scale);
+  step.state = ssm_state.data_ptr();
+  step.state_int8 = true;
+  step.state_scale = to_fp32(state_scale);
+  step.state_inv_scale = reciprocal(state_scale);
+  step.batch = 1;
+  step.dim = kInner;
+  step.dstate = kStates;
+  step.rows_aligned = true;
+  args.z_scale = to_fp32(z_scale);
+  args.eps = to_fp32(eps);
+  args.h_inv_scale = to_fp32(h_inv_scale);
+  args.in_multiplier = to_fp32(in_multiplier);
+  args.xdbl_multiplier = to_fp32(xdbl_multiplier);
+  args.dt_multiplier = to_fp32(dt_multiplier);
+  args.out_multiplier = to_fp32(out_multiplier);
+  args.y_norm = to_fp32(y_norm);
+  args.y_inv_scale = to_fp32(y_inv_scale);
+  int* words = workspace.data_ptr<int>();
+  args.counter = reinterpret_cast<unsigned*>(words);
+  args.sums = words + kCounterWords;
+  args.y = reinterpret_cast<__half*>(words + kCounterWords + kSumWords);
+
+  const auto kernel = layer_step_kernel;
+  check_kernel_image(kernel, "qmamba_layer_step");
+  constexpr int smem = sizeof(Smem);
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  // Cooperative: every block resident at once (the grid barriers need it), or a launch error
+  // rather than a hang where the SMs are shared.
+  cudaLaunchAttribute attributes[2];
+  attributes[0].id = cudaLaunchAttributeCooperative;
+  attributes[0].val.cooperative = 1;
+  attributes[1] = quamba::detail::programmatic_serialization();
+  quamba::detail::launch_with_attributes(kernel, dim3(kBlocks), dim3(kBlockThreads), smem, current_stream(),
+                                         attributes, 2, args);
+  return {out, residual_out};
+}
+
+std::string qmamba_layer_step_lacks(int64_t d_model, int64_t d_inner, int64_t d_state, int64_t dt_rank,
+                                    int64_t width, int64_t device) {
+  const std::string shape = shape_lacks(d_model, d_inner, d_state, dt_rank, width);
+  return shape.empty() ? device_lacks(static_cast<int>(device)) : shape;
+}
+
+int64_t qmamba_layer_workspace_words() { return kWorkspaceWords; }
+
+}  // namespace
+}  // namespace quamba_ssm
+
+TORCH_LIBRARY_FRAGMENT(quamba, m) {
+  m.def(
+      "qmamba_layer_step(Tensor hidden, Tensor? residual, Tensor in_proj, float in_multiplier, "
+      "Tensor small, Tensor out_proj, float out_multiplier, Tensor conv_weight, Tensor? conv_bias, "
+      "float conv_multiplier, float conv_bias_scale, float u_inv_scale, Tensor(a!) conv_state, "
+      "Tensor(b!) ssm_state, float state_scale, float xdbl_multiplier, float dt_multiplier, "
+      "float u_scale, float xdbl_scale, float dt_scale, float z_scale, Tensor A_log, "
+      "float A_log_scale, Tensor D, float D_scale, Tensor dt_bias, float dt_bias_scale, float eps, "
+      "float h_inv_scale, float y_norm, float y_inv_scale, Tensor(c!) workspace) -> (Tensor, Tensor)");
+  m.def("qmamba_layer_step_lacks(int d_model, int d_inner, int d_state, int dt_rank, int width, "
+        "int device) -> str",
+        &quamba_ssm::qmamba_layer_step_lacks);
+  m.def("qmamba_layer_workspace_words() -> int", &quamba_ssm::qmamba_layer_workspace_words);
+}
+
+TORCH_LIBRARY_IMPL(quamba, CUDA, m) { m.impl("qmamba_layer_step", &quamba_ssm::qmamba_layer_step); }
