@@ -28,6 +28,7 @@ KERNEL_FAMILIES = {
     "conv1d": "qconv1d",
     "qsscan": "qsscan",
     "norm": "rmsnorm_quant",
+    "fused_decode": "qmamba_layer_step",
 }
 PACKAGES = ("torch", "triton", "transformers", "lm_eval", "mamba_ssm", "causal_conv1d",
             "nvidia-cutlass")
