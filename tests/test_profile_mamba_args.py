@@ -61,3 +61,18 @@ def test_unknown_head_formats_are_refused(capsys):
     with pytest.raises(SystemExit):
         profile_mamba.parse_args(["--lm_head", "int3"])
     assert "invalid choice: 'int3'" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("op_by_op,layer_kernel,precision,rows", [
+    (False, False, "w8a8", []),
+    (True, False, "w8a8", [("op-by-op", False)]),
+    (True, False, "w4a8", []),
+    (False, True, "w4a8", [("layer", True)]),
+    (True, True, "w4a16", []),
+])
+def test_layer_kernel_rows_take_the_other_setting_than_the_default(op_by_op, layer_kernel,
+                                                                   precision, rows):
+    """--op_by_op times W8A8 without the layer kernel (on by default), --layer_kernel W4A8 with it
+    (off by default); neither applies to the other precisions."""
+    args = Namespace(op_by_op=op_by_op, layer_kernel=layer_kernel)
+    assert profile_mamba.layer_kernel_rows(precision, args) == rows

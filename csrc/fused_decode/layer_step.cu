@@ -1,4 +1,4 @@
-// A whole W8A8 Mamba1 block's decode step at batch 1 in one persistent kernel (qmamba_layer_step;
+// A whole W8A8 or W4A8 Mamba1 block's decode step at batch 1 in one persistent kernel (qmamba_layer_step;
 // specification: quamba/ops/fused_layer.py, the chain rmsnorm_quant → in_proj → qconv1d_update →
 // x_proj → dt_proj folded into qsscan_update → hadamard_quant → out_proj). Mamba-2.8B's sizes:
 // d_model 2560, d_inner 5120 = 20 · 256, d_state 16, dt_rank 160, conv width 4.
@@ -15,6 +15,13 @@
 // RMSNorm of the whole row in every block, in_proj rows, conv + SiLU, x_proj's partial sums added
 // across blocks with int32 atomics (8 copies; integers, so exact), grid barrier, dt_proj, the scan
 // and the gate, grid barrier, the Hadamard of all of y in every block, out_proj rows.
+//
+// W4A8 (kW4): in_proj and out_proj stream their packed 4-bit rows (even k in the low nibble), with
+// their int8 multipliers of groups of 128 copied into shared memory before the wait, and take the
+// activation codes as the even codes then the odd ones, so that 16 bytes of each meet 16 packed
+// bytes (gemv4.cu's nibble trick: a chunk's int32 sum is exact); x_proj comes as int8 products
+// code · multiplier (exact; the host checks that they fit), so its sums are W8A8's. The epilogues
+// then take per-channel multipliers, as the W4A8 GEMV's do.
 //
 // Every rounding is the chain's, so the outputs equal the chain of CUDA kernels bit for bit: the
 // row norm's sum of squares in rmsnorm_quant_row_kernel's order (its 320 threads of 8 values and
@@ -42,23 +49,38 @@ constexpr int kBlocks = 128, kChannels = kInner / kBlocks;  // 40 channels a blo
 constexpr int kOutRows = kModel / kBlocks;                  // 20 out_proj rows a block
 constexpr int kThreads = 256, kWarps = kThreads / 32;       // consumers; one producer warp more
 constexpr int kBlockThreads = kThreads + 32;
-constexpr int kSlots = 9, kChunkBytes = 20480, kInFlight = 2;
-constexpr int kInRows = kChunkBytes / kModel;  // 8 in_proj rows a chunk, one a warp
-constexpr int kOutRowsPerChunk = kChunkBytes / kInner;
+constexpr int kSlots = 9, kChunkBytes = 20480;
+constexpr int kInRows = kWarps;  // in_proj rows a chunk, one a warp
 constexpr int kInChunks = 2 * kChannels / kInRows;  // x rows, then z rows
-constexpr int kOutChunks = kOutRows / kOutRowsPerChunk;
 constexpr int kSmallBytes = kOuts * kChannels + kChannels * kRank;  // x_proj columns, dt_proj rows
-constexpr int kSmallChunk = kInChunks, kOutChunk0 = kSmallChunk + 1, kChunks = kOutChunk0 + kOutChunks;
+constexpr int kSmallChunk = kInChunks, kOutChunk0 = kSmallChunk + 1;
 constexpr int kSumCopies = 8;  // copies of x_proj's sums: blocks b and b + 8 share one
 // The Hadamard: 5120 = 20 · 256, Paley S_20 (hadamard_quant.cu's base_column<20>).
 constexpr int kSegment = 256, kBase = kInner / kSegment;
 // rmsnorm_quant_row_kernel's shape for d_model: threads of 8 values, whole warps of them.
 constexpr int kRowValues = 8, kRowThreads = kModel / kRowValues, kRowWarps = kRowThreads / 32;
-static_assert(kInRows == kWarps && kInRows * kModel == kChunkBytes && kOutRowsPerChunk * kInner == kChunkBytes);
-static_assert(kChannels % kInRows == 0 && kOutRows % kOutRowsPerChunk == 0 && 2 * kOutRows % kWarps == 0);
+// W4A8: the int8 multipliers of the groups of 128 of the block's in_proj rows, then out_proj rows.
+constexpr int kGroup = 128, kInMetaBytes = 2 * kChannels * (kModel / kGroup);
+constexpr int kMetaBytes = kInMetaBytes + kOutRows * (kInner / kGroup);
+static_assert(kChannels % kInRows == 0 && 2 * kOutRows % kWarps == 0 && kMetaBytes % 16 == 0);
 static_assert(kSmallBytes <= kChunkBytes && kSmallBytes % 16 == 0 && kOuts <= kThreads);
 static_assert(4 * kChannels <= kThreads && kSegment == kThreads && kRowThreads % 32 == 0);
-static_assert(kRowWarps <= 2 * kWarps && kOuts * kSumCopies <= 8 * kThreads);
+static_assert(kRowWarps <= 2 * kWarps && kOuts * kSumCopies <= 8 * kThreads && kMetaBytes <= 16 * kThreads);
+
+// What differs between W8A8 and W4A8 (kW4): the bytes of a weight row, and so the chunks.
+template <bool kW4>
+struct Layout {
+  static constexpr int kInRowBytes = kW4 ? kModel / 2 : kModel;
+  static constexpr int kInChunkBytes = kInRows * kInRowBytes;
+  static constexpr int kOutRowBytes = kW4 ? kInner / 2 : kInner;
+  static constexpr int kOutRowsPerChunk = kChunkBytes / kOutRowBytes;
+  static constexpr int kOutChunks = (kOutRows + kOutRowsPerChunk - 1) / kOutRowsPerChunk;
+  static constexpr int kChunks = kOutChunk0 + kOutChunks;
+  // chunks in flight at most: deeper queues of bulk copies delay the step's small reads (W4A8's
+  // in_proj chunks are half as large)
+  static constexpr int kInFlight = kW4 ? 3 : 2;
+  static_assert(kInChunkBytes <= kChunkBytes && kOutRowsPerChunk * kOutRowBytes == kChunkBytes);
+};
 
 // The workspace's int32 words: the barrier counter (alone in its 128 bytes), x_proj's sums, y.
 constexpr int kCounterWords = 32, kSumWords = kSumCopies * kOuts, kYWords = kInner / 2;
@@ -69,9 +91,12 @@ struct LayerStepArgs {
   const float* residual;   // [d_model] or nullptr (the first block)
   float* residual_out;     // [d_model]: hidden + residual
   __half* out;             // [d_model]: out_proj's output
-  const int8_t* in_proj;   // [2 d_inner, d_model]
+  const int8_t* in_proj;   // [2 d_inner, d_model] (W4A8: packed, [2 d_inner, d_model / 2])
   const int8_t* small;     // [blocks, kSmallBytes]: x_proj's columns [kOuts, 40], dt_proj's rows [40, kRank]
-  const int8_t* out_proj;  // [d_model, d_inner]
+  const int8_t* out_proj;  // [d_model, d_inner] (W4A8: packed, [d_model, d_inner / 2])
+  const int8_t* group_multipliers;  // W4A8: [blocks, kMetaBytes]
+  // per-channel epilogue multipliers (W4A8), or nullptr for the scalar ones below
+  const float *in_multipliers, *xdbl_multipliers, *out_multipliers;
   const int8_t* conv_weight;  // [d_inner, width]
   int8_t* conv_state;      // [d_inner, width - 1], in place
   ConvEpilogue conv;       // u codes: out_inv_scale = 1 / u_scale, silu
@@ -88,7 +113,8 @@ struct LayerStepArgs {
 struct __align__(128) Smem {
   int8_t ring[kSlots][kChunkBytes];
   float hadamard[kInner];
-  alignas(16) int8_t act[kInner];  // h codes (d_model) for in_proj, y codes for out_proj
+  alignas(16) int8_t act[kInner];  // h codes (d_model) for in_proj, y codes for out_proj (act_at)
+  alignas(16) int8_t group_multipliers[kMetaBytes];  // W4A8
   unsigned long long full[kSlots], empty[kSlots];
   alignas(16) int8_t x_codes[kChannels];
   alignas(16) int8_t z_codes[kChannels];
@@ -124,32 +150,37 @@ __device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned pari
 __device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, %0;" ::"n"(kThreads) : "memory"); }
 
 // Chunk k of the block's weights: in_proj's x rows then z rows (8 a chunk), the small chunk,
-// out_proj's rows (4 a chunk).
+// out_proj's rows.
+template <bool kW4>
 __device__ __forceinline__ void chunk_source(const LayerStepArgs& a, int k, const int8_t*& src, int& bytes) {
+  using L = Layout<kW4>;
   const int b = blockIdx.x;
   if (k < kSmallChunk) {
     const int half = k / (kInChunks / 2), part = k % (kInChunks / 2);
-    src = a.in_proj + static_cast<int64_t>(half * kInner + b * kChannels + part * kInRows) * kModel;
-    bytes = kChunkBytes;
+    src = a.in_proj + static_cast<int64_t>(half * kInner + b * kChannels + part * kInRows) * L::kInRowBytes;
+    bytes = L::kInChunkBytes;
   } else if (k == kSmallChunk) {
     src = a.small + static_cast<int64_t>(b) * kSmallBytes;
     bytes = kSmallBytes;
   } else {
-    src = a.out_proj + static_cast<int64_t>(b * kOutRows + (k - kOutChunk0) * kOutRowsPerChunk) * kInner;
-    bytes = kChunkBytes;
+    const int first = (k - kOutChunk0) * L::kOutRowsPerChunk;
+    src = a.out_proj + static_cast<int64_t>(b * kOutRows + first) * L::kOutRowBytes;
+    bytes = min(L::kOutRowsPerChunk, kOutRows - first) * L::kOutRowBytes;
   }
 }
 
 // The producer warp's lane 0: every chunk in order, each once its slot is free and fewer than
 // kInFlight are in flight.
+template <bool kW4>
 __device__ void produce(const LayerStepArgs& a, Smem& sm) {
-  for (int k = 0; k < kChunks; ++k) {
+  using L = Layout<kW4>;
+  for (int k = 0; k < L::kChunks; ++k) {
     const int slot = k % kSlots;
     if (k >= kSlots) mbar_wait(&sm.empty[slot], (k / kSlots - 1) & 1);
-    if (k >= kInFlight) mbar_wait(&sm.full[(k - kInFlight) % kSlots], ((k - kInFlight) / kSlots) & 1);
+    if (k >= L::kInFlight) mbar_wait(&sm.full[(k - L::kInFlight) % kSlots], ((k - L::kInFlight) / kSlots) & 1);
     const int8_t* src;
     int bytes;
-    chunk_source(a, k, src, bytes);
+    chunk_source<kW4>(a, k, src, bytes);
     const unsigned bar = smem_address(&sm.full[slot]);
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
     asm volatile(
@@ -206,10 +237,71 @@ __device__ __forceinline__ int dot16(int4 w, int4 x, int acc) {
   return __dp4a(w.w, x.w, acc);
 }
 
+// 32 packed 4-bit codes against the activations' even and odd codes of the same 32 positions:
+// each nibble taken as code · 16 in place in its byte, so every product is a multiple of 16 and
+// the sum divides exactly.
+__device__ __forceinline__ int dot_w4(int4 w, int4 even, int4 odd) {
+  constexpr int kHigh = static_cast<int>(0xF0F0F0F0u);
+  int s = 0;
+  s = __dp4a((w.x << 4) & kHigh, even.x, s);
+  s = __dp4a(w.x & kHigh, odd.x, s);
+  s = __dp4a((w.y << 4) & kHigh, even.y, s);
+  s = __dp4a(w.y & kHigh, odd.y, s);
+  s = __dp4a((w.z << 4) & kHigh, even.z, s);
+  s = __dp4a(w.z & kHigh, odd.z, s);
+  s = __dp4a((w.w << 4) & kHigh, even.w, s);
+  s = __dp4a(w.w & kHigh, odd.w, s);
+  return s >> 4;
+}
+
+// Where code i of an activation vector of n codes lives in sm.act: in order (W8A8), or (W4A8) the
+// even codes then the odd ones.
+template <bool kW4>
+__device__ __forceinline__ int act_at(int i, int n) {
+  return kW4 ? (i & 1) * (n / 2) + (i >> 1) : i;
+}
+
+// The weight row's 16-byte pieces a lane takes (lane, lane + 32, ...) and its int32 sum against the
+// activation pieces in registers (W4A8: times each piece's group multiplier; 4 pieces a group).
+template <bool kW4, int kPieces, int kLoads>
+__device__ __forceinline__ int row_sum(const int8_t* row, const int4 (&even)[kLoads], const int4 (&odd)[kLoads],
+                                       const int8_t* multipliers, int first_piece) {
+  const int lane = threadIdx.x % 32;
+  int acc = 0;
+#pragma unroll
+  for (int i = 0; i < kLoads; ++i) {
+    const int j = lane + 32 * i;
+    if (kPieces % 32 == 0 || j < kPieces) {
+      const int4 w = reinterpret_cast<const int4*>(row)[first_piece + j];
+      if constexpr (kW4) {
+        acc += dot_w4(w, even[i], odd[i]) * multipliers[(first_piece + j) / 4];
+      } else {
+        acc = dot16(w, even[i], acc);
+      }
+    }
+  }
+  return acc;
+}
+
+// A lane's activation pieces for row_sum: pieces first_piece + lane + 32 i of the codes (W4A8: of
+// the even codes, and of the odd ones n / 2 further), n the vector's length.
+template <bool kW4, int kPieces, int kLoads>
+__device__ __forceinline__ void load_pieces(const int8_t* act, int n, int first_piece, int4 (&even)[kLoads],
+                                            int4 (&odd)[kLoads]) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int i = 0; i < kLoads; ++i) {
+    const int j = first_piece + min(lane + 32 * i, kPieces - 1);
+    even[i] = reinterpret_cast<const int4*>(act)[j];
+    if constexpr (kW4) odd[i] = reinterpret_cast<const int4*>(act + n / 2)[j];
+  }
+}
+
 // Residual add + RMSNorm → h codes in sm.act, in every block. Warp w plays the row kernel's warps
 // w and w + 8: lane l of row warp v holds values 8 (32 v + l) ... + 7, adds their squares with
 // fmaf in order, and the warps' sums and the sum of those take block_sum's trees. Each block
 // writes its share of the residual.
+template <bool kW4>
 __device__ void rmsnorm(const LayerStepArgs& a, Smem& sm) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   float r[2][kRowValues];
@@ -243,40 +335,39 @@ __device__ void rmsnorm(const LayerStepArgs& a, Smem& sm) {
   for (int i = 0; i < 2; ++i) {
     const int row_warp = warp + i * kWarps;
     if (row_warp >= kRowWarps) break;
-    int8_t codes[kRowValues];
+    const int first = (32 * row_warp + lane) * kRowValues;
 #pragma unroll
-    for (int j = 0; j < kRowValues; ++j) codes[j] = quantize_rn(__fmul_rn(r[i][j], rstd), a.h_inv_scale);
-    store_row<kRowValues>(sm.act + (32 * row_warp + lane) * kRowValues, codes);
+    for (int j = 0; j < kRowValues; ++j)
+      sm.act[act_at<kW4>(first + j, kModel)] = quantize_rn(__fmul_rn(r[i][j], rstd), a.h_inv_scale);
   }
   consumer_sync();
 }
 
-constexpr int kInLoads = kModel / 16 / 32;  // 16-byte pieces of an in_proj row a lane takes
-static_assert(kInLoads * 16 * 32 == kModel);
-
 // in_proj's x and z codes of the block's channels: warp w takes row w of each chunk.
+template <bool kW4>
 __device__ void in_proj(const LayerStepArgs& a, Smem& sm, int& k) {
+  using L = Layout<kW4>;
+  constexpr int kPieces = L::kInRowBytes / 16, kLoads = (kPieces + 31) / 32;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  int4 h[kInLoads];
-#pragma unroll
-  for (int i = 0; i < kInLoads; ++i) h[i] = reinterpret_cast<const int4*>(sm.act)[lane + 32 * i];
-  const quamba::gemm::Epilogue epilogue{a.in_multiplier, nullptr, nullptr};
-  const quamba::gemm::Epilogue::Channel channel{a.in_multiplier, 0.f};
+  int4 even[kLoads], odd[kLoads];
+  load_pieces<kW4, kPieces, kLoads>(sm.act, kModel, 0, even, odd);
+  const quamba::gemm::Epilogue epilogue{a.in_multiplier, a.in_multipliers, nullptr};
   for (int c = 0; c < kInChunks; c += 2, k += 2) {
     int sums[2];
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      const int8_t* row = wait_chunk(sm, k + i) + warp * kModel;
-      int acc = 0;
-#pragma unroll
-      for (int j = 0; j < kInLoads; ++j) acc = dot16(reinterpret_cast<const int4*>(row)[lane + 32 * j], h[j], acc);
-      sums[i] = acc;
+      const int row = (c + i) / (kInChunks / 2) * kChannels + (c + i) % (kInChunks / 2) * kInRows + warp;
+      sums[i] = row_sum<kW4, kPieces, kLoads>(wait_chunk(sm, k + i) + warp * L::kInRowBytes, even, odd,
+                                              sm.group_multipliers + row * (kModel / kGroup), 0);
     }
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const int total = warp_int_sum(sums[i]);
-      const int cc = c + i, row = (cc % (kInChunks / 2)) * kInRows + warp;
-      if (lane == 0) (cc < kInChunks / 2 ? sm.x_codes : sm.z_codes)[row] = epilogue.apply<int8_t>(total, channel);
+      const int cc = c + i, half = cc / (kInChunks / 2), channel = (cc % (kInChunks / 2)) * kInRows + warp;
+      if (lane == 0) {
+        const int n = half * kInner + blockIdx.x * kChannels + channel;
+        (half == 0 ? sm.x_codes : sm.z_codes)[channel] = epilogue.apply<int8_t>(total, epilogue.channel<int8_t>(n));
+      }
     }
     release(sm, k, 2);
   }
@@ -287,7 +378,7 @@ __device__ void in_proj(const LayerStepArgs& a, Smem& sm, int& k) {
 // position j of the 20 segments of 256: the butterflies of halves 1 ... 16 through shuffles, of
 // 32 ... 128 through shared memory (the reference's pairs and order of stages), then the signed
 // sums of the 20 columns in order, as hadamard_quant's decode kernel (signed_sums) adds them.
-template <int A>
+template <bool kW4, int A>
 __device__ __forceinline__ void signed_sums(const float (&column)[kBase], float norm, float inv_scale, int j,
                                             int8_t* codes) {
   if constexpr (A < kBase) {
@@ -298,11 +389,12 @@ __device__ __forceinline__ void signed_sums(const float (&column)[kBase], float 
     float sum = (kSigns & 1) ? -column[0] : column[0];
 #pragma unroll
     for (int c = 1; c < kBase; ++c) sum = (kSigns >> c & 1) ? __fsub_rn(sum, column[c]) : __fadd_rn(sum, column[c]);
-    codes[A * kSegment + j] = quantize_rn(__fmul_rn(sum, norm), inv_scale);
-    signed_sums<A + 1>(column, norm, inv_scale, j, codes);
+    codes[act_at<kW4>(A * kSegment + j, kInner)] = quantize_rn(__fmul_rn(sum, norm), inv_scale);
+    signed_sums<kW4, A + 1>(column, norm, inv_scale, j, codes);
   }
 }
 
+template <bool kW4>
 __device__ void hadamard(const LayerStepArgs& a, Smem& sm) {
   const int j = threadIdx.x, lane = j % 32;
   float column[kBase];
@@ -330,27 +422,27 @@ __device__ void hadamard(const LayerStepArgs& a, Smem& sm) {
     }
     consumer_sync();
   }
-  signed_sums<0>(column, a.y_norm, a.y_inv_scale, j, sm.act);
+  signed_sums<kW4, 0>(column, a.y_norm, a.y_inv_scale, j, sm.act);
   consumer_sync();
 }
 
 // out_proj's rows of the block (its chunks waited for): warp w takes half w % 2 of d_inner for
 // rows w / 2, w / 2 + 4, ...; the two halves' sums go to sm.half_rows.
+template <bool kW4>
 __device__ void out_proj(Smem& sm, int k) {
-  constexpr int kHalfRows = 2 * kOutRows / kWarps, kLoads = kInner / 2 / 512;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int8_t* act = sm.act + (warp % 2) * (kInner / 2);
-  int4 y[kLoads];
-#pragma unroll
-  for (int j = 0; j < kLoads; ++j) y[j] = *reinterpret_cast<const int4*>(act + lane * 16 + j * 512);
-  int acc[kHalfRows] = {};
+  using L = Layout<kW4>;
+  constexpr int kHalfRows = 2 * kOutRows / kWarps, kPieces = L::kOutRowBytes / 16 / 2;
+  constexpr int kLoads = (kPieces + 31) / 32;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, first_piece = (warp % 2) * kPieces;
+  int4 even[kLoads], odd[kLoads];
+  load_pieces<kW4, kPieces, kLoads>(sm.act, kInner, first_piece, even, odd);
+  int acc[kHalfRows];
 #pragma unroll
   for (int h = 0; h < kHalfRows; ++h) {
     const int row = (warp + h * kWarps) / 2;
-    const int8_t* src = sm.ring[(k + row / kOutRowsPerChunk) % kSlots] + (row % kOutRowsPerChunk) * kInner +
-                        (warp % 2) * (kInner / 2);
-#pragma unroll
-    for (int j = 0; j < kLoads; ++j) acc[h] = dot16(*reinterpret_cast<const int4*>(src + lane * 16 + j * 512), y[j], acc[h]);
+    const int8_t* src = sm.ring[(k + row / L::kOutRowsPerChunk) % kSlots] + (row % L::kOutRowsPerChunk) * L::kOutRowBytes;
+    acc[h] = row_sum<kW4, kPieces, kLoads>(src, even, odd,
+                                           sm.group_multipliers + kInMetaBytes + row * (kInner / kGroup), first_piece);
   }
 #pragma unroll
   for (int h = 0; h < kHalfRows; ++h) {
@@ -359,6 +451,7 @@ __device__ void out_proj(Smem& sm, int k) {
   }
 }
 
+template <bool kW4>
 __global__ void __launch_bounds__(kBlockThreads, 1) layer_step_kernel(const LayerStepArgs a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -371,11 +464,15 @@ __global__ void __launch_bounds__(kBlockThreads, 1) layer_step_kernel(const Laye
   __syncthreads();
   quamba::pdl_launch_dependents();  // the next block's kernel may start streaming its weights
   if (t >= kThreads) {
-    if (t == kThreads) produce(a, sm);
+    if (t == kThreads) produce<kW4>(a, sm);
     return;
   }
   const StepArgs& s = a.step;
   // Weights and parameters, which no kernel writes, before the wait.
+  if (kW4 && t < kMetaBytes / 16) {
+    reinterpret_cast<int4*>(sm.group_multipliers)[t] =
+        reinterpret_cast<const int4*>(a.group_multipliers + static_cast<int64_t>(b) * kMetaBytes)[t];
+  }
   const int d_conv = b * kChannels + t;  // t < kChannels: the conv's channel
   int conv_weight[kWidth] = {};
   float conv_bias = 0.f;
@@ -403,9 +500,9 @@ __global__ void __launch_bounds__(kBlockThreads, 1) layer_step_kernel(const Laye
   const int64_t state_offset = static_cast<int64_t>(d) * kStates + 4 * q;
   if (scans) load_lane_states<4>(s, 4, state_offset, state);
 
-  rmsnorm(a, sm);
+  rmsnorm<kW4>(a, sm);  // (its barriers also publish the group multipliers)
   int k = 0;  // the next chunk
-  in_proj(a, sm, k);
+  in_proj<kW4>(a, sm, k);
 
   // conv + SiLU of the block's channels → u codes; the conv state shifts.
   if (t < kChannels) {
@@ -434,7 +531,8 @@ __global__ void __launch_bounds__(kBlockThreads, 1) layer_step_kernel(const Laye
     int sum = 0;
 #pragma unroll
     for (int i = 0; i < kSumCopies; ++i) sum += __ldcg(a.sums + i * kOuts + t);
-    const int8_t code = quantize_rn(__int2float_rn(sum), a.xdbl_multiplier);
+    const quamba::gemm::Epilogue epilogue{a.xdbl_multiplier, a.xdbl_multipliers, nullptr};
+    const int8_t code = epilogue.apply<int8_t>(sum, epilogue.channel<int8_t>(t));
     sm.xdbl[t] = code;
     if (t >= kRank && t < kRank + kStates) sm.B[t - kRank] = dequantize(code, s.B.scale);
     if (t >= kRank + kStates) sm.C[t - kRank - kStates] = dequantize(code, s.C.scale);
@@ -470,16 +568,17 @@ __global__ void __launch_bounds__(kBlockThreads, 1) layer_step_kernel(const Laye
     for (int i = t; i < kSumWords; i += kThreads) a.sums[i] = 0;
   }
 
-  hadamard(a, sm);
-  for (int c = 0; c < kOutChunks; ++c) wait_chunk(sm, k + c);
-  out_proj(sm, k);
+  hadamard<kW4>(a, sm);
+  using L = Layout<kW4>;
+  for (int c = 0; c < L::kOutChunks; ++c) wait_chunk(sm, k + c);
+  out_proj<kW4>(sm, k);
   consumer_sync();
   if (t < kOutRows) {
-    const quamba::gemm::Epilogue epilogue{a.out_multiplier, nullptr, nullptr};
-    a.out[b * kOutRows + t] = epilogue.apply<__half>(sm.half_rows[2 * t] + sm.half_rows[2 * t + 1],
-                                                     quamba::gemm::Epilogue::Channel{a.out_multiplier, 0.f});
+    const quamba::gemm::Epilogue epilogue{a.out_multiplier, a.out_multipliers, nullptr};
+    const int n = b * kOutRows + t;
+    a.out[n] = epilogue.apply<__half>(sm.half_rows[2 * t] + sm.half_rows[2 * t + 1], epilogue.channel<__half>(n));
   }
-  release(sm, k, kOutChunks);
+  release(sm, k, L::kOutChunks);
 #else
   __trap();  // never launched: the host requires compute capability 9.0
 #endif
@@ -516,13 +615,25 @@ void check_tensor(const at::Tensor& t, const at::Tensor& ref, at::ScalarType dty
               " must be contiguous and 16-byte aligned");
 }
 
-// hidden: fp16 [d_model]; residual: fp32 [d_model] or None; in_proj int8 [2 d_inner, d_model];
-// small: qmamba_layer_small's [128, 14080] (x_proj's columns and dt_proj's rows of each block);
-// out_proj int8 [d_model, d_inner]; conv_weight int8 [d_inner, 4], conv_bias int8 [d_inner] or
-// None; conv_state int8 [d_inner, 3] and ssm_state int8 [d_inner, 16], stepped in place;
-// workspace: int32 [qmamba_layer_workspace_words()], zero when first used. Scales and multipliers
-// are fp32 values as the chain's ops compute them (quamba/ops/cuda_backend/layer_step.py). Returns
-// (out fp16 [d_model], residual_out fp32 [d_model]).
+// An optional fp32 [n] tensor of per-channel multipliers: its data, or nullptr.
+const float* multipliers_or_null(const c10::optional<at::Tensor>& t, const at::Tensor& ref, int64_t n,
+                                 const char* name) {
+  if (!t.has_value()) return nullptr;
+  check_tensor(*t, ref, at::kFloat, {n}, name);
+  return t->data_ptr<float>();
+}
+
+// hidden: fp16 [d_model]; residual: fp32 [d_model] or None; in_proj [2 d_inner, d_model] int8, or
+// uint8 packed 4-bit codes [2 d_inner, d_model / 2] (W4A8); small: [128, 14080] int8, each block's
+// x_proj columns [192, 40] (W4A8: code · group multiplier) and dt_proj rows [40, 160]; out_proj
+// [d_model, d_inner] int8 or packed [d_model, d_inner / 2]; group_multipliers (W4A8 only): int8
+// [128, 2400], each block's in_proj rows' then out_proj rows' multipliers of groups of 128;
+// in_multipliers [2 d_inner], xdbl_multipliers [192], out_multipliers [d_model]: fp32 per-channel
+// epilogue multipliers replacing the scalars (in and out required with W4A8); conv_weight int8
+// [d_inner, 4], conv_bias int8 [d_inner] or None; conv_state int8 [d_inner, 3] and ssm_state int8
+// [d_inner, 16], stepped in place; workspace: int32 [qmamba_layer_workspace_words()], zero when
+// first used. Scales and multipliers are fp32 values as the chain's ops compute them
+// (quamba/ops/cuda_backend/layer_step.py). Returns (out fp16 [d_model], residual_out fp32 [d_model]).
 std::tuple<at::Tensor, at::Tensor> qmamba_layer_step(
     const at::Tensor& hidden, const c10::optional<at::Tensor>& residual, const at::Tensor& in_proj,
     double in_multiplier, const at::Tensor& small, const at::Tensor& out_proj, double out_multiplier,
@@ -531,13 +642,22 @@ std::tuple<at::Tensor, at::Tensor> qmamba_layer_step(
     double state_scale, double xdbl_multiplier, double dt_multiplier, double u_scale, double xdbl_scale,
     double dt_scale, double z_scale, const at::Tensor& A_log, double A_log_scale, const at::Tensor& D,
     double D_scale, const at::Tensor& dt_bias, double dt_bias_scale, double eps, double h_inv_scale,
-    double y_norm, double y_inv_scale, at::Tensor& workspace) {
+    double y_norm, double y_inv_scale, const c10::optional<at::Tensor>& group_multipliers,
+    const c10::optional<at::Tensor>& in_multipliers, const c10::optional<at::Tensor>& xdbl_multipliers,
+    const c10::optional<at::Tensor>& out_multipliers, at::Tensor& workspace) {
   check_cuda(hidden, "hidden");
   check_tensor(hidden, hidden, at::kHalf, {kModel}, "hidden");
   if (residual.has_value()) check_tensor(*residual, hidden, at::kFloat, {kModel}, "residual");
-  check_tensor(in_proj, hidden, at::kChar, {2 * kInner, kModel}, "in_proj");
+  const bool w4 = in_proj.scalar_type() == at::kByte;
+  const int packing = w4 ? 2 : 1;
+  const auto weight_type = w4 ? at::kByte : at::kChar;
+  check_tensor(in_proj, hidden, weight_type, {2 * kInner, kModel / packing}, "in_proj");
   check_tensor(small, hidden, at::kChar, {kBlocks, kSmallBytes}, "small");
-  check_tensor(out_proj, hidden, at::kChar, {kModel, kInner}, "out_proj");
+  check_tensor(out_proj, hidden, weight_type, {kModel, kInner / packing}, "out_proj");
+  TORCH_CHECK(w4 == group_multipliers.has_value(), "group_multipliers go with 4-bit (uint8) in_proj and out_proj");
+  TORCH_CHECK(!w4 || (in_multipliers.has_value() && out_multipliers.has_value()),
+              "4-bit in_proj and out_proj need in_multipliers and out_multipliers");
+  if (w4) check_tensor(*group_multipliers, hidden, at::kChar, {kBlocks, kMetaBytes}, "group_multipliers");
   check_tensor(conv_weight, hidden, at::kChar, {kInner, kWidth}, "conv_weight");
   if (conv_bias.has_value()) check_tensor(*conv_bias, hidden, at::kChar, {kInner}, "conv_bias");
   check_tensor(conv_state, hidden, at::kChar, {kInner, kWidth - 1}, "conv_state");
@@ -560,9 +680,13 @@ std::tuple<at::Tensor, at::Tensor> qmamba_layer_step(
   args.residual = residual.has_value() ? residual->data_ptr<float>() : nullptr;
   args.residual_out = residual_out.data_ptr<float>();
   args.out = static_cast<__half*>(out.data_ptr());
-  args.in_proj = in_proj.data_ptr<int8_t>();
+  args.in_proj = static_cast<const int8_t*>(in_proj.data_ptr());
   args.small = small.data_ptr<int8_t>();
-  args.out_proj = out_proj.data_ptr<int8_t>();
+  args.out_proj = static_cast<const int8_t*>(out_proj.data_ptr());
+  args.group_multipliers = w4 ? group_multipliers->data_ptr<int8_t>() : nullptr;
+  args.in_multipliers = multipliers_or_null(in_multipliers, hidden, 2 * kInner, "in_multipliers");
+  args.xdbl_multipliers = multipliers_or_null(xdbl_multipliers, hidden, kOuts, "xdbl_multipliers");
+  args.out_multipliers = multipliers_or_null(out_multipliers, hidden, kModel, "out_multipliers");
   args.conv_weight = conv_weight.data_ptr<int8_t>();
   args.conv_state = conv_state.data_ptr<int8_t>();
   args.conv = ConvEpilogue{to_fp32(conv_multiplier), conv_bias.has_value() ? conv_bias->data_ptr<int8_t>() : nullptr,
@@ -595,7 +719,7 @@ std::tuple<at::Tensor, at::Tensor> qmamba_layer_step(
   args.sums = words + kCounterWords;
   args.y = reinterpret_cast<__half*>(words + kCounterWords + kSumWords);
 
-  const auto kernel = layer_step_kernel;
+  const auto kernel = w4 ? layer_step_kernel<true> : layer_step_kernel<false>;
   check_kernel_image(kernel, "qmamba_layer_step");
   constexpr int smem = sizeof(Smem);
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
@@ -629,7 +753,9 @@ TORCH_LIBRARY_FRAGMENT(quamba, m) {
       "Tensor(b!) ssm_state, float state_scale, float xdbl_multiplier, float dt_multiplier, "
       "float u_scale, float xdbl_scale, float dt_scale, float z_scale, Tensor A_log, "
       "float A_log_scale, Tensor D, float D_scale, Tensor dt_bias, float dt_bias_scale, float eps, "
-      "float h_inv_scale, float y_norm, float y_inv_scale, Tensor(c!) workspace) -> (Tensor, Tensor)");
+      "float h_inv_scale, float y_norm, float y_inv_scale, Tensor? group_multipliers, "
+      "Tensor? in_multipliers, Tensor? xdbl_multipliers, Tensor? out_multipliers, Tensor(c!) workspace) "
+      "-> (Tensor, Tensor)");
   m.def("qmamba_layer_step_lacks(int d_model, int d_inner, int d_state, int dt_rank, int width, "
         "int device) -> str",
         &quamba_ssm::qmamba_layer_step_lacks);

@@ -79,8 +79,10 @@ class QMambaMixer(QuantModule):
         self.fused_decode = False
         # True: a batch-1 decode step on a GPU runs the whole block (norm included) as one op,
         # qmamba_layer_step, where its layer kernel applies (:meth:`layer_step_weights`); the
-        # chain's numbers bit for bit. QuantizedModel.set_fused_layer switches every mixer.
-        self.fused_layer = True
+        # chain's numbers bit for bit. On for W8A8 (an H200: TPOT 1.12 against 1.60 ms); off for
+        # W4A8, whose layer kernel measured slower (1.81 against 1.50 ms, benchmarks/RESULTS.md).
+        # QuantizedModel.set_fused_layer switches every mixer.
+        self.fused_layer = weight_bits == 8
 
     def _linear(self, in_features, out_features, in_scale, out_scale, device, dtype=torch.float16):
         """A linear layer of the recipe's weight bits (int8 out when ``out_scale`` is given)."""
@@ -286,18 +288,24 @@ class QMambaMixer(QuantModule):
 
     def layer_weights(self, norm) -> LayerWeights | None:
         """The block's weights as qmamba_layer_step takes them (``norm`` its QRMSNorm), or None
-        where the op cannot take them: it needs W8A8 linear layers with per-tensor scales, the
-        Hadamard rotation and a norm without weight (the rotation folds it into in_proj), the
-        residual in fp32."""
-        if not (self.weight_bits == 8 and self.hadamard and norm.weight is None
-                and norm.residual_in_fp32):
+        where the op cannot take them: it needs W8A8 or W4A8 linear layers with per-tensor
+        activation scales (and W8A8 weight scales), the Hadamard rotation and a norm without
+        weight (the rotation folds it into in_proj), the residual in fp32."""
+        if not (self.hadamard and norm.weight is None and norm.residual_in_fp32):
             return None
         in_proj, x_proj, dt_proj = (_fused_weight(linear)
                                     for linear in (self.in_proj, self.x_proj, self.dt_proj))
         out = self.out_proj
-        if None in (in_proj, x_proj, dt_proj) or out.per_channel:
+        if None in (in_proj, x_proj, dt_proj):
             return None
-        out_proj = W8A8Weight(out.weight, out.scales["weight_scale"], out.scales["in_scale"], None)
+        if isinstance(out, W4A8Linear):
+            out_proj = W4A8Weight(out.weight, out.group_multiplier, out.channel_scale,
+                                  out.group_size, out.scales["in_scale"], None)
+        elif out.per_channel:
+            return None
+        else:
+            out_proj = W8A8Weight(out.weight, out.scales["weight_scale"], out.scales["in_scale"],
+                                  None)
         return LayerWeights(norm.eps, norm.scales["out_scale"], in_proj,
                             ConvWeights(*self._conv_weights("")), x_proj, dt_proj, self.ssm_params,
                             self._step_scales(), self.scales["y_scale"], out_proj, self.out_dtype)

@@ -40,7 +40,9 @@ class QuantizedModel:
     base model). Needs ``quant_config``, ``base_model``, ``ssm_mode`` and ``dtype``."""
 
     fused_decode = False  # whether the Mamba1 mixers' decode step is fused (set_fused_decode)
-    fused_layer = True  # whether a W8A8 block's batch-1 decode step is one op (set_fused_layer)
+    # whether an int8 block's batch-1 decode step is one op (set_fused_layer); None: each
+    # precision's default (QMambaMixer.fused_layer)
+    fused_layer = None
 
     @property
     def weight_only(self) -> bool:
@@ -89,10 +91,11 @@ class QuantizedModel:
         return self
 
     def set_fused_layer(self, enabled: bool):
-        """Run each W8A8 Mamba1 block's batch-1 decode step on a GPU as one op, qmamba_layer_step
-        (``enabled`` True, the default), where its layer kernel applies
-        (QMambaMixer.layer_step_weights says where), or as its norm and mixer op by op: the same
-        numbers bit for bit either way."""
+        """Run each W8A8 or W4A8 Mamba1 block's batch-1 decode step on a GPU as one op,
+        qmamba_layer_step, where its layer kernel applies (QMambaMixer.layer_step_weights says
+        where), or (``enabled`` False) as its norm and mixer op by op: the same numbers bit for bit
+        either way. By default W8A8 blocks take the layer kernel and W4A8 blocks do not (it
+        measured slower for them)."""
         for module in self.modules():
             if hasattr(module, "fused_layer"):
                 module.fused_layer = bool(enabled)

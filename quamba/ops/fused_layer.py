@@ -1,16 +1,17 @@
-"""A W8A8 Mamba1 block's whole decode step as one op: ``qmamba_layer_step``.
+"""A W8A8 or W4A8 Mamba1 block's whole decode step as one op: ``qmamba_layer_step``.
 
-    hidden (+ residual) ─ RMSNorm → h (int8) ─ in_proj W8A8 → x, z (int8)
+    hidden (+ residual) ─ RMSNorm → h (int8) ─ in_proj → x, z (int8)
     x, z ─ qmixer_ssm_step's chain (conv, x_proj, dt_proj, the scan step) → y
-    y ─ Hadamard → int8 ─ out_proj W8A8 → out
+    y ─ Hadamard → int8 ─ out_proj → out
 
-Its torch reference is that chain of the reference ops (rmsnorm_quant, w8a8_linear,
-quamba.ops.fused_decode.chain_step, hadamard_quant), so a block computes the same numbers through
-it as through its norm and mixer. Its cuda backend is one persistent CUDA kernel for the block at
-batch 1 (quamba.ops.cuda_backend.layer_step: Mamba-2.8B's sizes, compute capability 9.0, 128
-SMs), whose every rounding is the chain of CUDA kernels' (greedy decoding takes the same tokens);
-where that kernel cannot run, the cuda backend runs the chain on its CUDA kernels, the unfused
-step. A batch-1 decode step at 2.8B is mostly fixed per-kernel time: seven kernels a block.
+Its torch reference is that chain of the reference ops (rmsnorm_quant, w8a8_linear or
+w4a8_linear, quamba.ops.fused_decode.chain_step, hadamard_quant), so a block computes the same
+numbers through it as through its norm and mixer. Its cuda backend is one persistent CUDA kernel
+for the block at batch 1 (quamba.ops.cuda_backend.layer_step: Mamba-2.8B's sizes, compute
+capability 9.0, 128 SMs), whose every rounding is the chain of CUDA kernels' (greedy decoding
+takes the same tokens); where that kernel cannot run, the cuda backend runs the chain on its CUDA
+kernels, the unfused step. A batch-1 decode step at 2.8B is mostly fixed per-kernel time: seven
+kernels a block.
 """
 from __future__ import annotations
 
@@ -21,9 +22,10 @@ from dataclasses import dataclass
 import torch
 
 from quamba.ops import backend
-from quamba.ops.fused_decode import ConvWeights, StepScales, W8A8Weight, chain_step
+from quamba.ops.fused_decode import ConvWeights, StepScales, W4A8Weight, W8A8Weight, chain_step
 from quamba.ops.qhadamard import hadamard_quant
 from quamba.ops.qlinear import w8a8_linear
+from quamba.ops.qlinear4 import w4a8_linear
 from quamba.ops.qnorm import rmsnorm_quant
 from quamba.ops.qsscan import SSMParams
 
@@ -36,18 +38,19 @@ OP = "qmamba_layer_step"
 class LayerWeights:
     """What one quantized Mamba1 block's decode step reads besides its states: the norm (no
     weight: the rotation folded it into in_proj), in_proj (int8 out: x and z codes), the SSM side
-    as qmixer_ssm_step takes it, the Hadamard's output scale and out_proj (float out)."""
+    as qmixer_ssm_step takes it, the Hadamard's output scale and out_proj (float out). The
+    linears are W8A8 or (in_proj, x_proj, out_proj of a W4A8 block) W4A8."""
 
     norm_eps: float
     h_scale: float  # the norm's output scale (in_proj's input scale)
-    in_proj: W8A8Weight  # [2 d_inner, d_model], out_scale = x's and z's
+    in_proj: W8A8Weight | W4A8Weight  # [2 d_inner, d_model], out_scale = x's and z's
     conv: ConvWeights
-    x_proj: W8A8Weight
+    x_proj: W8A8Weight | W4A8Weight
     dt_proj: W8A8Weight
     params: SSMParams
     scales: StepScales
     y_scale: float  # out_proj's input (the Hadamard's output) scale
-    out_proj: W8A8Weight  # [d_model, d_inner], out_scale None: out in ``out_dtype``
+    out_proj: W8A8Weight | W4A8Weight  # [d_model, d_inner], out_scale None: out in ``out_dtype``
     out_dtype: torch.dtype = torch.float16
 
 
@@ -68,7 +71,8 @@ def qmamba_layer_step(hidden, residual, layer: LayerWeights, conv_state, ssm_sta
 
 def _check(hidden, residual, layer: LayerWeights, conv_state, ssm_state) -> None:
     """ValueError for inputs outside the op's scope, on every backend."""
-    d_model = layer.in_proj.weight.shape[1]
+    out_proj = layer.out_proj
+    d_model = (out_proj.packed if isinstance(out_proj, W4A8Weight) else out_proj.weight).shape[0]
     if hidden.dim() != 3 or hidden.shape[1:] != (1, d_model) or not hidden.is_floating_point():
         raise ValueError(f"{OP}: hidden must be float [batch, 1, {d_model}], got {hidden.dtype} "
                          f"{tuple(hidden.shape)}")
@@ -89,17 +93,22 @@ def chain_layer_step(hidden, residual, layer: LayerWeights, conv_state, ssm_stat
     torch backend runs their references)."""
     h, residual_out = rmsnorm_quant(hidden, residual, None, layer.norm_eps, layer.h_scale, True,
                                     backend_name=backend_name)
-    in_proj = layer.in_proj
-    xz = w8a8_linear(h[:, 0], in_proj.in_scale, in_proj.weight, in_proj.weight_scale,
-                     in_proj.out_scale, backend_name=backend_name)
-    x, z = xz.chunk(2, dim=-1)
+    x, z = project(layer.in_proj, h[:, 0], layer.out_dtype, backend_name).chunk(2, dim=-1)
     y = chain_step(x, z, conv_state, ssm_state, layer.conv, layer.x_proj, layer.dt_proj,
                    layer.params, layer.scales, layer.out_dtype, backend_name)[0]
     y_codes = hadamard_quant(y, layer.y_scale, backend_name=backend_name)
-    out_proj = layer.out_proj
-    out = w8a8_linear(y_codes, out_proj.in_scale, out_proj.weight, out_proj.weight_scale, None,
-                      out_dtype=layer.out_dtype, backend_name=backend_name)
-    return out[:, None], residual_out
+    return project(layer.out_proj, y_codes, layer.out_dtype, backend_name)[:, None], residual_out
+
+
+def project(linear: W8A8Weight | W4A8Weight, x, out_dtype, backend_name=None):
+    """``linear`` applied to int8 codes x [batch, K], as the quantized linear layer runs it: int8
+    codes where it has an output scale, else ``out_dtype``."""
+    if isinstance(linear, W4A8Weight):
+        return w4a8_linear(x.contiguous(), linear.in_scale, linear.packed, linear.group_multiplier,
+                           linear.channel_scale, linear.group_size, linear.out_scale,
+                           out_dtype=out_dtype, backend_name=backend_name)
+    return w8a8_linear(x, linear.in_scale, linear.weight, linear.weight_scale, linear.out_scale,
+                       out_dtype=out_dtype, backend_name=backend_name)
 
 
 @backend.register(OP, "torch")

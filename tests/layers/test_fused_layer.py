@@ -1,8 +1,8 @@
 """qmamba_layer_step (quamba.ops.fused_layer) on the trained test model: its torch reference with
 the weights a block hands it (QMambaMixer.layer_weights) is the block's own decode step, norm and
-mixer op by op, bit for bit, at every layer and for several steps; the op refuses inputs outside
-its scope with a one-line error; and the blocks run op by op where the layer kernel cannot apply
-(here: no GPU). tests/ops/test_cuda_fused_layer.py checks the kernel on a GPU."""
+mixer op by op, bit for bit, W8A8 and W4A8, at every layer and for several steps; the op refuses
+inputs outside its scope with a one-line error; and the blocks run op by op where the layer kernel
+cannot apply (here: no GPU). tests/ops/test_cuda_fused_layer.py checks the kernel on a GPU."""
 import copy
 
 import pytest
@@ -17,14 +17,23 @@ from quamba.ops.fused_layer import OP, qmamba_layer_step
 CALIB_SAMPLES, CALIB_SEQLEN, STEPS = 8, 128, 4
 
 
-@pytest.fixture(scope="module")
-def model_and_tokenizer(tiny_model_dir, shared_data_dir):
+def quantized(tiny_model_dir, shared_data_dir, **config):
     model, tokenizer = quamba.load_model(tiny_model_dir)
     calib = load_calibration_set(str(shared_data_dir / "text" / "c4_sample.jsonl"), tokenizer,
                                  CALIB_SAMPLES, CALIB_SEQLEN, seed=0)
-    qmodel = quamba.quantize(model, tokenizer, quamba.QuantConfig(), calib_data=calib,
+    qmodel = quamba.quantize(model, tokenizer, quamba.QuantConfig(**config), calib_data=calib,
                              progress=False)
     return qmodel, tokenizer
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer(tiny_model_dir, shared_data_dir):
+    return quantized(tiny_model_dir, shared_data_dir)
+
+
+@pytest.fixture(scope="module")
+def w4a8_and_tokenizer(tiny_model_dir, shared_data_dir):
+    return quantized(tiny_model_dir, shared_data_dir, w_bits=4, a_bits=8, group_size=64)
 
 
 def blocks(model):
@@ -39,9 +48,11 @@ def prefilled_cache(model, tokenizer, batch):
     return cache
 
 
+@pytest.mark.parametrize("precision", ["w8a8", "w4a8"])
 @pytest.mark.parametrize("batch", [1, 3])
-def test_the_reference_is_the_block_step_bit_for_bit(model_and_tokenizer, batch):
-    model, tokenizer = model_and_tokenizer
+def test_the_reference_is_the_block_step_bit_for_bit(request, precision, batch):
+    fixture = "model_and_tokenizer" if precision == "w8a8" else "w4a8_and_tokenizer"
+    model, tokenizer = request.getfixturevalue(fixture)
     cache = prefilled_cache(model, tokenizer, batch)
     gen = torch.Generator().manual_seed(batch)
     hidden = torch.randn(batch, 1, model.config.d_model, generator=gen).half()
@@ -62,10 +73,14 @@ def test_the_reference_is_the_block_step_bit_for_bit(model_and_tokenizer, batch)
         hidden, residual = out, res  # the next block's input, as the model chains them
 
 
-def test_blocks_run_op_by_op_without_the_kernel(model_and_tokenizer):
+def test_blocks_run_op_by_op_without_the_kernel(model_and_tokenizer, w4a8_and_tokenizer):
     """On the CPU (and wherever the layer kernel cannot apply) a block's decode step is its norm
-    and mixer: the op is never selected, and set_fused_layer switches every mixer."""
+    and mixer: the op is never selected. The layer kernel is on by default for W8A8 blocks, off
+    for W4A8 ones, and set_fused_layer switches every mixer."""
     model, tokenizer = model_and_tokenizer
+    w4a8, _ = w4a8_and_tokenizer
+    assert all(b.mixer.fused_layer for b in blocks(model))
+    assert not any(b.mixer.fused_layer for b in blocks(w4a8))
     cache = prefilled_cache(model, tokenizer, 1)
     with torch.no_grad(), backend.recording() as used:
         model(torch.tensor([[5]]), cache=cache)
@@ -76,14 +91,11 @@ def test_blocks_run_op_by_op_without_the_kernel(model_and_tokenizer):
     assert all(b.mixer.fused_layer for b in blocks(model))
 
 
-def test_weights_outside_the_op_are_none(model_and_tokenizer, tiny_model_dir, shared_data_dir):
-    """W4A8 blocks (4-bit linears) are not the op's: layer_weights says None."""
-    model, tokenizer = quamba.load_model(tiny_model_dir)
-    calib = load_calibration_set(str(shared_data_dir / "text" / "c4_sample.jsonl"), tokenizer,
-                                 CALIB_SAMPLES, CALIB_SEQLEN, seed=0)
-    w4a8 = quamba.quantize(model, tokenizer, quamba.QuantConfig(w_bits=4, a_bits=8, group_size=64),
-                           calib_data=calib, progress=False)
-    assert all(b.mixer.layer_weights(b.norm) is None for b in blocks(w4a8))
+def test_weights_outside_the_op_are_none(tiny_model_dir, shared_data_dir):
+    """Blocks without the Hadamard rotation keep their norm weight, which the op does not take:
+    layer_weights says None."""
+    model, _ = quantized(tiny_model_dir, shared_data_dir, hadamard=False)
+    assert all(b.mixer.layer_weights(b.norm) is None for b in blocks(model))
 
 
 def test_bad_inputs_get_one_line_errors(model_and_tokenizer):

@@ -1,5 +1,5 @@
-"""qmamba_layer_step's layer kernel (csrc/fused_decode/layer_step.cu) on a GPU: a random-weight
-W8A8 model with Mamba-2.8B's blocks (2 of them), each block's step against the chain of CUDA ops
+"""qmamba_layer_step's layer kernel (csrc/fused_decode/layer_step.cu) on a GPU: random-weight W8A8
+and W4A8 models with Mamba-2.8B's blocks (2 of them), each block's step against the chain of CUDA ops
 bit for bit (out, residual, both states) over several steps, and greedy decoding with the layer
 kernel against op by op, eager and from a CUDA graph, over 128 tokens: the same tokens."""
 import copy
@@ -25,14 +25,19 @@ N_LAYER, VOCAB, PROMPT_LEN, NEW_TOKENS, STEPS = 2, 4096, 16, 128, 4
 
 
 @pytest.fixture(scope="module")
-def w8a8():
+def fp_model():
     config = preset_config("2.8b")
     config.n_layer, config.vocab_size = N_LAYER, VOCAB
-    fp_model = randomize_(MambaLMHeadModel(config, device=DEVICE, dtype=torch.float16).eval(), seed=0)
+    return randomize_(MambaLMHeadModel(config, device=DEVICE, dtype=torch.float16).eval(), seed=0)
+
+
+@pytest.fixture(scope="module", params=[8, 4], ids=["w8a8", "w4a8"])
+def model(request, fp_model):
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     calib = torch.randint(0, VOCAB, (4, 256), device=DEVICE, generator=gen)
-    return quamba.quantize(fp_model, config=quamba.QuantConfig(seed=0), calib_data=calib,
-                           progress=False)
+    config = quamba.QuantConfig(w_bits=request.param, a_bits=8, seed=0)
+    model = quamba.quantize(fp_model, config=config, calib_data=calib, progress=False)
+    return model.set_fused_layer(True)  # W4A8's default is off
 
 
 def kernel_lacks(model) -> str | None:
@@ -46,20 +51,21 @@ def kernel_lacks(model) -> str | None:
                             cache.states[0].ssm) or "the block does not qualify"
 
 
-def test_each_block_step_is_the_cuda_chain_bit_for_bit(w8a8):
-    lacks = kernel_lacks(w8a8)
+def test_each_block_step_is_the_cuda_chain_bit_for_bit(model):
+    lacks = kernel_lacks(model)
     if lacks:
         pytest.skip(f"the layer kernel cannot run here: {lacks}")
-    cache = w8a8.allocate_cache(1, device=DEVICE)
+    cache = model.allocate_cache(1, device=DEVICE)
     gen = torch.Generator(device=DEVICE).manual_seed(2)
     for state in cache.states:  # states mid-generation: random codes
         state.conv.copy_(torch.randint(-127, 128, state.conv.shape, generator=gen, device=DEVICE))
         state.ssm.copy_(torch.randint(-127, 128, state.ssm.shape, generator=gen, device=DEVICE))
-    d_model = w8a8.config.d_model
+    d_model = model.config.d_model
     for step in range(STEPS):
         hidden = torch.randn(1, 1, d_model, generator=gen, device=DEVICE).half()
-        residual = None if step % 2 == 0 else 4 * torch.randn(1, 1, d_model, generator=gen, device=DEVICE)
-        for block, state in zip(w8a8.backbone.layers, cache.states):
+        residual = (None if step % 2 == 0
+                    else 4 * torch.randn(1, 1, d_model, generator=gen, device=DEVICE))
+        for block, state in zip(model.backbone.layers, cache.states):
             weights = block.mixer.layer_weights(block.norm)
             chain_state = copy.deepcopy(state)
             with torch.no_grad(), backend.recording() as used:
@@ -75,22 +81,22 @@ def test_each_block_step_is_the_cuda_chain_bit_for_bit(w8a8):
             hidden, residual = out, res
 
 
-def test_greedy_decoding_with_the_layer_kernel_is_op_by_op_over_128_tokens(w8a8):
-    lacks = kernel_lacks(w8a8)
+def test_greedy_decoding_with_the_layer_kernel_is_op_by_op_over_128_tokens(model):
+    lacks = kernel_lacks(model)
     if lacks:
         pytest.skip(f"the layer kernel cannot run here: {lacks}")
     gen = torch.Generator(device=DEVICE).manual_seed(1)
     prompt = torch.randint(0, VOCAB, (1, PROMPT_LEN), device=DEVICE, generator=gen)
     runs = {}
     for fused in (False, True):
-        w8a8.set_fused_layer(fused)
+        model.set_fused_layer(fused)
         with backend.recording() as used:
             for graphed in (False, True):
-                runs[fused, graphed] = w8a8.generate(prompt, max_new_tokens=NEW_TOKENS,
+                runs[fused, graphed] = model.generate(prompt, max_new_tokens=NEW_TOKENS,
                                                      eos_token_id=-1, cache_graph=graphed)
         assert (OP in used) == fused
         assert backend.on_reference(used) == []
-    w8a8.set_fused_layer(True)
+    model.set_fused_layer(True)
     unfused = runs[False, False]
     assert unfused.shape == (1, PROMPT_LEN + NEW_TOKENS)
     for key, tokens in runs.items():
@@ -110,4 +116,4 @@ def test_the_kernel_says_what_it_cannot_run():
             hidden, None, torch.zeros(10, 2560, dtype=torch.int8, device=DEVICE), 1.0,
             torch.zeros(1, dtype=torch.int8, device=DEVICE), hidden, 1.0, hidden, None, 1.0, 1.0,
             1.0, hidden, hidden, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, hidden, 1.0, hidden, 1.0, hidden,
-            1.0, 1e-5, 1.0, 1.0, 1.0, hidden)
+            1.0, 1e-5, 1.0, 1.0, 1.0, None, None, None, None, hidden)
