@@ -38,6 +38,8 @@
 #include "../conv1d/conv_epilogue.cuh"
 #include "../qsscan/scan_step.cuh"
 #include "gemm/epilogue.cuh"
+#include "gemm/gemv_common.cuh"
+#include "gemm/mma.cuh"
 #include "pdl.cuh"
 
 namespace quamba_ssm {
@@ -218,24 +220,8 @@ __device__ __forceinline__ void grid_barrier(unsigned* counter) {
   consumer_sync();
 }
 
-__device__ __forceinline__ float warp_tree_sum(float v) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
-  return v;
-}
-
-__device__ __forceinline__ int warp_int_sum(int v) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
-  return v;
-}
-
-__device__ __forceinline__ int dot16(int4 w, int4 x, int acc) {
-  acc = __dp4a(w.x, x.x, acc);
-  acc = __dp4a(w.y, x.y, acc);
-  acc = __dp4a(w.z, x.z, acc);
-  return __dp4a(w.w, x.w, acc);
-}
+using quamba::gemm::dot16;
+using quamba::gemm::warp_sum;  // the xor tree of block_sum's warps
 
 // 32 packed 4-bit codes against the activations' even and odd codes of the same 32 positions:
 // each nibble taken as code · 16 in place in its byte, so every product is a multiple of 16 and
@@ -324,12 +310,12 @@ __device__ void rmsnorm(const LayerStepArgs& a, Smem& sm) {
       r[i][j] = values[j];
       sum_sq = fmaf(values[j], values[j], sum_sq);
     }
-    sum_sq = warp_tree_sum(sum_sq);
+    sum_sq = warp_sum(sum_sq);
     if (lane == 0) sm.warp_sums[row_warp] = sum_sq;
     if ((32 * row_warp + lane) % kBlocks == blockIdx.x) store_row<kRowValues>(a.residual_out + first, r[i]);
   }
   consumer_sync();
-  const float total = warp_tree_sum(lane < kRowWarps ? sm.warp_sums[lane] : 0.f);
+  const float total = warp_sum(lane < kRowWarps ? sm.warp_sums[lane] : 0.f);
   const float rstd = __frsqrt_rn(__fadd_rn(__fdiv_rn(total, static_cast<float>(kModel)), a.eps));
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
@@ -362,7 +348,7 @@ __device__ void in_proj(const LayerStepArgs& a, Smem& sm, int& k) {
     }
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      const int total = warp_int_sum(sums[i]);
+      const int total = warp_sum(sums[i]);
       const int cc = c + i, half = cc / (kInChunks / 2), channel = (cc % (kInChunks / 2)) * kInRows + warp;
       if (lane == 0) {
         const int n = half * kInner + blockIdx.x * kChannels + channel;
@@ -446,7 +432,7 @@ __device__ void out_proj(Smem& sm, int k) {
   }
 #pragma unroll
   for (int h = 0; h < kHalfRows; ++h) {
-    const int total = warp_int_sum(acc[h]);
+    const int total = warp_sum(acc[h]);
     if (lane == 0) sm.half_rows[warp + h * kWarps] = total;
   }
 }
