@@ -25,7 +25,7 @@ import torch
 import common
 from quamba.ops import backend
 from quamba.ops.fused_decode import (ConvWeights, StepScales, W4A8Weight, W8A8Weight,
-                                     x_proj_forward)
+                                     project)
 from quamba.ops.qconv1d import qconv1d_update
 from quamba.ops.qlinear import w8a8_linear
 from quamba.ops.qsscan import SSMParams, qsscan_update
@@ -72,7 +72,7 @@ def unfused_step(x, z, conv_state, ssm_state, conv, x_proj, dt_proj, params, sca
     """The mixer's unfused decode step on the cuda kernels (QMambaMixer._ssm_step, int8 mode)."""
     u = qconv1d_update(x, conv_state, scales.xz, conv.weight, conv.weight_scale, conv.bias,
                        conv.bias_scale, out_scale=scales.u, backend_name="cuda")
-    dt_low, B, C = torch.split(x_proj_forward(x_proj, u, "cuda"), [DT_RANK, D_STATE, D_STATE],
+    dt_low, B, C = torch.split(project(x_proj, u, backend_name="cuda"), [DT_RANK, D_STATE, D_STATE],
                                dim=-1)
     dt = w8a8_linear(dt_low, dt_proj.in_scale, dt_proj.weight, dt_proj.weight_scale,
                      dt_proj.out_scale, backend_name="cuda")

@@ -22,12 +22,12 @@ import torch
 from quamba.layers.base import QuantModule
 from quamba.layers.qlinear import W4A8Linear, W8A8Linear, output_scale
 from quamba.models.mamba import MixerState
+from quamba.ops import backend
 from quamba.ops.causal_conv1d import causal_conv1d, causal_conv1d_update, conv_state_from_prefill
 from quamba.ops.discretization import (DEFAULT as DEFAULT_DISCRETIZATION,
                                        check as check_discretization, input_drive)
 from quamba.ops.fused_decode import (ConvWeights, StepScales, W4A8Weight, W8A8Weight,
                                      qmixer_ssm_step)
-from quamba.ops import backend
 from quamba.ops.fused_layer import LayerWeights
 from quamba.ops.hadamard import hadamard_transform
 from quamba.ops.qconv1d import qconv1d, qconv1d_update

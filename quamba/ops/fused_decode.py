@@ -149,14 +149,16 @@ def _kernel_lacks(conv, x_proj, dt_proj, conv_state, ssm_state) -> str | None:
     return None
 
 
-def x_proj_forward(x_proj, u, backend_name=None):
-    """x_proj's int8 output codes [batch, N] for u codes [batch, K]."""
-    if isinstance(x_proj, W4A8Weight):
-        return w4a8_linear(u.contiguous(), x_proj.in_scale, x_proj.packed, x_proj.group_multiplier,
-                           x_proj.channel_scale, x_proj.group_size, x_proj.out_scale,
-                           backend_name=backend_name)
-    return w8a8_linear(u, x_proj.in_scale, x_proj.weight, x_proj.weight_scale, x_proj.out_scale,
-                       backend_name=backend_name)
+def project(linear: W8A8Weight | W4A8Weight, x, out_dtype=torch.float16,
+            backend_name=None) -> torch.Tensor:
+    """``linear`` applied to int8 codes x [batch, K], as the quantized linear layer runs it: int8
+    codes [batch, N] where it has an output scale (x_proj's), else ``out_dtype``."""
+    if isinstance(linear, W4A8Weight):
+        return w4a8_linear(x.contiguous(), linear.in_scale, linear.packed, linear.group_multiplier,
+                           linear.channel_scale, linear.group_size, linear.out_scale,
+                           out_dtype=out_dtype, backend_name=backend_name)
+    return w8a8_linear(x, linear.in_scale, linear.weight, linear.weight_scale, linear.out_scale,
+                       out_dtype=out_dtype, backend_name=backend_name)
 
 
 def chain_step(x, z, conv_state, ssm_state, conv, x_proj, dt_proj, params, scales,
@@ -166,7 +168,7 @@ def chain_step(x, z, conv_state, ssm_state, conv, x_proj, dt_proj, params, scale
     codes, dt codes), the states stepped in place."""
     u = qconv1d_update(x, conv_state, scales.xz, conv.weight, conv.weight_scale, conv.bias,
                        conv.bias_scale, out_scale=scales.u, backend_name=backend_name)
-    x_dbl = x_proj_forward(x_proj, u, backend_name)
+    x_dbl = project(x_proj, u, backend_name=backend_name)
     d_state = ssm_state.shape[2]
     dt_low, B, C = torch.split(x_dbl, [dt_proj.weight.shape[1], d_state, d_state], dim=-1)
     dt = w8a8_linear(dt_low, dt_proj.in_scale, dt_proj.weight, dt_proj.weight_scale,

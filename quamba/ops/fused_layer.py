@@ -22,10 +22,9 @@ from dataclasses import dataclass
 import torch
 
 from quamba.ops import backend
-from quamba.ops.fused_decode import ConvWeights, StepScales, W4A8Weight, W8A8Weight, chain_step
+from quamba.ops.fused_decode import (ConvWeights, StepScales, W4A8Weight, W8A8Weight, chain_step,
+                                     project)
 from quamba.ops.qhadamard import hadamard_quant
-from quamba.ops.qlinear import w8a8_linear
-from quamba.ops.qlinear4 import w4a8_linear
 from quamba.ops.qnorm import rmsnorm_quant
 from quamba.ops.qsscan import SSMParams
 
@@ -98,17 +97,6 @@ def chain_layer_step(hidden, residual, layer: LayerWeights, conv_state, ssm_stat
                    layer.params, layer.scales, layer.out_dtype, backend_name)[0]
     y_codes = hadamard_quant(y, layer.y_scale, backend_name=backend_name)
     return project(layer.out_proj, y_codes, layer.out_dtype, backend_name)[:, None], residual_out
-
-
-def project(linear: W8A8Weight | W4A8Weight, x, out_dtype, backend_name=None):
-    """``linear`` applied to int8 codes x [batch, K], as the quantized linear layer runs it: int8
-    codes where it has an output scale, else ``out_dtype``."""
-    if isinstance(linear, W4A8Weight):
-        return w4a8_linear(x.contiguous(), linear.in_scale, linear.packed, linear.group_multiplier,
-                           linear.channel_scale, linear.group_size, linear.out_scale,
-                           out_dtype=out_dtype, backend_name=backend_name)
-    return w8a8_linear(x, linear.in_scale, linear.weight, linear.weight_scale, linear.out_scale,
-                       out_dtype=out_dtype, backend_name=backend_name)
 
 
 @backend.register(OP, "torch")

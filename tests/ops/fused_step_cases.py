@@ -23,7 +23,7 @@ import zlib
 import torch
 
 from quamba.ops.fused_decode import (ConvWeights, StepScales, W4A8Weight, W8A8Weight,
-                                     qmixer_ssm_step, x_proj_forward)
+                                     project, qmixer_ssm_step)
 from quamba.ops.qconv1d import qconv1d_update
 from quamba.ops.qlinear import w8a8_linear
 from quamba.ops.qsscan import SSMParams, qsscan_update
@@ -106,7 +106,7 @@ def check_step(case: dict, out_dtype, kernel_step) -> None:
                            out_scale=case["scales"].u, backend_name="torch")
     assert torch.equal(ran["conv_state"], conv_state), "conv state"
     assert_codes_close(u, u_ref, "u")
-    assert_codes_equal(x_dbl, x_proj_forward(case["x_proj"], u, "torch"), "x_proj codes")
+    assert_codes_equal(x_dbl, project(case["x_proj"], u, backend_name="torch"), "x_proj codes")
     dt_rank, d_state = case["dt_proj"].weight.shape[1], case["ssm_state"].shape[2]
     dt_low, B, C = torch.split(x_dbl, [dt_rank, d_state, d_state], dim=-1)
     dt_proj = case["dt_proj"]
