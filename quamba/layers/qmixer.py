@@ -17,6 +17,9 @@ says it applies.
 """
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 
 from quamba.layers.base import QuantModule
@@ -36,6 +39,8 @@ from quamba.ops.qsscan import DtProjection, SSMParams, qsscan, qsscan_last_drive
 from quamba.ops.quant import (dequantize, fake_quantize, fp32_multiplier, quantize,
                               quantize_weight)
 from quamba.ops.selective_scan import selective_scan, selective_state_update
+
+log = logging.getLogger("quamba")
 
 # The largest decode batch whose step folds dt_proj into the scan step. Measured on H100s
 # (Mamba-2.8B W8A8 TPOT, dt_proj unfolded → folded, benchmarks/RESULTS.md): batch 1 2.14 → 2.13
@@ -284,7 +289,10 @@ class QMambaMixer(QuantModule):
             return None
         from quamba.ops.cuda_backend import layer_step
         kernel_lacks = layer_step.lacks(hidden, residual, weights, state.conv, state.ssm)
-        return weights if kernel_lacks is None else None
+        if kernel_lacks is not None:
+            _log_op_by_op(kernel_lacks)
+            return None
+        return weights
 
     def layer_weights(self, norm) -> LayerWeights | None:
         """The block's weights as qmamba_layer_step takes them (``norm`` its QRMSNorm), or None
@@ -426,6 +434,13 @@ def _fused_weight(linear) -> W8A8Weight | W4A8Weight | None:
     if isinstance(linear, W8A8Linear) and not linear.per_channel:
         return W8A8Weight(linear.weight, s["weight_scale"], s["in_scale"], out_scale)
     return None
+
+
+@functools.lru_cache(maxsize=None)
+def _log_op_by_op(why: str) -> None:
+    """Says once per reason that a block's decode step runs op by op, not as the layer kernel."""
+    log.info("a quantized block's decode step runs op by op, not as qmamba_layer_step's layer "
+             "kernel: %s", why)
 
 
 def suffixed(scale_name: str, suffix: str) -> str:
