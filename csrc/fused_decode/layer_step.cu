@@ -677,16 +677,10 @@ std::tuple<at::Tensor, at::Tensor> qmamba_layer_step(
   args.conv_state = conv_state.data_ptr<int8_t>();
   args.conv = ConvEpilogue{to_fp32(conv_multiplier), conv_bias.has_value() ? conv_bias->data_ptr<int8_t>() : nullptr,
                            to_fp32(conv_bias_scale), to_fp32(u_inv_scale), true, nullptr, nullptr};
+  args.step = int8_input_step(u_scale, dt_scale, xdbl_scale,
+                              ssm_params(A_log, A_log_scale, D, D_scale, dt_bias, dt_bias_scale),
+                              ssm_state.data_ptr(), true, state_scale);
   StepArgs& step = args.step;
-  step.u = FloatSource{nullptr, InKind::kInt8, to_fp32(u_scale)};
-  step.dt = FloatSource{nullptr, InKind::kInt8, to_fp32(dt_scale)};
-  step.B = FloatSource{nullptr, InKind::kInt8, to_fp32(xdbl_scale)};
-  step.C = step.B;
-  step.params = ssm_params(A_log, A_log_scale, D, D_scale, dt_bias, dt_bias_scale);
-  step.state = ssm_state.data_ptr();
-  step.state_int8 = true;
-  step.state_scale = to_fp32(state_scale);
-  step.state_inv_scale = reciprocal(state_scale);
   step.batch = 1;
   step.dim = kInner;
   step.dstate = kStates;

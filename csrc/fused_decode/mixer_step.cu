@@ -431,16 +431,10 @@ at::Tensor qmixer_ssm_step(const at::Tensor& x, const c10::optional<at::Tensor>&
   args.xdbl_multiplier = to_fp32(xdbl_multiplier);
   args.dt_proj = dt_proj.data_ptr<int8_t>();
   args.dt_multiplier = to_fp32(dt_multiplier);
+  args.step = int8_input_step(u_scale, dt_scale, xdbl_scale,
+                              ssm_params(A_log, A_log_scale, D, D_scale, dt_bias, dt_bias_scale),
+                              ssm_state.data_ptr(), int8_state, state_scale);
   StepArgs& step = args.step;
-  step.u = FloatSource{nullptr, InKind::kInt8, to_fp32(u_scale)};
-  step.dt = FloatSource{nullptr, InKind::kInt8, to_fp32(dt_scale)};
-  step.B = FloatSource{nullptr, InKind::kInt8, to_fp32(xdbl_scale)};
-  step.C = step.B;
-  step.params = ssm_params(A_log, A_log_scale, D, D_scale, dt_bias, dt_bias_scale);
-  step.state = ssm_state.data_ptr();
-  step.state_int8 = int8_state;
-  step.state_scale = to_fp32(state_scale);
-  step.state_inv_scale = int8_state ? reciprocal(state_scale) : 0.f;
   step.y = y.data_ptr();
   step.batch = static_cast<int>(batch);
   step.dim = static_cast<int>(dim);

@@ -32,6 +32,24 @@ struct StepArgs {
   bool dt_proj_wide, dt_low_wide;
 };
 
+// The step's arguments where u, dt, B and C are int8 codes of these scales and the state, stepped
+// in place, is int8 codes of state_scale or fp32 (the fused decode kernels); the caller sets the
+// rest (y, sizes, rows_aligned).
+inline StepArgs int8_input_step(double u_scale, double dt_scale, double bc_scale, const SsmParams& params,
+                                void* state, bool state_int8, double state_scale) {
+  StepArgs step{};
+  step.u = FloatSource{nullptr, InKind::kInt8, to_fp32(u_scale)};
+  step.dt = FloatSource{nullptr, InKind::kInt8, to_fp32(dt_scale)};
+  step.B = FloatSource{nullptr, InKind::kInt8, to_fp32(bc_scale)};
+  step.C = step.B;
+  step.params = params;
+  step.state = state;
+  step.state_int8 = state_int8;
+  step.state_scale = to_fp32(state_scale);
+  step.state_inv_scale = state_int8 ? reciprocal(state_scale) : 0.f;
+  return step;
+}
+
 // Δ of channel d from its dt: softplus(dt + dt_bias).
 __device__ __forceinline__ float delta_of(const StepArgs& a, float dt, int d) {
   return softplus(__fadd_rn(dt, a.params.bias(d)));
