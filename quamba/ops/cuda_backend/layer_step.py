@@ -30,16 +30,16 @@ def lacks(hidden, residual, layer, conv_state, ssm_state) -> str | None:
     if hidden.dtype != torch.float16 or layer.out_dtype != torch.float16:
         return "it takes a float16 model"
     in_proj, x_proj, dt_proj, out_proj = layer.in_proj, layer.x_proj, layer.dt_proj, layer.out_proj
+    linears = (in_proj, x_proj, dt_proj, out_proj)
     if type(in_proj) is not type(out_proj):
         return "it takes in_proj and out_proj of one precision"
-    w8a8 = [w for w in (in_proj, x_proj, dt_proj, out_proj) if not isinstance(w, W4A8Weight)]
-    if any(not isinstance(w.in_scale, float) for w in (in_proj, x_proj, dt_proj, out_proj)) or any(
-            not isinstance(w.weight_scale, float) for w in w8a8):
+    per_tensor = [w.in_scale for w in linears]
+    per_tensor += [w.weight_scale for w in linears if not isinstance(w, W4A8Weight)]
+    if not all(isinstance(scale, float) for scale in per_tensor):
         return "it takes per-tensor activation scales and W8A8 weight scales"
     if not all(isinstance(w.out_scale, float) for w in (in_proj, x_proj, dt_proj)):
         return "it takes per-tensor output scales"
-    if isinstance(in_proj, W4A8Weight) and (in_proj.group_size, out_proj.group_size) != (GROUP_SIZE,
-                                                                                    GROUP_SIZE):
+    if isinstance(in_proj, W4A8Weight) and {in_proj.group_size, out_proj.group_size} != {GROUP_SIZE}:
         return f"it reads 4-bit in_proj and out_proj in groups of {GROUP_SIZE}"
     if isinstance(x_proj, W4A8Weight) and x_proj_products(x_proj) is None:
         return "its 4-bit x_proj's codes times their group multipliers exceed int8"
