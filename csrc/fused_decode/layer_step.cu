@@ -117,6 +117,7 @@ struct __align__(128) Smem {
   float hadamard[kInner];
   alignas(16) int8_t act[kInner];  // h codes (d_model) for in_proj, y codes for out_proj (act_at)
   alignas(16) int8_t group_multipliers[kMetaBytes];  // W4A8
+  float in_multipliers[2 * kChannels];  // the epilogue's of the block's x rows, then z rows
   unsigned long long full[kSlots], empty[kSlots];
   alignas(16) int8_t x_codes[kChannels];
   alignas(16) int8_t z_codes[kChannels];
@@ -337,7 +338,7 @@ __device__ void in_proj(const LayerStepArgs& a, Smem& sm, int& k) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   int4 even[kLoads], odd[kLoads];
   load_pieces<kW4, kPieces, kLoads>(sm.act, kModel, 0, even, odd);
-  const quamba::gemm::Epilogue epilogue{a.in_multiplier, a.in_multipliers, nullptr};
+  const quamba::gemm::Epilogue epilogue{};  // no bias; each output's multiplier comes with its sum
   for (int c = 0; c < kInChunks; c += 2, k += 2) {
     int sums[2];
 #pragma unroll
@@ -351,8 +352,8 @@ __device__ void in_proj(const LayerStepArgs& a, Smem& sm, int& k) {
       const int total = warp_sum(sums[i]);
       const int cc = c + i, half = cc / (kInChunks / 2), channel = (cc % (kInChunks / 2)) * kInRows + warp;
       if (lane == 0) {
-        const int n = half * kInner + blockIdx.x * kChannels + channel;
-        (half == 0 ? sm.x_codes : sm.z_codes)[channel] = epilogue.apply<int8_t>(total, epilogue.channel<int8_t>(n));
+        const float multiplier = sm.in_multipliers[half * kChannels + channel];
+        (half == 0 ? sm.x_codes : sm.z_codes)[channel] = epilogue.apply<int8_t>(total, {multiplier, 0.f});
       }
     }
     release(sm, k, 2);
@@ -437,6 +438,11 @@ __device__ void out_proj(Smem& sm, int k) {
   }
 }
 
+// Output n's epilogue multiplier: its own (W4A8) or the tensor's.
+__device__ __forceinline__ float multiplier_of(const float* per_channel, float multiplier, int n) {
+  return per_channel != nullptr ? __ldg(per_channel + n) : multiplier;
+}
+
 template <bool kW4>
 __global__ void __launch_bounds__(kBlockThreads, 1) layer_step_kernel(const LayerStepArgs a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -459,6 +465,14 @@ __global__ void __launch_bounds__(kBlockThreads, 1) layer_step_kernel(const Laye
     reinterpret_cast<int4*>(sm.group_multipliers)[t] =
         reinterpret_cast<const int4*>(a.group_multipliers + static_cast<int64_t>(b) * kMetaBytes)[t];
   }
+  // The epilogues' multipliers of the block's outputs, and dt_bias below: read after the wait,
+  // they would queue behind the weights' copies on the step's critical path.
+  if (t < 2 * kChannels) {
+    const int n = t / kChannels * kInner + b * kChannels + t % kChannels;
+    sm.in_multipliers[t] = multiplier_of(a.in_multipliers, a.in_multiplier, n);
+  }
+  const float xdbl_multiplier = t < kOuts ? multiplier_of(a.xdbl_multipliers, a.xdbl_multiplier, t) : 0.f;
+  const float out_multiplier = t < kOutRows ? multiplier_of(a.out_multipliers, a.out_multiplier, b * kOutRows + t) : 0.f;
   const int d_conv = b * kChannels + t;  // t < kChannels: the conv's channel
   int conv_weight[kWidth] = {};
   float conv_bias = 0.f;
@@ -469,10 +483,11 @@ __global__ void __launch_bounds__(kBlockThreads, 1) layer_step_kernel(const Laye
   }
   const int ch = t / 4, q = t % 4, d = b * kChannels + ch;  // t < 4 · 40: states 4q ... 4q + 3 of d
   const bool scans = t < 4 * kChannels;
-  float A[4] = {}, skip = 0.f;
+  float A[4] = {}, skip = 0.f, dt_bias = 0.f;
   if (scans) {
     load_A<4>(s, d, 4 * q, 4, A);
     skip = s.params.skip(d);
+    dt_bias = s.params.bias(d);
   }
   quamba::pdl_wait();  // hidden, residual and the states come from earlier kernels
 
@@ -486,7 +501,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) layer_step_kernel(const Laye
   const int64_t state_offset = static_cast<int64_t>(d) * kStates + 4 * q;
   if (scans) load_lane_states<4>(s, 4, state_offset, state);
 
-  rmsnorm<kW4>(a, sm);  // (its barriers also publish the group multipliers)
+  rmsnorm<kW4>(a, sm);  // (its barriers also publish the multipliers in shared memory)
   int k = 0;  // the next chunk
   in_proj<kW4>(a, sm, k);
 
@@ -517,8 +532,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) layer_step_kernel(const Laye
     int sum = 0;
 #pragma unroll
     for (int i = 0; i < kSumCopies; ++i) sum += __ldcg(a.sums + i * kOuts + t);
-    const quamba::gemm::Epilogue epilogue{a.xdbl_multiplier, a.xdbl_multipliers, nullptr};
-    const int8_t code = epilogue.apply<int8_t>(sum, epilogue.channel<int8_t>(t));
+    const int8_t code = quamba::gemm::Epilogue{}.apply<int8_t>(sum, {xdbl_multiplier, 0.f});
     sm.xdbl[t] = code;
     if (t >= kRank && t < kRank + kStates) sm.B[t - kRank] = dequantize(code, s.B.scale);
     if (t >= kRank + kStates) sm.C[t - kRank - kStates] = dequantize(code, s.C.scale);
@@ -535,7 +549,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) layer_step_kernel(const Laye
                    *reinterpret_cast<const int*>(sm.xdbl + q * (kRank / 4) + 4 * i), acc);
     acc += __shfl_xor_sync(0xffffffffu, acc, 1);
     acc += __shfl_xor_sync(0xffffffffu, acc, 2);
-    const float delta = delta_of(s, dequantize(projected_dt_code(acc, a.dt_multiplier), s.dt.scale), d);
+    const float delta = biased_delta(dequantize(projected_dt_code(acc, a.dt_multiplier), s.dt.scale), dt_bias);
     const float u = dequantize(sm.u_codes[ch], s.u.scale);
     int8_t next[4];
     float y = step_states<Discretization::kZoh, 4>(s, 4, state_offset, u, delta, A, sm.B + 4 * q, sm.C + 4 * q,
@@ -560,9 +574,8 @@ __global__ void __launch_bounds__(kBlockThreads, 1) layer_step_kernel(const Laye
   out_proj<kW4>(sm, k);
   consumer_sync();
   if (t < kOutRows) {
-    const quamba::gemm::Epilogue epilogue{a.out_multiplier, a.out_multipliers, nullptr};
-    const int n = b * kOutRows + t;
-    a.out[n] = epilogue.apply<__half>(sm.half_rows[2 * t] + sm.half_rows[2 * t + 1], epilogue.channel<__half>(n));
+    const int sum = sm.half_rows[2 * t] + sm.half_rows[2 * t + 1];
+    a.out[b * kOutRows + t] = quamba::gemm::Epilogue{}.apply<__half>(sum, {out_multiplier, 0.f});
   }
   release(sm, k, L::kOutChunks);
 #else

@@ -50,9 +50,12 @@ inline StepArgs int8_input_step(double u_scale, double dt_scale, double bc_scale
   return step;
 }
 
-// Δ of channel d from its dt: softplus(dt + dt_bias).
+// Δ from dt and its channel's dt_bias: softplus(dt + dt_bias).
+__device__ __forceinline__ float biased_delta(float dt, float bias) { return softplus(__fadd_rn(dt, bias)); }
+
+// Δ of channel d from its dt.
 __device__ __forceinline__ float delta_of(const StepArgs& a, float dt, int d) {
-  return softplus(__fadd_rn(dt, a.params.bias(d)));
+  return biased_delta(dt, a.params.bias(d));
 }
 
 // Δ of channel d of row b, once per lane.
