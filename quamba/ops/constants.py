@@ -45,7 +45,8 @@ def cached(anchor: torch.Tensor, key: tuple, make: Callable[[], object]):
     if entry is not None and entry.version == anchor._version:
         entry.captured |= capturing
         return entry.value
-    value = make()
+    with torch.inference_mode(False):  # a kept tensor made under inference_mode would be an inference
+        value = make()                 # tensor, whose own constants could never be kept
     if capturing:
         return value
     if entry is not None and entry.captured:

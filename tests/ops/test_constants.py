@@ -35,6 +35,17 @@ def test_an_inference_tensor_remakes_its_constant_every_call():
     assert len(calls) == 2
 
 
+def test_a_constant_kept_under_inference_mode_is_an_ordinary_tensor():
+    """So that constants made from it are kept too (the layer kernel's repacked x_proj and dt_proj
+    come from its x_proj products: remade at every step, they added two kernels a layer)."""
+    anchor = torch.ones(3)
+    with torch.inference_mode():
+        kept = cached(anchor, ("a",), lambda: anchor * 2)
+        assert not kept.is_inference()
+        derived = cached(kept, ("b",), lambda: kept + 1)
+        assert cached(kept, ("b",), lambda: kept + 1) is derived
+
+
 def capturing(monkeypatch, active: bool):
     """Make ``cached`` see a CUDA-graph capture under way (or none)."""
     monkeypatch.setattr(constants, "keeps_constants", lambda device: not active)

@@ -1,8 +1,10 @@
 """qmamba_layer_step's layer kernel (csrc/fused_decode/layer_step.cu) on a GPU: random-weight W8A8
 and W4A8 models with Mamba-2.8B's blocks (2 of them), each block's step against the chain of CUDA ops
 bit for bit (out, residual, both states) over several steps, and greedy decoding with the layer
-kernel against op by op, eager and from a CUDA graph, over 128 tokens: the same tokens."""
+kernel against op by op, eager and from a CUDA graph, over 128 tokens: the same tokens; and a
+decode step runs no kernel per block but the layer kernel."""
 import copy
+from collections import Counter
 
 import pytest
 import torch
@@ -103,6 +105,25 @@ def test_greedy_decoding_with_the_layer_kernel_is_op_by_op_over_128_tokens(model
         differing = (tokens != unfused).nonzero()
         assert differing.numel() == 0, (f"fused, graphed = {key}: tokens differ first at (row, "
                                         f"position) {differing[0].tolist()}")
+
+
+def test_a_decode_step_under_inference_mode_runs_the_layer_kernel_alone_in_each_block(model):
+    """Generation runs under torch.inference_mode. The launcher's repacked weights are made once
+    there too: when W4A8's were remade at every step, each block ran two more kernels."""
+    lacks = kernel_lacks(model)
+    if lacks:
+        pytest.skip(f"the layer kernel cannot run here: {lacks}")
+    cache = model.allocate_cache(1, device=DEVICE)
+    token = torch.ones(1, 1, dtype=torch.long, device=DEVICE)
+    with torch.inference_mode():
+        for _ in range(2):  # a prefill, then the first step, which makes the launcher's constants
+            model(token, cache=cache)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+            model(token, cache=cache)
+            torch.cuda.synchronize()
+    runs = Counter(event.name for event in profile.events() if event.device_type.name == "CUDA")
+    per_block = {name: count for name, count in runs.items() if count >= N_LAYER}
+    assert len(per_block) == 1 and "layer_step_kernel" in next(iter(per_block)), runs
 
 
 def test_the_kernel_says_what_it_cannot_run():
