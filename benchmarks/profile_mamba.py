@@ -5,7 +5,7 @@ W4A16, at the shapes of a published Mamba size with random weights (no download)
     python benchmarks/profile_mamba.py --config 2.8b [--precisions fp16,w8a8,w4a8,w4a16]
         [--batch 1,8,32,64] [--prompt_len 1024] [--gen_len 128] [--repeats 10] [--breakdown]
         [--state_cache int8|fp32] [--lm_head fp16|int8|int4] [--fused_decode] [--op_by_op]
-        [--layer_kernel] [--out result.json]
+        [--out result.json]
     python benchmarks/profile_mamba.py --model state-spaces/mamba-130m ...
 
 * TTFT: a prefill of prompt_len tokens that fills the decode cache and returns the last token's
@@ -43,11 +43,10 @@ Quantized models are calibrated on random tokens: their scales are meaningless, 
 --fused_decode adds, after each W8A8 and W4A8 row, the same model with its mixers' decode step's
 SSM side run as one qmixer_ssm_step ("quamba w8a8 fused": QuantizedModel.set_fused_decode(True))
 instead of op by op, so the two are compared on the same machine in the same run.
-A W8A8 model of Mamba-2.8B's sizes runs each block's batch-1 decode step as one persistent kernel
-(qmamba_layer_step, QuantizedModel.set_fused_layer) where the GPU allows; --op_by_op adds, after
-each W8A8 row, the same model with its blocks' steps op by op ("quamba w8a8 op-by-op"), and
---layer_kernel after each W4A8 row the W4A8 model with the layer kernel, which is off by default
-for it ("quamba w4a8 layer").
+A W8A8 or W4A8 model of Mamba-2.8B's sizes runs each block's batch-1 decode step as one persistent
+kernel (qmamba_layer_step, QuantizedModel.set_fused_layer) where the GPU allows; --op_by_op adds,
+after each W8A8 and W4A8 row, the same model with its blocks' steps op by op ("quamba w8a8
+op-by-op").
 
 Every quamba row records the backend of each op that ran in it (`backends`, from
 quamba.ops.backend.recording). A quantized op that ran its torch reference on the GPU makes a
@@ -120,11 +119,8 @@ def parse_args(argv=None):
                         help="also time the W8A8 / W4A8 models with the decode step's SSM side "
                              "fused (rows named like 'quamba w8a8 fused')")
     parser.add_argument("--op_by_op", action="store_true",
-                        help="also time the W8A8 models with each block's decode step op by op, "
-                             "not as one layer kernel (rows named like 'quamba w8a8 op-by-op')")
-    parser.add_argument("--layer_kernel", action="store_true",
-                        help="also time the W4A8 models with each block's decode step as one layer "
-                             "kernel, off by default for them (rows named like 'quamba w4a8 layer')")
+                        help="also time the W8A8 / W4A8 models with each block's decode step op "
+                             "by op, not as one layer kernel (rows named like 'quamba w8a8 op-by-op')")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", help="write the results as JSON to this path")
     args = parser.parse_args(argv)
@@ -407,22 +403,15 @@ def quantized_model(fp_model, precision: str, args):
     return qmodel
 
 
-def fused_row(precision: str, args) -> bool:
-    """Whether --fused_decode adds a row of ``precision`` with the decode step fused (the
-    int8-activation precisions, whose mixers can fuse it)."""
+def variant_rows(precision: str, args) -> list[str]:
+    """The rows besides its own that --op_by_op and --fused_decode add for ``precision``: its
+    model without the layer kernel, op by op ("op-by-op") and with the mixers' SSM side fused
+    ("fused"), for the int8-activation precisions, whose blocks can run either."""
     bits = PRECISIONS[precision]
-    return args.fused_decode and bits is not None and bits[1] == 8
-
-
-def layer_kernel_rows(precision: str, args) -> list[tuple[str, bool]]:
-    """The extra rows of ``precision`` that --op_by_op and --layer_kernel ask for: (name suffix,
-    set_fused_layer's argument), each the other setting than the precision's default."""
-    rows = []
-    if args.op_by_op and PRECISIONS[precision] == (8, 8):
-        rows.append(("op-by-op", False))
-    if args.layer_kernel and PRECISIONS[precision] == (4, 8):
-        rows.append(("layer", True))
-    return rows
+    if bits is None or bits[1] != 8:
+        return []
+    wanted = {"op-by-op": args.op_by_op, "fused": args.fused_decode}
+    return [name for name, asked in wanted.items() if asked]
 
 
 def release(*objects):
@@ -457,13 +446,9 @@ def run(args) -> dict:
             qmodel = quantized_model(fp_model, precision, args)
         fp_model.to("cpu")
         rows.append(measure_quamba(f"quamba {precision}", qmodel, prompt, args, bandwidth))
-        for name, enabled in layer_kernel_rows(precision, args):
-            qmodel.set_fused_layer(enabled)
-            rows.append(measure_quamba(f"quamba {precision} {name}", qmodel, prompt, args,
-                                       bandwidth))
-        if fused_row(precision, args):
-            qmodel.set_fused_layer(False).set_fused_decode(True)
-            rows.append(measure_quamba(f"quamba {precision} fused", qmodel, prompt, args,
+        for variant in variant_rows(precision, args):
+            qmodel.set_fused_layer(False).set_fused_decode(variant == "fused")
+            rows.append(measure_quamba(f"quamba {precision} {variant}", qmodel, prompt, args,
                                        bandwidth))
         del qmodel
         release()

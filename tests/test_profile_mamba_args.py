@@ -28,13 +28,6 @@ def test_cache_memory_is_reported_per_sequence():
     assert memory["cache_bytes"] == memory["ssm_state_bytes"] + memory["conv_state_bytes"]
 
 
-def test_fused_decode_rows_are_added_for_the_int8_activation_precisions():
-    wanted, unwanted = Namespace(fused_decode=True), Namespace(fused_decode=False)
-    added = [p for p in profile_mamba.PRECISIONS if profile_mamba.fused_row(p, wanted)]
-    assert added == ["w8a8", "w4a8"]
-    assert not profile_mamba.fused_row("w8a8", unwanted)
-
-
 def test_replay_timeline_gives_each_kernel_its_share_of_the_critical_path():
     # Two replays, 20 µs apart, of: norm 0-3, a GEMM launched early (1-10, waiting until 3), a scan
     # 11-14 after a 1 µs gap, and a Hadamard launched early (12-15) that ends 1 µs after the scan.
@@ -63,16 +56,15 @@ def test_unknown_head_formats_are_refused(capsys):
     assert "invalid choice: 'int3'" in capsys.readouterr().err.strip().splitlines()[-1]
 
 
-@pytest.mark.parametrize("op_by_op,layer_kernel,precision,rows", [
-    (False, False, "w8a8", []),
-    (True, False, "w8a8", [("op-by-op", False)]),
-    (True, False, "w4a8", []),
-    (False, True, "w4a8", [("layer", True)]),
-    (True, True, "w4a16", []),
+@pytest.mark.parametrize("op_by_op,fused_decode,precision,rows", [
+    (False, False, "w8a8", []), (True, False, "w8a8", ["op-by-op"]),
+    (True, True, "w4a8", ["op-by-op", "fused"]), (False, True, "w4a8", ["fused"]),
+    (True, True, "w4a16", []), (True, True, "fp16", []),
 ])
-def test_layer_kernel_rows_take_the_other_setting_than_the_default(op_by_op, layer_kernel,
+def test_variant_rows_are_added_for_the_int8_activation_precisions(op_by_op, fused_decode,
                                                                    precision, rows):
-    """--op_by_op times W8A8 without the layer kernel (on by default), --layer_kernel W4A8 with it
-    (off by default); neither applies to the other precisions."""
-    args = Namespace(op_by_op=op_by_op, layer_kernel=layer_kernel)
-    assert profile_mamba.layer_kernel_rows(precision, args) == rows
+    """--op_by_op times W8A8 and W4A8 without the layer kernel (on by default for them),
+    --fused_decode with the mixers' SSM side fused instead; neither applies to the other
+    precisions."""
+    args = Namespace(op_by_op=op_by_op, fused_decode=fused_decode)
+    assert profile_mamba.variant_rows(precision, args) == rows

@@ -84,10 +84,9 @@ class QMambaMixer(QuantModule):
         self.fused_decode = False
         # True: a batch-1 decode step on a GPU runs the whole block (norm included) as one op,
         # qmamba_layer_step, where its layer kernel applies (:meth:`layer_step_weights`); the
-        # chain's numbers bit for bit. On for W8A8 (an H200: TPOT 1.12 against 1.60 ms); off for
-        # W4A8, whose layer kernel measured slower (1.81 against 1.50 ms, benchmarks/RESULTS.md).
+        # chain's numbers bit for bit, faster for W8A8 and W4A8 (benchmarks/RESULTS.md).
         # QuantizedModel.set_fused_layer switches every mixer.
-        self.fused_layer = weight_bits == 8
+        self.fused_layer = True
 
     def _linear(self, in_features, out_features, in_scale, out_scale, device, dtype=torch.float16):
         """A linear layer of the recipe's weight bits (int8 out when ``out_scale`` is given)."""

@@ -40,8 +40,8 @@ class QuantizedModel:
     base model). Needs ``quant_config``, ``base_model``, ``ssm_mode`` and ``dtype``."""
 
     fused_decode = False  # whether the Mamba1 mixers' decode step is fused (set_fused_decode)
-    # whether an int8 block's batch-1 decode step is one op (set_fused_layer); None: each
-    # precision's default (QMambaMixer.fused_layer)
+    # whether an int8 block's batch-1 decode step is one op (set_fused_layer); None: the mixers'
+    # default (QMambaMixer.fused_layer)
     fused_layer = None
 
     @property
@@ -94,8 +94,7 @@ class QuantizedModel:
         """Run each W8A8 or W4A8 Mamba1 block's batch-1 decode step on a GPU as one op,
         qmamba_layer_step, where its layer kernel applies (QMambaMixer.layer_step_weights says
         where), or (``enabled`` False) as its norm and mixer op by op: the same numbers bit for bit
-        either way. By default W8A8 blocks take the layer kernel and W4A8 blocks do not (it
-        measured slower for them)."""
+        either way. On by default."""
         for module in self.modules():
             if hasattr(module, "fused_layer"):
                 module.fused_layer = bool(enabled)

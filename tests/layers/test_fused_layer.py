@@ -75,12 +75,12 @@ def test_the_reference_is_the_block_step_bit_for_bit(request, precision, batch):
 
 def test_blocks_run_op_by_op_without_the_kernel(model_and_tokenizer, w4a8_and_tokenizer):
     """On the CPU (and wherever the layer kernel cannot apply) a block's decode step is its norm
-    and mixer: the op is never selected. The layer kernel is on by default for W8A8 blocks, off
-    for W4A8 ones, and set_fused_layer switches every mixer."""
+    and mixer: the op is never selected. The layer kernel is on by default for W8A8 and W4A8
+    blocks, and set_fused_layer switches every mixer."""
     model, tokenizer = model_and_tokenizer
     w4a8, _ = w4a8_and_tokenizer
     assert all(b.mixer.fused_layer for b in blocks(model))
-    assert not any(b.mixer.fused_layer for b in blocks(w4a8))
+    assert all(b.mixer.fused_layer for b in blocks(w4a8))
     cache = prefilled_cache(model, tokenizer, 1)
     with torch.no_grad(), backend.recording() as used:
         model(torch.tensor([[5]]), cache=cache)

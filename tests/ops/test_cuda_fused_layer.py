@@ -39,7 +39,7 @@ def model(request, fp_model):
     calib = torch.randint(0, VOCAB, (4, 256), device=DEVICE, generator=gen)
     config = quamba.QuantConfig(w_bits=request.param, a_bits=8, seed=0)
     model = quamba.quantize(fp_model, config=config, calib_data=calib, progress=False)
-    return model.set_fused_layer(True)  # W4A8's default is off
+    return model
 
 
 def kernel_lacks(model) -> str | None:
