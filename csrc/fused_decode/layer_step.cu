@@ -472,7 +472,8 @@ __global__ void __launch_bounds__(kBlockThreads, 1) layer_step_kernel(const Laye
     sm.in_multipliers[t] = multiplier_of(a.in_multipliers, a.in_multiplier, n);
   }
   const float xdbl_multiplier = t < kOuts ? multiplier_of(a.xdbl_multipliers, a.xdbl_multiplier, t) : 0.f;
-  const float out_multiplier = t < kOutRows ? multiplier_of(a.out_multipliers, a.out_multiplier, b * kOutRows + t) : 0.f;
+  const float out_multiplier =
+      t < kOutRows ? multiplier_of(a.out_multipliers, a.out_multiplier, b * kOutRows + t) : 0.f;
   const int d_conv = b * kChannels + t;  // t < kChannels: the conv's channel
   int conv_weight[kWidth] = {};
   float conv_bias = 0.f;

@@ -45,8 +45,9 @@ def cached(anchor: torch.Tensor, key: tuple, make: Callable[[], object]):
     if entry is not None and entry.version == anchor._version:
         entry.captured |= capturing
         return entry.value
-    with torch.inference_mode(False):  # a kept tensor made under inference_mode would be an inference
-        value = make()                 # tensor, whose own constants could never be kept
+    # made with inference mode off: a kept inference tensor could never anchor constants of its own
+    with torch.inference_mode(False):
+        value = make()
     if capturing:
         return value
     if entry is not None and entry.captured:
