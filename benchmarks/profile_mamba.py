@@ -44,9 +44,10 @@ Quantized models are calibrated on random tokens: their scales are meaningless, 
 SSM side run as one qmixer_ssm_step ("quamba w8a8 fused": QuantizedModel.set_fused_decode(True))
 instead of op by op, so the two are compared on the same machine in the same run.
 A W8A8 or W4A8 model of Mamba-2.8B's sizes runs each block's batch-1 decode step as one persistent
-kernel (qmamba_layer_step, QuantizedModel.set_fused_layer) where the GPU allows; --op_by_op adds,
-after each W8A8 and W4A8 row, the same model with its blocks' steps op by op ("quamba w8a8
-op-by-op").
+kernel (qmamba_layer_step, QuantizedModel.set_fused_layer) where the GPU allows, and a W4A16
+model its mixers' decode-step SSM side as one kernel (w4a16_ssm_step,
+QuantizedModel.set_fused_ssm_step); --op_by_op adds, after each W8A8, W4A8 and W4A16 row, the
+same model with its blocks' steps op by op ("quamba w8a8 op-by-op").
 
 Every quamba row records the backend of each op that ran in it (`backends`, from
 quamba.ops.backend.recording). A quantized op that ran its torch reference on the GPU makes a
@@ -119,8 +120,9 @@ def parse_args(argv=None):
                         help="also time the W8A8 / W4A8 models with the decode step's SSM side "
                              "fused (rows named like 'quamba w8a8 fused')")
     parser.add_argument("--op_by_op", action="store_true",
-                        help="also time the W8A8 / W4A8 models with each block's decode step op "
-                             "by op, not as one layer kernel (rows named like 'quamba w8a8 op-by-op')")
+                        help="also time the quantized models with each block's decode step op "
+                             "by op, without their fused decode kernels (rows named like 'quamba "
+                             "w8a8 op-by-op')")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", help="write the results as JSON to this path")
     args = parser.parse_args(argv)
@@ -405,12 +407,12 @@ def quantized_model(fp_model, precision: str, args):
 
 def variant_rows(precision: str, args) -> list[str]:
     """The rows besides its own that --op_by_op and --fused_decode add for ``precision``: its
-    model without the layer kernel, op by op ("op-by-op") and with the mixers' SSM side fused
-    ("fused"), for the int8-activation precisions, whose blocks can run either."""
+    model without its fused kernels, op by op ("op-by-op", the quantized precisions) and with the
+    int8 mixers' SSM side as qmixer_ssm_step ("fused", the int8-activation precisions)."""
     bits = PRECISIONS[precision]
-    if bits is None or bits[1] != 8:
+    if bits is None:
         return []
-    wanted = {"op-by-op": args.op_by_op, "fused": args.fused_decode}
+    wanted = {"op-by-op": args.op_by_op, "fused": args.fused_decode and bits[1] == 8}
     return [name for name, asked in wanted.items() if asked]
 
 
@@ -447,7 +449,8 @@ def run(args) -> dict:
         fp_model.to("cpu")
         rows.append(measure_quamba(f"quamba {precision}", qmodel, prompt, args, bandwidth))
         for variant in variant_rows(precision, args):
-            qmodel.set_fused_layer(False).set_fused_decode(variant == "fused")
+            qmodel.set_fused_layer(False).set_fused_ssm_step(False)
+            qmodel.set_fused_decode(variant == "fused")
             rows.append(measure_quamba(f"quamba {precision} {variant}", qmodel, prompt, args,
                                        bandwidth))
         del qmodel

@@ -59,12 +59,12 @@ def test_unknown_head_formats_are_refused(capsys):
 @pytest.mark.parametrize("op_by_op,fused_decode,precision,rows", [
     (False, False, "w8a8", []), (True, False, "w8a8", ["op-by-op"]),
     (True, True, "w4a8", ["op-by-op", "fused"]), (False, True, "w4a8", ["fused"]),
-    (True, True, "w4a16", []), (True, True, "fp16", []),
+    (True, True, "w4a16", ["op-by-op"]), (False, True, "w4a16", []), (True, True, "fp16", []),
 ])
-def test_variant_rows_are_added_for_the_int8_activation_precisions(op_by_op, fused_decode,
-                                                                   precision, rows):
-    """--op_by_op times W8A8 and W4A8 without the layer kernel (on by default for them),
-    --fused_decode with the mixers' SSM side fused instead; neither applies to the other
-    precisions."""
+def test_variant_rows_are_added_for_the_quantized_precisions(op_by_op, fused_decode, precision,
+                                                             rows):
+    """--op_by_op times the quantized models without their fused decode kernels (on by default:
+    the layer kernel of W8A8 and W4A8, W4A16's SSM-side kernel), --fused_decode the int8 mixers
+    with their SSM side as qmixer_ssm_step instead; FP16 has neither."""
     args = Namespace(op_by_op=op_by_op, fused_decode=fused_decode)
     assert profile_mamba.variant_rows(precision, args) == rows

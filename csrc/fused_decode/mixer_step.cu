@@ -24,6 +24,7 @@
 #include "../conv1d/conv_epilogue.cuh"
 #include "../qsscan/scan_math.cuh"
 #include "../qsscan/scan_step.cuh"
+#include "cluster_step.cuh"
 #include "gemm/mma.cuh"
 #include "pdl.cuh"
 
@@ -33,7 +34,6 @@ namespace {
 namespace cg = cooperative_groups;
 
 constexpr int kThreads = 512;      // a block's threads: at most this many channels a block
-constexpr int kMaxRanks = 16;      // blocks of a cluster (16: non-portable, sm_90)
 // A thread steps all states of its channel: d_state 9 to 16, whose terms of y the QSScan step adds
 // in the same tree of 16 (fewer states: a tree of 8 there).
 constexpr int kStates = 16;
@@ -76,13 +76,6 @@ struct SmemLayout {
   }
 };
 
-__device__ __forceinline__ void cluster_arrive_release() {
-  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
-}
-__device__ __forceinline__ void cluster_wait_acquire() {
-  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-
 // This block's share of x_proj: for every output n, the sums over its slice's even and odd
 // 16-byte chunks (two threads a row), into partial[2 n] and partial[2 n + 1].
 __device__ __forceinline__ void x_proj_partials(const MixerStepArgs& a, const int8_t* w_x,
@@ -106,14 +99,14 @@ __device__ __forceinline__ void x_proj_codes(const MixerStepArgs& a, cg::cluster
                                              int* partial, int8_t* xdbl, int batch_row) {
   const int ranks = static_cast<int>(cluster.num_blocks());
   for (int n = threadIdx.x; n < a.n_out; n += kThreads) {
-    int2 pairs[kMaxRanks];  // every rank's load in flight at once
+    int2 pairs[cluster_step::kMaxRanks];  // every rank's load in flight at once
 #pragma unroll
-    for (int r = 0; r < kMaxRanks; ++r) {
+    for (int r = 0; r < cluster_step::kMaxRanks; ++r) {
       if (r < ranks) pairs[r] = *reinterpret_cast<const int2*>(cluster.map_shared_rank(partial, r) + 2 * n);
     }
     int acc = 0;
 #pragma unroll
-    for (int r = 0; r < kMaxRanks; ++r) {
+    for (int r = 0; r < cluster_step::kMaxRanks; ++r) {
       if (r < ranks) acc += pairs[r].x + pairs[r].y;
     }
     const int8_t code = quantize_rn(__int2float_rn(acc), a.xdbl_multiplier);
@@ -226,7 +219,7 @@ __global__ void __launch_bounds__(kThreads, 1) mixer_step_kernel(const MixerStep
   x_proj_partials(a, w_x, u_codes, partial);
   cluster.sync();  // every block's partial sums are written and visible to the cluster
   x_proj_codes(a, cluster, partial, xdbl, b);
-  cluster_arrive_release();  // this block has read the others' partial sums
+  cluster_step::arrive_release();  // this block has read the others' partial sums
   __syncthreads();
   if (threadIdx.x < s.dstate) {
     B[threadIdx.x] = dequantize(xdbl[a.dt_rank + threadIdx.x], s.B.scale);
@@ -244,30 +237,18 @@ __global__ void __launch_bounds__(kThreads, 1) mixer_step_kernel(const MixerStep
     store_lane_states<kStates>(s, s.dstate, offset, h_new);
     static_cast<Out*>(s.y)[channel] = from_float<Out>(gated_y(sum, u, s.params.skip(d), a.z != nullptr, z));
   }
-  cluster_wait_acquire();  // no block leaves while another may still read its partial sums
+  cluster_step::wait_acquire();  // no block leaves while another may still read its partial sums
 #else
   __trap();  // never launched: the host requires compute capability 9.0 (thread-block clusters)
 #endif
 }
 
-// Blocks of a row's cluster and channels a block: about 64 channels a block, at most kMaxRanks
-// blocks; slices are whole 16-byte chunks of x_proj's rows.
-std::pair<int, int> cluster_shape(int dim) {
-  const int ranks = std::clamp((dim + 63) / 64, 1, kMaxRanks);
-  const int slice = ((dim + ranks - 1) / ranks + 15) / 16 * 16;
-  return {(dim + slice - 1) / slice, slice};
-}
-
-// x_proj's shared-memory row pitch: the slice plus padding so that the row stride is 8 words
-// modulo 16 (the 8 threads of a 16-byte shared load, two a row, hit distinct banks).
-int x_proj_pitch(int slice) {
-  const int words = slice / 4;
-  return 4 * (words + (8 - words % 16 + 16) % 16);
-}
+// Blocks of a row's cluster and channels a block: slices are whole 16-byte chunks of x_proj's rows.
+std::pair<int, int> cluster_shape(int dim) { return cluster_step::shape(dim, 16); }
 
 int smem_bytes(int64_t dim, int64_t dt_rank, int64_t dstate) {
   const int slice = cluster_shape(static_cast<int>(dim)).second;
-  return SmemLayout(static_cast<int>(dt_rank + 2 * dstate), x_proj_pitch(slice), slice,
+  return SmemLayout(static_cast<int>(dt_rank + 2 * dstate), cluster_step::row_pitch(slice), slice,
                     static_cast<int>(dt_rank)).bytes;
 }
 
@@ -289,25 +270,7 @@ std::string shape_lacks(int64_t dim, int64_t dt_rank, int64_t dstate) {
 
 template <int kWidth, typename State, typename Out>
 void launch(const MixerStepArgs& args, int ranks, int batch, int smem) {
-  const auto kernel = mixer_step_kernel<kWidth, State, Out>;
-  check_kernel_image(kernel, "qmixer_ssm_step");
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  if (ranks > 8) C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
-  cudaLaunchAttribute attributes[2];
-  attributes[0].id = cudaLaunchAttributeClusterDimension;
-  attributes[0].val.clusterDim.x = ranks;
-  attributes[0].val.clusterDim.y = 1;
-  attributes[0].val.clusterDim.z = 1;
-  attributes[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attributes[1].val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(ranks, batch);
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = smem;
-  config.stream = current_stream();
-  config.attrs = attributes;
-  config.numAttrs = 2;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, args));
+  cluster_step::launch(mixer_step_kernel<kWidth, State, Out>, args, ranks, batch, kThreads, smem, "qmixer_ssm_step");
 }
 
 template <typename State, typename Out>
@@ -448,7 +411,7 @@ at::Tensor qmixer_ssm_step(const at::Tensor& x, const c10::optional<at::Tensor>&
   args.dt_rank = static_cast<int>(dt_rank);
   args.n_out = static_cast<int>(n_out);
   args.slice = slice;
-  args.pitch = x_proj_pitch(slice);
+  args.pitch = cluster_step::row_pitch(slice);
   switch (out_dtype) {
     case at::kHalf: dispatch_state<__half>(int8_state, width, args, ranks, batch, smem); break;
     case at::kBFloat16: dispatch_state<__nv_bfloat16>(int8_state, width, args, ranks, batch, smem); break;

@@ -230,12 +230,13 @@ def _decoder_graphs(model, batch_size: int, device) -> _DecoderGraphs:
     """The _DecoderGraphs of ``model`` at ``batch_size`` on ``device``, its decode step captured on
     first use. The key holds the state cache format because a cache allocated for one format does
     not fit the other's prefill (QuantizedModel.set_state_cache), and whether the decode step is
-    fused (QuantizedModel.set_fused_decode, set_fused_layer), which a captured graph keeps."""
+    fused (QuantizedModel.set_fused_decode, set_fused_layer, set_fused_ssm_step), which a captured
+    graph keeps."""
     device = _cuda_device(device)
     graphs = _graph_cache(model)
     key = (batch_size, str(device), getattr(model, "ssm_mode", None),
            getattr(model, "state_cache", None), getattr(model, "fused_decode", None),
-           getattr(model, "fused_layer", None))
+           getattr(model, "fused_layer", None), getattr(model, "fused_ssm_step", None))
     if key not in graphs:
         cache = model.allocate_cache(batch_size, device=device)
 

@@ -43,6 +43,9 @@ class QuantizedModel:
     # whether an int8 block's batch-1 decode step is one op (set_fused_layer); None: the mixers'
     # default (QMambaMixer.fused_layer)
     fused_layer = None
+    # whether a W4A16 Mamba1 mixer's decode-step SSM side is one op (set_fused_ssm_step); None: the
+    # mixers' default (WeightOnlyMambaMixer.fused_ssm_step)
+    fused_ssm_step = None
 
     @property
     def weight_only(self) -> bool:
@@ -99,6 +102,16 @@ class QuantizedModel:
             if hasattr(module, "fused_layer"):
                 module.fused_layer = bool(enabled)
         self.fused_layer = bool(enabled)
+        return self
+
+    def set_fused_ssm_step(self, enabled: bool):
+        """Run each W4A16 Mamba1 mixer's decode-step SSM side as one op, w4a16_ssm_step (one CUDA
+        kernel on a GPU where it applies), or (``enabled`` False) op by op: the same numbers on
+        the torch backend, the same to float tolerances on a GPU. On by default."""
+        for module in self.modules():
+            if hasattr(module, "fused_ssm_step"):
+                module.fused_ssm_step = bool(enabled)
+        self.fused_ssm_step = bool(enabled)
         return self
 
     def _fp(self):

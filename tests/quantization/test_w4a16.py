@@ -9,8 +9,10 @@ import torch.nn as nn
 import quamba
 from quamba.errors import QuambaError
 from quamba.layers.qlinear import W4A16Linear
+from quamba.layers.weight_only import WeightOnlyMambaMixer
 from quamba.models import MambaConfig, MambaLMHeadModel, randomize_
-from quamba.models.mamba import MambaMixer, RMSNorm
+from quamba.models.mamba import RMSNorm
+from quamba.ops import backend
 from quamba.ops.backend import BackendError
 from quamba.quantization.checkpoint import FORMAT_VERSION
 
@@ -68,7 +70,7 @@ def test_structure_and_no_calibration(fp_model, monkeypatch):
     assert config.weight_only and not config.hadamard and config.ssm_mode == "fp16"
     assert qmodel.ssm_mode == "fp16" and qmodel.calibration == {}
     block = qmodel.backbone.layers[0]
-    assert type(block.norm) is RMSNorm and type(block.mixer) is MambaMixer
+    assert type(block.norm) is RMSNorm and type(block.mixer) is WeightOnlyMambaMixer
     mixer = block.mixer
     assert all(isinstance(getattr(mixer, name), W4A16Linear)
                for name in ("in_proj", "x_proj", "out_proj"))
@@ -104,10 +106,38 @@ def test_prefill_and_decode_follow_the_plain_forward(w4a16_model, held_out_ids):
     assert torch.equal(out[0, 8:], greedy)
 
 
+def decode_steps(model, ids, prompt_len: int):
+    """(logits of each decode step after a prefill of prompt_len tokens, the cache, the ops run)."""
+    cache = model.allocate_cache(ids.shape[0])
+    with torch.no_grad(), backend.recording() as ran:
+        model(ids[:, :prompt_len], cache=cache)
+        steps = [model(ids[:, t:t + 1], cache=cache) for t in range(prompt_len, ids.shape[1])]
+    return torch.cat(steps, dim=1), cache, ran
+
+
+def test_decode_step_runs_its_ssm_side_as_one_op_with_the_chains_numbers(w4a16_model,
+                                                                         held_out_ids):
+    assert all(isinstance(block.mixer, WeightOnlyMambaMixer)
+               for block in w4a16_model.backbone.layers)
+    ids = held_out_ids[:2, :24]
+    fused, fused_cache, fused_ran = decode_steps(w4a16_model, ids, 16)
+    try:
+        unfused, unfused_cache, unfused_ran = decode_steps(w4a16_model.set_fused_ssm_step(False),
+                                                           ids, 16)
+    finally:
+        w4a16_model.set_fused_ssm_step(True)
+    assert "w4a16_ssm_step" in fused_ran and "w4a16_ssm_step" not in unfused_ran
+    assert torch.equal(fused, unfused)  # the op's torch backend is the chain of torch references
+    for fused_state, unfused_state in zip(fused_cache.states, unfused_cache.states):
+        assert torch.equal(fused_state.ssm, unfused_state.ssm)
+        assert torch.equal(fused_state.conv, unfused_state.conv)
+
+
 def test_save_load_gives_identical_logits(w4a16_model, held_out_ids, tmp_path):
     w4a16_model.save_pretrained(tmp_path / "q")
     reloaded, tokenizer = quamba.from_pretrained(tmp_path / "q")
     assert tokenizer is not None and reloaded.quant_config.weight_only
+    assert isinstance(reloaded.backbone.layers[0].mixer, WeightOnlyMambaMixer)
     assert torch.equal(logits(reloaded, held_out_ids), logits(w4a16_model, held_out_ids))
     recorded = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
     assert recorded["format_version"] == FORMAT_VERSION == 5

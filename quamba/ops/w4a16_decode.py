@@ -1,0 +1,131 @@
+"""One decode step of a weight-only (W4A16) Mamba1 mixer's SSM side as one op: ``w4a16_ssm_step``.
+
+The step between in_proj and out_proj, float activations, zoh discretization:
+
+    x ─ conv state update + conv + SiLU → u
+    u ─ x_proj (W4A16: 4-bit codes, fp16 group scales) → dt_low, B, C
+    dt_low ─ dt_proj (float) → dt
+    selective scan step (u, dt + dt_bias, A, B, C, D, z; fp32 SSM state, in place) → y
+
+Its torch reference is exactly that chain of the FP mixer's ops (causal_conv1d_update,
+w4a16_linear, a float linear, selective_state_update), so the mixer computes the same numbers
+through the op on the torch backend as op by op. Its cuda backend is one CUDA kernel, a
+thread-block cluster a batch row (quamba.ops.cuda_backend.w4a16_step, compute capability 9.0, a
+float16 or bfloat16 model), instead of the chain's four kernels (causal-conv1d's, the 4-bit GEMV,
+cuBLAS, mamba-ssm's Triton step); it rounds u, x_proj's output and dt to the activation dtype
+where the chain stores them and sums in fp32 in its own order, so it agrees with the chain to
+float tolerances. Where the kernel cannot run, the cuda backend runs the chain on the CUDA ops
+and says so once.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from quamba.ops import backend
+from quamba.ops.causal_conv1d import causal_conv1d_update
+from quamba.ops.qlinear4 import w4a16_linear
+from quamba.ops.selective_scan import selective_state_update
+
+log = logging.getLogger("quamba")
+
+OP = "w4a16_ssm_step"
+
+
+@dataclass
+class W4A16Weight:
+    """A W4A16 linear (quamba.layers.qlinear.W4A16Linear's format)."""
+
+    packed: torch.Tensor  # uint8 [N, K / 2], two 4-bit codes a byte, low nibble first
+    scales: torch.Tensor  # fp16 [N, K / group_size]
+    group_size: int
+
+
+@dataclass
+class FloatSSMWeights:
+    """The float weights of the step besides x_proj (the FP mixer's own tensors)."""
+
+    conv_weight: torch.Tensor  # [d_inner, width]
+    conv_bias: torch.Tensor | None  # [d_inner]
+    dt_weight: torch.Tensor  # [d_inner, dt_rank]
+    dt_bias: torch.Tensor  # [d_inner]
+    A: torch.Tensor  # fp32 [d_inner, d_state]: -exp(A_log)
+    D: torch.Tensor | None  # fp32 [d_inner]
+
+
+def w4a16_ssm_step(x, z, conv_state, ssm_state, x_proj: W4A16Weight, weights: FloatSSMWeights,
+                   backend_name=None):
+    """y [batch, d_inner] in x's dtype of one decode step; the states updated in place.
+
+    x, z: [batch, d_inner] (in_proj's output; any strides; z None: no gate); conv_state: [batch,
+    d_inner, width - 1] in x's dtype; ssm_state: fp32 [batch, d_inner, d_state]; x_proj: the
+    W4A16 weight [dt_rank + 2 d_state, d_inner]. The arithmetic is the chain's (module docstring).
+    """
+    _check(x, z, conv_state, ssm_state, x_proj, weights)
+    impl = backend.select(OP, x.device, backend_name)
+    return impl(x, z, conv_state, ssm_state, x_proj, weights)
+
+
+def _check(x, z, conv_state, ssm_state, x_proj, weights) -> None:
+    """ValueError for inputs outside the op's scope, on every backend."""
+    if x.dim() != 2 or not x.is_floating_point() or (z is not None and z.shape != x.shape):
+        raise ValueError(f"{OP}: x and z must be float [batch, d_inner], got {x.dtype} "
+                         f"{tuple(x.shape)} and {None if z is None else tuple(z.shape)}")
+    batch, d_inner = x.shape
+    width = weights.conv_weight.shape[-1]
+    if conv_state.shape != (batch, d_inner, width - 1):
+        raise ValueError(f"{OP}: conv_state must be [batch, d_inner, width - 1] = "
+                         f"{(batch, d_inner, width - 1)}, got {tuple(conv_state.shape)}")
+    if ssm_state.dim() != 3 or ssm_state.shape[:2] != x.shape:
+        raise ValueError(f"{OP}: ssm_state must be [batch, d_inner, d_state], got "
+                         f"{tuple(ssm_state.shape)}")
+    d_state = ssm_state.shape[2]
+    dt_rank = weights.dt_weight.shape[1]
+    x_proj_shape = (x_proj.packed.shape[0], 2 * x_proj.packed.shape[1])
+    if x_proj_shape != (dt_rank + 2 * d_state, d_inner):
+        raise ValueError(f"{OP}: x_proj {x_proj_shape} does not map d_inner {d_inner} to "
+                         f"dt_rank + 2 d_state = {dt_rank + 2 * d_state}")
+    if weights.A.shape != (d_inner, d_state) or weights.dt_weight.shape[0] != d_inner:
+        raise ValueError(f"{OP}: A {tuple(weights.A.shape)} and dt_proj "
+                         f"{tuple(weights.dt_weight.shape)} must have d_inner = {d_inner} rows")
+
+
+def chain_step(x, z, conv_state, ssm_state, x_proj: W4A16Weight, weights: FloatSSMWeights,
+               backend_name=None):
+    """The step as the FP mixer's chain of ops (the op's torch backend runs it on their torch
+    references, the cuda backend where its kernel cannot run on theirs)."""
+    u = causal_conv1d_update(x, conv_state, weights.conv_weight, weights.conv_bias,
+                             backend_name=backend_name)
+    x_dbl = w4a16_linear(u, x_proj.packed, x_proj.scales, x_proj.group_size,
+                         backend_name=backend_name)
+    d_state = ssm_state.shape[2]
+    dt_low, B, C = torch.split(x_dbl, [weights.dt_weight.shape[1], d_state, d_state], dim=-1)
+    dt = F.linear(dt_low, weights.dt_weight)  # the bias is added inside the scan
+    return selective_state_update(ssm_state, u, dt, weights.A, B, C, weights.D, z=z,
+                                  delta_bias=weights.dt_bias, delta_softplus=True,
+                                  backend_name=backend_name)
+
+
+@backend.register(OP, "torch")
+def _w4a16_ssm_step_torch(x, z, conv_state, ssm_state, x_proj, weights):
+    return chain_step(x, z, conv_state, ssm_state, x_proj, weights, backend_name="torch")
+
+
+@backend.register(OP, "cuda")
+def _w4a16_ssm_step_cuda(x, z, conv_state, ssm_state, x_proj, weights):
+    from quamba.ops.cuda_backend import w4a16_step
+    kernel_lacks = w4a16_step.lacks(x, z, conv_state, ssm_state, x_proj, weights)
+    if kernel_lacks is None:
+        return w4a16_step.ssm_step(x, z, conv_state, ssm_state, x_proj, weights)
+    _log_chain(kernel_lacks)
+    return chain_step(x, z, conv_state, ssm_state, x_proj, weights, backend_name="cuda")
+
+
+@functools.lru_cache(maxsize=None)
+def _log_chain(why: str) -> None:
+    """Says once per reason that the step runs the chain of CUDA ops, not the cluster kernel."""
+    log.warning("%s runs the chain of CUDA ops, not its cluster kernel: %s", OP, why)
