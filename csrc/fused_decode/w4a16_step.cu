@@ -32,6 +32,7 @@ namespace cg = cooperative_groups;
 constexpr int kThreads = 512;  // a block's threads: at most this many channels a block
 constexpr int kStates = 16;    // a thread steps all states of its channel: d_state 9 to 16
 constexpr int kPiece = 32;     // channels of a 16-byte piece of a packed x_proj row
+constexpr int kMaxHalfPieces = kThreads / kPiece / 2;  // pieces of a slice a thread of x_proj sums
 constexpr int kDtLanes = 8;    // lanes that share one channel's dt_proj sum
 constexpr int kMaxSmemBytes = 227 * 1024;
 
@@ -79,38 +80,59 @@ __device__ __forceinline__ float rounded(float v) {
   return to_float(from_float<T>(v));
 }
 
-// Σ code_i u_i over one 16-byte piece of a packed row (32 codes, low nibble first).
+// Σ code_i u_i over one 16-byte piece of a packed row (32 codes, low nibble first). A code n is
+// taken to fp32 without a conversion instruction (a quarter of the fp32 rate): with the word's
+// nibbles' sign bits flipped (n ^ 8 = n + 8 modulo 16), n ^ 8 as the low mantissa bits of 2^23
+// less 2^23 + 8 is n, exactly.
 __device__ __forceinline__ float piece_dot(const uint4 packed, const float* u) {
+  constexpr float kBias = 8388616.f;  // 2^23 + 8
   const uint32_t words[4] = {packed.x, packed.y, packed.z, packed.w};
+  const float4* u4 = reinterpret_cast<const float4*>(u);
   float acc = 0.f;
 #pragma unroll
   for (int w = 0; w < 4; ++w) {
+    const uint32_t flipped = words[w] ^ 0x88888888u;
+    const float4 lo = u4[2 * w], hi = u4[2 * w + 1];
+    const float values[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
-      const int code = static_cast<int>(words[w] << (28 - 4 * k)) >> 28;  // sign-extended nibble
-      acc = fmaf(__int2float_rn(code), u[8 * w + k], acc);
+      const float code = __fadd_rn(__uint_as_float(0x4B000000u | ((flipped >> (4 * k)) & 0xFu)), -kBias);
+      acc = fmaf(code, values[k], acc);
     }
   }
   return acc;
 }
 
-// This block's share of x_proj: for every output n, the sums over its slice's even and odd pieces
-// (two threads a row), each piece's sum times its group's scale, into partial[2 n + half].
+// The group scales of the pieces a thread sums in x_proj_partials (its task, if any, is
+// threadIdx.x: 2 n_out <= kThreads), read before the launch's wait.
 template <typename T>
-__device__ __forceinline__ void x_proj_partials(const W4A16StepArgs<T>& a, const uint8_t* w_x,
-                                                const float* u, int c0, int count, float* partial) {
-  const int pieces = count / kPiece, groups = a.dim / a.group_size;
-  for (int task = threadIdx.x; task < 2 * a.n_out; task += kThreads) {
-    const int n = task / 2, half = task % 2;
-    const uint8_t* row = w_x + n * a.pitch;
-    const __half* scales = a.x_proj_scales + static_cast<int64_t>(n) * groups;
-    float acc = 0.f;
-    for (int q = half; q < pieces; q += 2) {
-      const float scale = __half2float(scales[(c0 + kPiece * q) / a.group_size]);
-      acc = fmaf(scale, piece_dot(*reinterpret_cast<const uint4*>(row + 16 * q), u + kPiece * q), acc);
-    }
-    partial[task] = acc;
+__device__ __forceinline__ void load_piece_scales(const W4A16StepArgs<T>& a, int c0, int count,
+                                                  float (&scales)[kMaxHalfPieces]) {
+  const int task = threadIdx.x, n = task / 2, half = task % 2;
+  const __half* row = a.x_proj_scales + static_cast<int64_t>(n) * (a.dim / a.group_size);
+#pragma unroll
+  for (int i = 0; i < kMaxHalfPieces; ++i) {
+    const int q = half + 2 * i;
+    scales[i] = task < 2 * a.n_out && q < count / kPiece ? __half2float(row[(c0 + kPiece * q) / a.group_size]) : 0.f;
   }
+}
+
+// This block's share of x_proj: for every output n, the sums over its slice's even and odd pieces
+// (two threads a row, thread 2 n + half), each piece's sum times its group's scale, into
+// partial[2 n + half].
+__device__ __forceinline__ void x_proj_partials(int n_out, int pitch, const uint8_t* w_x, const float* u,
+                                                int count, const float (&scales)[kMaxHalfPieces],
+                                                float* partial) {
+  const int task = threadIdx.x, n = task / 2, half = task % 2;
+  if (task >= 2 * n_out) return;
+  const uint8_t* row = w_x + n * pitch;
+  float acc = 0.f;
+#pragma unroll
+  for (int i = 0; i < kMaxHalfPieces; ++i) {
+    const int q = half + 2 * i;
+    if (q < count / kPiece) acc = fmaf(scales[i], piece_dot(*reinterpret_cast<const uint4*>(row + 16 * q), u + kPiece * q), acc);
+  }
+  partial[task] = acc;
 }
 
 // x_proj's output: every block adds the cluster's partial sums in rank order and rounds the sum
@@ -134,18 +156,33 @@ __device__ __forceinline__ void x_proj_outputs(const W4A16StepArgs<T>& a, cg::cl
   }
 }
 
-// dt of the block's channels: kDtLanes lanes a channel each sum every kDtLanes-th term of
-// dt_low · the channel's dt_proj row, then add their sums with shuffles (whole warps: the slice
-// is a multiple of 32 channels); rounded to the activation dtype, as the float linear stores it.
+// dt of the block's channels: kDtLanes lanes a channel each sum every kDtLanes-th 16-byte piece
+// of the channel's dt_proj row times dt_low, then add their sums with shuffles (whole warps: the
+// slice is a multiple of 32 channels); rounded to the activation dtype, as the float linear
+// stores it.
 template <typename T>
 __device__ __forceinline__ void dt_proj_outputs(const W4A16StepArgs<T>& a, const T* w_dt,
                                                 const float* dt_low, int count, float* dt) {
+  constexpr int kPer = 16 / sizeof(T);  // elements of a piece
+  const int pieces = a.dt_rank / kPer;
   for (int task = threadIdx.x; task < a.slice * kDtLanes; task += kThreads) {
     const int channel = task / kDtLanes, lane = task % kDtLanes;
     float acc = 0.f;
     if (channel < count) {
-      const T* row = w_dt + channel * a.dt_rank;
-      for (int j = lane; j < a.dt_rank; j += kDtLanes) acc = fmaf(to_float(row[j]), dt_low[j], acc);
+      const uint4* row = reinterpret_cast<const uint4*>(w_dt + channel * a.dt_rank);
+      for (int j = lane; j < pieces; j += kDtLanes) {
+        const uint4 piece = row[j];
+        const T* weights = reinterpret_cast<const T*>(&piece);
+        const float4* low = reinterpret_cast<const float4*>(dt_low + kPer * j);
+#pragma unroll
+        for (int v = 0; v < kPer / 4; ++v) {
+          const float4 l = low[v];
+          acc = fmaf(to_float(weights[4 * v]), l.x, acc);
+          acc = fmaf(to_float(weights[4 * v + 1]), l.y, acc);
+          acc = fmaf(to_float(weights[4 * v + 2]), l.z, acc);
+          acc = fmaf(to_float(weights[4 * v + 3]), l.w, acc);
+        }
+      }
     }
 #pragma unroll
     for (int offset = 1; offset < kDtLanes; offset *= 2) acc += __shfl_xor_sync(0xffffffffu, acc, offset);
@@ -189,6 +226,8 @@ __global__ void __launch_bounds__(kThreads, 1) w4a16_step_kernel(const W4A16Step
     cp_async16(reinterpret_cast<int8_t*>(w_dt) + i, dt_rows + i);
   }
   asm volatile("cp.async.commit_group;" ::: "memory");
+  float piece_scales[kMaxHalfPieces];
+  load_piece_scales(a, c0, count, piece_scales);
   float conv_weight[kWidth], A[kStates];
   float conv_bias = 0.f, skip = 0.f, dt_bias = 0.f;
   if (owns) {
@@ -228,7 +267,7 @@ __global__ void __launch_bounds__(kThreads, 1) w4a16_step_kernel(const W4A16Step
   asm volatile("cp.async.wait_all;" ::: "memory");
   __syncthreads();
 
-  x_proj_partials(a, w_x, u_values, c0, count, partial);
+  x_proj_partials(a.n_out, a.pitch, w_x, u_values, count, piece_scales, partial);
   cluster.sync();  // every block's partial sums are written and visible to the cluster
   x_proj_outputs(a, cluster, partial, xdbl);
   cluster_step::arrive_release();  // this block has read the others' partial sums
@@ -274,6 +313,10 @@ std::string shape_lacks(int64_t dim, int64_t dt_rank, int64_t dstate, int64_t gr
     return "dt_proj's rows must be whole 16-byte pieces, got dt_rank " + text(dt_rank);
   }
   if (dstate <= kStates / 2 || dstate > kStates) return "d_state must be 9 to 16, got " + text(dstate);
+  if (2 * (dt_rank + 2 * dstate) > kThreads) {
+    return "x_proj's outputs must be at most " + text(kThreads / 2) + ", got dt_rank + 2 d_state = " +
+           text(dt_rank + 2 * dstate);
+  }
   const int smem = smem_bytes(dim, dt_rank, dstate, element_bytes);
   if (smem > kMaxSmemBytes) {
     return "its x_proj and dt_proj slices need " + text(smem) + " bytes of shared memory a block, more than " +
