@@ -31,6 +31,11 @@ class WeightOnlyMambaMixer(MambaMixer):
     only the decode step through w4a16_ssm_step."""
 
     fused_ssm_step = True  # QuantizedModel.set_fused_ssm_step switches every mixer
+    # Batches the fused step takes: on an H100 at Mamba-2.8B's sizes it made the batch-1 decode
+    # step faster (2.16 against 2.31 ms) and the batch-8 step slower (3.38 against 2.75: its
+    # clusters, one a row, run in two waves); alone it took 10.9 / 11.1 / 13.5 / 26.7 µs at batch
+    # 1 / 2 / 4 / 8, so the cut is set at 2 (benchmarks/RESULTS.md).
+    fused_max_batch = 2
 
     def _step(self, h, state: MixerState, ssm_A: torch.Tensor | None = None):
         if not self.fuses_step(state):
@@ -46,8 +51,10 @@ class WeightOnlyMambaMixer(MambaMixer):
 
     def fuses_step(self, state: MixerState) -> bool:
         """Whether the decode step runs its SSM side as one w4a16_ssm_step: ``fused_ssm_step``
-        set, zoh, a 4-bit x_proj and a float dt_proj with its bias."""
+        set, zoh, a 4-bit x_proj and a float dt_proj with its bias, at most ``fused_max_batch``
+        rows."""
         return (self.fused_ssm_step and self.discretization == DEFAULT_DISCRETIZATION
+                and state.ssm.shape[0] <= self.fused_max_batch
                 and state.drive is None and isinstance(self.x_proj, W4A16Linear)
                 and self.dt_proj.bias is not None)
 
