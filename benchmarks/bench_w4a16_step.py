@@ -1,0 +1,63 @@
+"""A W4A16 Mamba1 layer's SSM side at decode, Mamba-2.8B's sizes (d_inner 5120, d_state 16, dt_rank
+160, conv width 4, x_proj in groups of 128, float16): w4a16_ssm_step's cluster kernel against the
+chain of CUDA ops it replaces (causal-conv1d's conv update, the 4-bit GEMV, cuBLAS, mamba-ssm's
+Triton step; without mamba-ssm its FP ops run their torch references and the script says so), at
+batch 1, 2, 4 and 8.
+
+Each is the median over 20 replays of a CUDA graph of 64 steps on the same tensors, in µs a step:
+the weights stay in L2, so this times the kernels' fixed costs, not their reads of HBM.
+
+    python benchmarks/bench_w4a16_step.py
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests' cases
+
+from quamba.ops import fp_kernels  # noqa: E402
+from quamba.ops.cuda_backend import w4a16_step  # noqa: E402
+from quamba.ops.w4a16_decode import chain_step  # noqa: E402
+from tests.ops.w4a16_step_cases import cloned, step_case  # noqa: E402
+
+BATCHES = (1, 2, 4, 8)
+
+
+def graph_step_us(fn, steps: int = 64, replays: int = 20) -> float:
+    """Median µs a call of ``fn`` over ``replays`` replays of a graph of ``steps`` calls."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        fn()
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(steps):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / steps)
+    return sorted(times)[len(times) // 2]
+
+
+def main():
+    print(torch.cuda.get_device_name(), "chain FP ops:", fp_kernels.missing() or "mamba-ssm")
+    for batch in BATCHES:
+        case = cloned(step_case(batch, 5120, 16, 160, 4, 128, device="cuda"))
+        kernel_us = graph_step_us(lambda: w4a16_step.ssm_step(**case))
+        chain_us = graph_step_us(lambda: chain_step(**case, backend_name="cuda"))
+        print(f"batch {batch}: kernel {kernel_us:.2f} us, chain {chain_us:.2f} us", flush=True)
+
+
+if __name__ == "__main__":
+    main()
