@@ -4,8 +4,9 @@ chain of CUDA ops it replaces (causal-conv1d's conv update, the 4-bit GEMV, cuBL
 Triton step; without mamba-ssm its FP ops run their torch references and the script says so), at
 batch 1, 2, 4 and 8.
 
-Each is the median over 20 replays of a CUDA graph of 64 steps on the same tensors, in µs a step:
-the weights stay in L2, so this times the kernels' fixed costs, not their reads of HBM.
+Each is the median over 20 replays of a CUDA graph of 256 steps on the same tensors, in µs a step
+(common.time_graph_ms): the weights stay in L2, so this times the kernels' fixed costs, not their
+reads of HBM.
 
     python benchmarks/bench_w4a16_step.py
 """
@@ -15,6 +16,8 @@ import os
 import sys
 
 import torch
+
+import common
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests' cases
 
@@ -26,36 +29,17 @@ from tests.ops.w4a16_step_cases import cloned, step_case  # noqa: E402
 BATCHES = (1, 2, 4, 8)
 
 
-def graph_step_us(fn, steps: int = 64, replays: int = 20) -> float:
-    """Median µs a call of ``fn`` over ``replays`` replays of a graph of ``steps`` calls."""
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        fn()
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(steps):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(replays):
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / steps)
-    return sorted(times)[len(times) // 2]
+def l2_resident_us(call) -> float:
+    """µs a call of ``call``, every call of the timed graph on the same tensors."""
+    return 1e3 * common.time_graph_ms(lambda _: call, bytes_per_call=1, replays=20)
 
 
 def main():
     print(torch.cuda.get_device_name(), "chain FP ops:", fp_kernels.missing() or "mamba-ssm")
     for batch in BATCHES:
         case = cloned(step_case(batch, 5120, 16, 160, 4, 128, device="cuda"))
-        kernel_us = graph_step_us(lambda: w4a16_step.ssm_step(**case))
-        chain_us = graph_step_us(lambda: chain_step(**case, backend_name="cuda"))
+        kernel_us = l2_resident_us(lambda: w4a16_step.ssm_step(**case))
+        chain_us = l2_resident_us(lambda: chain_step(**case, backend_name="cuda"))
         print(f"batch {batch}: kernel {kernel_us:.2f} us, chain {chain_us:.2f} us", flush=True)
 
 

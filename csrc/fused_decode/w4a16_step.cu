@@ -130,7 +130,9 @@ __device__ __forceinline__ void x_proj_partials(int n_out, int pitch, const uint
 #pragma unroll
   for (int i = 0; i < kMaxHalfPieces; ++i) {
     const int q = half + 2 * i;
-    if (q < count / kPiece) acc = fmaf(scales[i], piece_dot(*reinterpret_cast<const uint4*>(row + 16 * q), u + kPiece * q), acc);
+    if (q < count / kPiece) {
+      acc = fmaf(scales[i], piece_dot(*reinterpret_cast<const uint4*>(row + 16 * q), u + kPiece * q), acc);
+    }
   }
   partial[task] = acc;
 }

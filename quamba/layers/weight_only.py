@@ -31,10 +31,11 @@ class WeightOnlyMambaMixer(MambaMixer):
     only the decode step through w4a16_ssm_step."""
 
     fused_ssm_step = True  # QuantizedModel.set_fused_ssm_step switches every mixer
-    # Batches the fused step takes: on an H100 at Mamba-2.8B's sizes it made the batch-1 decode
-    # step faster (2.16 against 2.31 ms) and the batch-8 step slower (3.38 against 2.75: its
-    # clusters, one a row, run in two waves); alone it took 10.9 / 11.1 / 13.5 / 26.7 µs at batch
-    # 1 / 2 / 4 / 8, so the cut is set at 2 (benchmarks/RESULTS.md).
+    # Batches the fused step takes: on an H100 at Mamba-2.8B's sizes it makes the batch-1 decode
+    # step faster (2.22 against 2.33 ms) and made the batch-8 step slower (3.38 against 2.75: its
+    # clusters, one a row, run in two waves); alone it takes 10.7 / 11.1 / 13.4 / 26.1 µs at
+    # batch 1 / 2 / 4 / 8 against the chain's 9.3 / 10.9 / 11.5 / 13.1, so the cut is at 2
+    # (benchmarks/RESULTS.md).
     fused_max_batch = 2
 
     def _step(self, h, state: MixerState, ssm_A: torch.Tensor | None = None):
@@ -68,7 +69,8 @@ def weight_only_mixer(config: MambaConfig, group_size: int, hadamard: bool, dtyp
                       device=None) -> MambaMixer:
     """An empty weight-only mixer with ``config``'s shapes (a checkpoint's tensors fill it);
     ``hadamard``: the model is rotated, so y is rotated online before out_proj."""
-    mixer = (Mamba2Mixer if config.layer == "Mamba2" else WeightOnlyMambaMixer)(config, device, dtype)
+    mixer_class = Mamba2Mixer if config.layer == "Mamba2" else WeightOnlyMambaMixer
+    mixer = mixer_class(config, device, dtype)
     for name in _linear_names(mixer):
         fp_linear = getattr(mixer, name)
         setattr(mixer, name, W4A16Linear(fp_linear.in_features, fp_linear.out_features,

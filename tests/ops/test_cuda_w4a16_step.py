@@ -1,5 +1,5 @@
-"""w4a16_ssm_step's cluster kernel on a GPU: against the step in fp64 (tests/ops/w4a16_step_cases.py)
-as close as the chain of CUDA ops it replaces (causal-conv1d's conv update, the 4-bit GEMV,
+"""w4a16_ssm_step's cluster kernel on a GPU: against the step in fp64
+(tests/ops/w4a16_step_cases.py) as close as the chain of CUDA ops it replaces (causal-conv1d's conv update, the 4-bit GEMV,
 cuBLAS, mamba-ssm's step) at small and Mamba-2.8B shapes, float16 and bfloat16; its fallback to
 that chain where it cannot run; and greedy decoding of a random-weight W4A16 model with Mamba-2.8B's
 layers (2 of them), fused, eager and from a CUDA graph, against the unfused decode step."""
@@ -11,7 +11,7 @@ import torch
 import quamba
 from quamba.models.config import preset_config
 from quamba.models.mamba import MambaLMHeadModel, randomize_
-from quamba.ops import backend
+from quamba.ops import backend, w4a16_decode
 from quamba.ops.w4a16_decode import chain_step, w4a16_ssm_step
 from tests.ops.w4a16_step_cases import cloned, fp64_step, step_case
 
@@ -58,7 +58,8 @@ def test_kernel_is_as_close_to_fp64_as_the_chain_of_cuda_ops(shape):
     assert torch.equal(kernel["conv_state"], chain["conv_state"])
     assert torch.equal(kernel["conv_state"].double(), conv_ref)
     for name, got, expected, ref in [("y", y_kernel, y_chain, y_ref),
-                                     ("ssm_state", kernel["ssm_state"], chain["ssm_state"], state_ref)]:
+                                     ("ssm_state", kernel["ssm_state"], chain["ssm_state"],
+                                      state_ref)]:
         bound = ERROR_FACTOR * relative_error(expected, ref) + SLACK[dtype]
         assert relative_error(got, ref) <= bound, name
 
@@ -78,6 +79,7 @@ def test_op_runs_the_kernel_and_says_when_it_runs_the_chain(caplog):
     assert used["w4a16_ssm_step"] == {"cuda"} and "w4a16_linear" not in used
     assert torch.equal(y, kernel_step(cloned(case)))
     fp32 = step_case(2, 1536, 16, 48, 4, 128, dtype=torch.float32, device=DEVICE)
+    w4a16_decode._log_chain.cache_clear()  # it says so once per reason and process
     with caplog.at_level(logging.WARNING, logger="quamba"), backend.recording() as used:
         y = w4a16_ssm_step(**cloned(fp32))
     assert "w4a16_linear" in used and "float16 or bfloat16" in caplog.text
@@ -88,7 +90,8 @@ def test_op_runs_the_kernel_and_says_when_it_runs_the_chain(caplog):
 def w4a16_model():
     config = preset_config("2.8b")
     config.n_layer, config.vocab_size = N_LAYER, VOCAB
-    fp_model = randomize_(MambaLMHeadModel(config, device=DEVICE, dtype=torch.float16).eval(), seed=0)
+    fp_model = MambaLMHeadModel(config, device=DEVICE, dtype=torch.float16).eval()
+    fp_model = randomize_(fp_model, seed=0)
     return quamba.quantize(fp_model, config=quamba.QuantConfig(w_bits=4, a_bits=16), progress=False)
 
 
@@ -112,6 +115,7 @@ def test_greedy_decoding_fused_takes_the_unfused_steps_choices(w4a16_model, grap
         tokens = w4a16_model.generate(prompt, max_new_tokens=NEW_TOKENS, eos_token_id=-1,
                                       cache_graph=graphed)
     assert "w4a16_ssm_step" in used and backend.on_reference(used) == []
+    assert "selective_state_update" not in used  # the kernel, not the chain, stepped the SSM
     try:
         logits = teacher_forced_logits(w4a16_model.set_fused_ssm_step(False), tokens, PROMPT_LEN)
     finally:

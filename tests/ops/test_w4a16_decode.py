@@ -9,7 +9,8 @@ from quamba.ops.w4a16_decode import FloatSSMWeights, w4a16_ssm_step
 from tests.ops.w4a16_step_cases import cloned, fp64_step, step_case
 
 # (batch, d_inner, d_state, dt_rank, conv width, group size)
-SHAPES = [(1, 256, 16, 16, 4, 128), (3, 96, 16, 8, 4, 32), (5, 192, 12, 20, 3, 64), (2, 64, 7, 4, 2, 64)]
+SHAPES = [(1, 256, 16, 16, 4, 128), (3, 96, 16, 8, 4, 32), (5, 192, 12, 20, 3, 64),
+          (2, 64, 7, 4, 2, 64)]
 # relative error bounds against fp64: fp32 the sums' order; 16-bit types u, x_proj's output and dt
 # rounded to the dtype as the chain stores them (measured: 2e-7, 8e-4, 5e-3 at most)
 TOLERANCE = {torch.float32: 1e-6, torch.float16: 5e-3, torch.bfloat16: 2e-2}

@@ -40,7 +40,8 @@ def step_case(batch, d_inner, d_state, dt_rank, width, group_size, dtype=torch.f
 
 def cloned(case):
     """The case with its own copies of the states the step writes."""
-    return {**case, "conv_state": case["conv_state"].clone(), "ssm_state": case["ssm_state"].clone()}
+    return {**case, "conv_state": case["conv_state"].clone(),
+            "ssm_state": case["ssm_state"].clone()}
 
 
 def fp64_step(x, z, conv_state, ssm_state, x_proj, weights):

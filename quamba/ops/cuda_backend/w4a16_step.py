@@ -22,7 +22,8 @@ def lacks(x, z, conv_state, ssm_state, x_proj, weights) -> str | None:
     same_dtype = [conv_state, weights.conv_weight, weights.dt_weight, weights.dt_bias]
     same_dtype += [t for t in (z, weights.conv_bias) if t is not None]
     if any(t.dtype != x.dtype for t in same_dtype):
-        return "it takes the conv state, conv weight and bias, dt_proj and z in the activations' dtype"
+        return ("it takes the conv state, conv weight and bias, dt_proj and z in the activations' "
+                "dtype")
     fp32 = [ssm_state, weights.A] + ([weights.D] if weights.D is not None else [])
     if any(t.dtype != torch.float32 for t in fp32):
         return "it takes an fp32 SSM state, A and D"
