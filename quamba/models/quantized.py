@@ -87,31 +87,27 @@ class QuantizedModel:
         by op (``enabled`` False, the default): the same numbers on the torch backend; on a GPU
         two Triton kernels instead of four CUDA kernels, measured slower so far
         (QMambaMixer.fuses_decode says where it applies)."""
-        for module in self.modules():
-            if hasattr(module, "fused_decode"):
-                module.fused_decode = bool(enabled)
-        self.fused_decode = bool(enabled)
-        return self
+        return self._switch("fused_decode", enabled)
 
     def set_fused_layer(self, enabled: bool):
         """Run each W8A8 or W4A8 Mamba1 block's batch-1 decode step on a GPU as one op,
         qmamba_layer_step, where its layer kernel applies (QMambaMixer.layer_step_weights says
         where), or (``enabled`` False) as its norm and mixer op by op: the same numbers bit for bit
         either way. On by default."""
-        for module in self.modules():
-            if hasattr(module, "fused_layer"):
-                module.fused_layer = bool(enabled)
-        self.fused_layer = bool(enabled)
-        return self
+        return self._switch("fused_layer", enabled)
 
     def set_fused_ssm_step(self, enabled: bool):
         """Run each W4A16 Mamba1 mixer's decode-step SSM side as one op, w4a16_ssm_step (one CUDA
         kernel on a GPU where it applies), or (``enabled`` False) op by op: the same numbers on
         the torch backend, the same to float tolerances on a GPU. On by default."""
+        return self._switch("fused_ssm_step", enabled)
+
+    def _switch(self, flag: str, enabled: bool):
+        """Sets ``flag`` on every module that has it, and on the model (the decode graphs' key)."""
         for module in self.modules():
-            if hasattr(module, "fused_ssm_step"):
-                module.fused_ssm_step = bool(enabled)
-        self.fused_ssm_step = bool(enabled)
+            if hasattr(module, flag):
+                setattr(module, flag, bool(enabled))
+        setattr(self, flag, bool(enabled))
         return self
 
     def _fp(self):

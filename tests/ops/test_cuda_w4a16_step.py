@@ -13,7 +13,7 @@ from quamba.models.config import preset_config
 from quamba.models.mamba import MambaLMHeadModel, randomize_
 from quamba.ops import backend, w4a16_decode
 from quamba.ops.w4a16_decode import chain_step, w4a16_ssm_step
-from tests.ops.w4a16_step_cases import cloned, fp64_step, step_case
+from tests.ops.w4a16_step_cases import cloned, fp64_step, relative_error, step_case
 
 pytestmark = [
     pytest.mark.gpu,
@@ -34,10 +34,6 @@ SHAPES = [(1, 5120, 16, 160, 4, 128, torch.float16), (8, 5120, 16, 160, 4, 128, 
 ERROR_FACTOR = 2.0
 SLACK = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
 N_LAYER, VOCAB, PROMPT_LEN, NEW_TOKENS = 2, 4096, 16, 128
-
-
-def relative_error(got, expected):
-    return ((got.double() - expected).abs().max() / expected.abs().max()).item()
 
 
 def kernel_step(case):

@@ -64,3 +64,8 @@ def fp64_step(x, z, conv_state, ssm_state, x_proj, weights):
     if z is not None:
         y = y * F.silu(z.double())
     return y, window[..., 1:], state
+
+
+def relative_error(got, expected):
+    """The largest absolute difference over the largest magnitude of ``expected`` (fp64)."""
+    return ((got.double() - expected).abs().max() / expected.abs().max()).item()
