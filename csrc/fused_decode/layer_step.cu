@@ -40,49 +40,24 @@
 #include "gemm/epilogue.cuh"
 #include "gemm/gemv_common.cuh"
 #include "gemm/mma.cuh"
+#include "layer_ring.cuh"
 #include "pdl.cuh"
 
 namespace quamba_ssm {
 namespace {
 
-constexpr int kModel = 2560, kInner = 5120, kStates = 16, kRank = 160, kWidth = 4;
-constexpr int kOuts = kRank + 2 * kStates;                  // x_proj's outputs: dt_low, B, C
-constexpr int kBlocks = 128, kChannels = kInner / kBlocks;  // 40 channels a block
-constexpr int kOutRows = kModel / kBlocks;                  // 20 out_proj rows a block
-constexpr int kThreads = 256, kWarps = kThreads / 32;       // consumers; one producer warp more
-constexpr int kBlockThreads = kThreads + 32;
-constexpr int kSlots = 9, kChunkBytes = 20480;
-constexpr int kInRows = kWarps;  // in_proj rows a chunk, one a warp
-constexpr int kInChunks = 2 * kChannels / kInRows;  // x rows, then z rows
+using namespace layer_ring;  // Mamba-2.8B's sizes, the split over 128 blocks, the weight ring
+
 constexpr int kSmallBytes = kOuts * kChannels + kChannels * kRank;  // x_proj columns, dt_proj rows
-constexpr int kSmallChunk = kInChunks, kOutChunk0 = kSmallChunk + 1;
 constexpr int kSumCopies = 8;  // copies of x_proj's sums: blocks b and b + 8 share one
 // The Hadamard: 5120 = 20 · 256, Paley S_20 (hadamard_quant.cu's base_column<20>).
 constexpr int kSegment = 256, kBase = kInner / kSegment;
-// rmsnorm_quant_row_kernel's shape for d_model: threads of 8 values, whole warps of them.
-constexpr int kRowValues = 8, kRowThreads = kModel / kRowValues, kRowWarps = kRowThreads / 32;
 // W4A8: the int8 multipliers of the groups of 128 of the block's in_proj rows, then out_proj rows.
-constexpr int kGroup = 128, kInMetaBytes = 2 * kChannels * (kModel / kGroup);
+constexpr int kInMetaBytes = 2 * kChannels * (kModel / kGroup);
 constexpr int kMetaBytes = kInMetaBytes + kOutRows * (kInner / kGroup);
-static_assert(kChannels % kInRows == 0 && 2 * kOutRows % kWarps == 0 && kMetaBytes % 16 == 0);
-static_assert(kSmallBytes <= kChunkBytes && kSmallBytes % 16 == 0 && kOuts <= kThreads);
-static_assert(4 * kChannels <= kThreads && kSegment == kThreads && kRowThreads % 32 == 0);
+static_assert(kMetaBytes % 16 == 0 && kOuts <= kThreads);
+static_assert(4 * kChannels <= kThreads && kSegment == kThreads);
 static_assert(kRowWarps <= 2 * kWarps && kOuts * kSumCopies <= 8 * kThreads && kMetaBytes <= 16 * kThreads);
-
-// What differs between W8A8 and W4A8 (kW4): the bytes of a weight row, and so the chunks.
-template <bool kW4>
-struct Layout {
-  static constexpr int kInRowBytes = kW4 ? kModel / 2 : kModel;
-  static constexpr int kInChunkBytes = kInRows * kInRowBytes;
-  static constexpr int kOutRowBytes = kW4 ? kInner / 2 : kInner;
-  static constexpr int kOutRowsPerChunk = kChunkBytes / kOutRowBytes;
-  static constexpr int kOutChunks = (kOutRows + kOutRowsPerChunk - 1) / kOutRowsPerChunk;
-  static constexpr int kChunks = kOutChunk0 + kOutChunks;
-  // chunks in flight at most: deeper queues of bulk copies delay the step's small reads (W4A8's
-  // in_proj chunks are half as large)
-  static constexpr int kInFlight = kW4 ? 3 : 2;
-  static_assert(kInChunkBytes <= kChunkBytes && kOutRowsPerChunk * kOutRowBytes == kChunkBytes);
-};
 
 // The workspace's int32 words: the barrier counter (alone in its 128 bytes), x_proj's sums, y.
 constexpr int kCounterWords = 32, kSumWords = kSumCopies * kOuts, kYWords = kInner / 2;
@@ -117,8 +92,9 @@ struct __align__(128) Smem {
   float hadamard[kInner];
   alignas(16) int8_t act[kInner];  // h codes (d_model) for in_proj, y codes for out_proj (act_at)
   alignas(16) int8_t group_multipliers[kMetaBytes];  // W4A8
-  float in_multipliers[2 * kChannels];  // the epilogue's of the block's x rows, then z rows
+  alignas(16) float in_multipliers[2 * kChannels];  // the epilogue's of the block's x rows, then z rows
   unsigned long long full[kSlots], empty[kSlots];
+  unsigned long long meta_full;  // W4A8's group multipliers and per-channel in_multipliers copied
   alignas(16) int8_t x_codes[kChannels];
   alignas(16) int8_t z_codes[kChannels];
   alignas(16) int8_t u_codes[kChannels];
@@ -127,99 +103,6 @@ struct __align__(128) Smem {
   float warp_sums[32];
   int half_rows[2 * kOutRows];
 };
-
-__device__ __forceinline__ unsigned smem_address(const void* p) {
-  return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_address(bar)), "r"(count) : "memory");
-}
-
-__device__ __forceinline__ void mbar_arrive(unsigned long long* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_address(bar)) : "memory");
-}
-
-__device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
-  asm volatile(
-      "{\n .reg .pred p;\n WAIT_%=:\n"
-      " mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-      " @!p bra WAIT_%=;\n}\n" ::"r"(smem_address(bar)),
-      "r"(parity)
-      : "memory");
-}
-
-// The consumers' own barrier (the producer warp never joins it).
-__device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, %0;" ::"n"(kThreads) : "memory"); }
-
-// Chunk k of the block's weights: in_proj's x rows then z rows (8 a chunk), the small chunk,
-// out_proj's rows.
-template <bool kW4>
-__device__ __forceinline__ void chunk_source(const LayerStepArgs& a, int k, const int8_t*& src, int& bytes) {
-  using L = Layout<kW4>;
-  const int b = blockIdx.x;
-  if (k < kSmallChunk) {
-    const int half = k / (kInChunks / 2), part = k % (kInChunks / 2);
-    src = a.in_proj + static_cast<int64_t>(half * kInner + b * kChannels + part * kInRows) * L::kInRowBytes;
-    bytes = L::kInChunkBytes;
-  } else if (k == kSmallChunk) {
-    src = a.small + static_cast<int64_t>(b) * kSmallBytes;
-    bytes = kSmallBytes;
-  } else {
-    const int first = (k - kOutChunk0) * L::kOutRowsPerChunk;
-    src = a.out_proj + static_cast<int64_t>(b * kOutRows + first) * L::kOutRowBytes;
-    bytes = min(L::kOutRowsPerChunk, kOutRows - first) * L::kOutRowBytes;
-  }
-}
-
-// The producer warp's lane 0: every chunk in order, each once its slot is free and fewer than
-// kInFlight are in flight.
-template <bool kW4>
-__device__ void produce(const LayerStepArgs& a, Smem& sm) {
-  using L = Layout<kW4>;
-  for (int k = 0; k < L::kChunks; ++k) {
-    const int slot = k % kSlots;
-    if (k >= kSlots) mbar_wait(&sm.empty[slot], (k / kSlots - 1) & 1);
-    if (k >= L::kInFlight) mbar_wait(&sm.full[(k - L::kInFlight) % kSlots], ((k - L::kInFlight) / kSlots) & 1);
-    const int8_t* src;
-    int bytes;
-    chunk_source<kW4>(a, k, src, bytes);
-    const unsigned bar = smem_address(&sm.full[slot]);
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-    asm volatile(
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-            smem_address(sm.ring[slot])),
-        "l"(src), "r"(bytes), "r"(bar)
-        : "memory");
-  }
-}
-
-__device__ __forceinline__ const int8_t* wait_chunk(Smem& sm, int k) {
-  mbar_wait(&sm.full[k % kSlots], (k / kSlots) & 1);
-  return sm.ring[k % kSlots];
-}
-
-// Every consumer thread: its warp is done with chunks k ... k + n - 1.
-__device__ __forceinline__ void release(Smem& sm, int k, int n = 1) {
-  __syncwarp();
-  if (threadIdx.x % 32 == 0)
-    for (int i = 0; i < n; ++i) mbar_arrive(&sm.empty[(k + i) % kSlots]);
-}
-
-// All blocks at this point: the counter only grows, by kBlocks a barrier, so a block's ticket
-// (the count before its arrival) says which barrier it is at and the count that ends it.
-__device__ __forceinline__ void grid_barrier(unsigned* counter) {
-  consumer_sync();
-  if (threadIdx.x == 0) {
-    unsigned ticket, seen;
-    asm volatile("atom.add.release.gpu.global.u32 %0, [%1], 1;" : "=r"(ticket) : "l"(counter) : "memory");
-    const unsigned target = (ticket / kBlocks + 1) * kBlocks;
-    do {
-      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(counter) : "memory");
-    } while (static_cast<int>(seen - target) < 0);
-  }
-  consumer_sync();
-}
 
 using quamba::gemm::dot16;
 using quamba::gemm::warp_sum;  // the xor tree of block_sum's warps
@@ -330,6 +213,24 @@ __device__ void rmsnorm(const LayerStepArgs& a, Smem& sm) {
   consumer_sync();
 }
 
+// The bulk copies of the block's W4A8 group multipliers and per-channel in_multipliers (its x rows',
+// then its z rows').
+template <bool kW4>
+__device__ __forceinline__ int meta_copies(const LayerStepArgs& a) {
+  return (kW4 ? 1 : 0) + (a.in_multipliers != nullptr ? 2 : 0);
+}
+
+template <bool kW4>
+__device__ __forceinline__ void copy_meta(const LayerStepArgs& a, Smem& sm) {
+  const int b = blockIdx.x;
+  if (kW4) bulk_copy(sm.group_multipliers, a.group_multipliers + static_cast<int64_t>(b) * kMetaBytes, kMetaBytes, &sm.meta_full);
+  if (a.in_multipliers != nullptr) {
+    constexpr int kBytes = kChannels * sizeof(float);
+    bulk_copy(sm.in_multipliers, a.in_multipliers + b * kChannels, kBytes, &sm.meta_full);
+    bulk_copy(sm.in_multipliers + kChannels, a.in_multipliers + kInner + b * kChannels, kBytes, &sm.meta_full);
+  }
+}
+
 // in_proj's x and z codes of the block's channels: warp w takes row w of each chunk.
 template <bool kW4>
 __device__ void in_proj(const LayerStepArgs& a, Smem& sm, int& k) {
@@ -338,6 +239,7 @@ __device__ void in_proj(const LayerStepArgs& a, Smem& sm, int& k) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   int4 even[kLoads], odd[kLoads];
   load_pieces<kW4, kPieces, kLoads>(sm.act, kModel, 0, even, odd);
+  if (meta_copies<kW4>(a) > 0) mbar_wait(&sm.meta_full, 0);
   const quamba::gemm::Epilogue epilogue{};  // no bias; each output's multiplier comes with its sum
   for (int c = 0; c < kInChunks; c += 2, k += 2) {
     int sums[2];
@@ -450,27 +352,23 @@ __global__ void __launch_bounds__(kBlockThreads, 1) layer_step_kernel(const Laye
   Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
   const int t = threadIdx.x, b = blockIdx.x;
   if (t == 0) {
-    for (int i = 0; i < kSlots; ++i) mbar_init(&sm.full[i], 1), mbar_init(&sm.empty[i], kWarps);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    if (meta_copies<kW4>(a) > 0) mbar_init(&sm.meta_full, meta_copies<kW4>(a));
+    init_ring(sm);
   }
   __syncthreads();
   quamba::pdl_launch_dependents();  // the next block's kernel may start streaming its weights
   if (t >= kThreads) {
-    if (t == kThreads) produce<kW4>(a, sm);
+    if (t == kThreads) {
+      copy_meta<kW4>(a, sm);
+      produce<kW4, kSmallBytes>(a.in_proj, a.small, a.out_proj, sm);
+    }
     return;
   }
   const StepArgs& s = a.step;
-  // Weights and parameters, which no kernel writes, before the wait.
-  if (kW4 && t < kMetaBytes / 16) {
-    reinterpret_cast<int4*>(sm.group_multipliers)[t] =
-        reinterpret_cast<const int4*>(a.group_multipliers + static_cast<int64_t>(b) * kMetaBytes)[t];
-  }
-  // The epilogues' multipliers of the block's outputs, and dt_bias below: read after the wait,
-  // they would queue behind the weights' copies on the step's critical path.
-  if (t < 2 * kChannels) {
-    const int n = t / kChannels * kInner + b * kChannels + t % kChannels;
-    sm.in_multipliers[t] = multiplier_of(a.in_multipliers, a.in_multiplier, n);
-  }
+  // Parameters, which no kernel writes, before the wait: read after it, they would queue behind
+  // the weights' copies on the step's critical path. Into registers (or copied by the producer):
+  // a load stored to shared memory here would hold its thread until it arrives.
+  if (a.in_multipliers == nullptr && t < 2 * kChannels) sm.in_multipliers[t] = a.in_multiplier;
   const float xdbl_multiplier = t < kOuts ? multiplier_of(a.xdbl_multipliers, a.xdbl_multiplier, t) : 0.f;
   const float out_multiplier =
       t < kOutRows ? multiplier_of(a.out_multipliers, a.out_multiplier, b * kOutRows + t) : 0.f;
@@ -594,18 +492,6 @@ std::string shape_lacks(int64_t d_model, int64_t d_inner, int64_t d_state, int64
   return "";
 }
 
-// Why this device cannot hold the kernel's grid, one block an SM ("" where it can).
-std::string device_lacks(int device) {
-  cudaDeviceProp props;
-  C10_CUDA_CHECK(cudaGetDeviceProperties(&props, device));
-  if (props.major < 9) return "it needs compute capability 9.0 (bulk copies), got " + text(props.major);
-  if (props.multiProcessorCount < kBlocks) {
-    return "its " + text(kBlocks) + " blocks need as many SMs, the device has " + text(props.multiProcessorCount);
-  }
-  if (props.sharedMemPerBlockOptin < sizeof(Smem)) return "its blocks need " + text(sizeof(Smem)) + " bytes of shared memory";
-  return "";
-}
-
 void check_tensor(const at::Tensor& t, const at::Tensor& ref, at::ScalarType dtype, at::IntArrayRef shape,
                   const char* name) {
   check_same_device(t, ref, name);
@@ -670,7 +556,7 @@ std::tuple<at::Tensor, at::Tensor> qmamba_layer_step(
       {z_scale, "z_scale"}};
   for (const auto& [value, name] : scales) check_positive_scale(value, name);
   const c10::cuda::CUDAGuard guard(hidden.device());
-  const std::string lacks = device_lacks(hidden.get_device());
+  const std::string lacks = device_lacks(hidden.get_device(), sizeof(Smem));
   TORCH_CHECK(lacks.empty(), "qmamba_layer_step: ", lacks);
 
   at::Tensor out = at::empty({kModel}, hidden.options());
@@ -715,23 +601,14 @@ std::tuple<at::Tensor, at::Tensor> qmamba_layer_step(
 
   const auto kernel = w4 ? layer_step_kernel<true> : layer_step_kernel<false>;
   check_kernel_image(kernel, "qmamba_layer_step");
-  constexpr int smem = sizeof(Smem);
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  // Cooperative: every block resident at once (the grid barriers need it), or a launch error
-  // rather than a hang where the SMs are shared.
-  cudaLaunchAttribute attributes[2];
-  attributes[0].id = cudaLaunchAttributeCooperative;
-  attributes[0].val.cooperative = 1;
-  attributes[1] = quamba::detail::programmatic_serialization();
-  quamba::detail::launch_with_attributes(kernel, dim3(kBlocks), dim3(kBlockThreads), smem, current_stream(),
-                                         attributes, 2, args);
+  launch(kernel, sizeof(Smem), args);
   return {out, residual_out};
 }
 
 std::string qmamba_layer_step_lacks(int64_t d_model, int64_t d_inner, int64_t d_state, int64_t dt_rank,
                                     int64_t width, int64_t device) {
   const std::string shape = shape_lacks(d_model, d_inner, d_state, dt_rank, width);
-  return shape.empty() ? device_lacks(static_cast<int>(device)) : shape;
+  return shape.empty() ? device_lacks(static_cast<int>(device), sizeof(Smem)) : shape;
 }
 
 int64_t qmamba_layer_workspace_words() { return kWorkspaceWords; }

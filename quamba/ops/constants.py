@@ -7,7 +7,10 @@ instead of replaying the kernels that made it (a Mamba2 prefill graph otherwise 
 such kernels per layer). One made during a capture is not kept: its kernels run only at replay, so it
 holds its values only while that graph replays. A graph bakes the scales its launchers passed as
 numbers into its kernels anyway, so after an in-place change of a scale it is stale either way and
-must be captured again; until then the constants it read stay alive."""
+must be captured again; until then the constants it read stay alive.
+
+A kernel's scratch (:func:`workspace`) is kept per tensor too, an inference tensor's included (it
+follows no version), and not when made during a capture."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -17,6 +20,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 _CONSTANTS = WeakIdKeyDictionary()
+_WORKSPACES = WeakIdKeyDictionary()
 # Constants that a CUDA-graph capture read and that their cache has since replaced: the graph's
 # kernels still read their memory at every replay.
 _READ_BY_GRAPHS: list = []
@@ -54,3 +58,17 @@ def cached(anchor: torch.Tensor, key: tuple, make: Callable[[], object]):
         _READ_BY_GRAPHS.append(entry.value)
     entries[key] = _Entry(anchor._version, value)
     return value
+
+
+def workspace(anchor: torch.Tensor, words_op: str) -> torch.Tensor:
+    """A kernel's scratch, int32 [``torch.ops.quamba.<words_op>()``] and zero when made, kept per
+    ``anchor`` (an SSM state tensor: one per layer and cache) and kernel (the op that sizes it).
+    One made during a CUDA-graph capture is not kept (its zeroing runs at every replay)."""
+    kept = _WORKSPACES.setdefault(anchor, {})
+    scratch = kept.get(words_op)
+    if scratch is None:
+        words = getattr(torch.ops.quamba, words_op)()
+        scratch = torch.zeros(words, dtype=torch.int32, device=anchor.device)
+        if keeps_constants(anchor.device):
+            kept[words_op] = scratch
+    return scratch

@@ -1,10 +1,10 @@
 """quamba.ops.constants: a launcher's constant is made once per version of its tensor and key,
 never kept for an inference tensor, served as kept to a CUDA-graph capture and never made during
-one kept."""
+one kept; a kernel's workspace is kept per tensor and kernel, never made during a capture kept."""
 import torch
 
 from quamba.ops import constants
-from quamba.ops.constants import cached
+from quamba.ops.constants import cached, workspace
 
 
 def counting_maker(calls: list):
@@ -86,3 +86,25 @@ def test_a_constant_a_graph_read_outlives_its_replacement(monkeypatch):
     cached(anchor, ("b",), make)
     held = [id(value) for value in constants._READ_BY_GRAPHS]
     assert id(read_by_graph) in held and id(never_captured) not in held
+
+
+def test_a_workspace_is_zero_and_kept_per_tensor_and_kernel(monkeypatch):
+    for name, words in (("a_words", 4), ("b_words", 6)):  # two kernels' ops that size theirs
+        monkeypatch.setattr(torch.ops.quamba, name, lambda words=words: words, raising=False)
+    with torch.inference_mode():
+        state = torch.ones(3)  # the decode cache's states may be inference tensors
+    scratch = workspace(state, "a_words")
+    assert scratch.dtype == torch.int32 and torch.equal(scratch, torch.zeros(4, dtype=torch.int32))
+    assert workspace(state, "a_words") is scratch
+    assert workspace(state, "b_words").shape == (6,)
+    assert workspace(torch.ones(3), "a_words") is not scratch
+
+
+def test_a_workspace_made_during_a_capture_is_not_kept(monkeypatch):
+    monkeypatch.setattr(torch.ops.quamba, "a_words", lambda: 4, raising=False)
+    state = torch.ones(3)
+    capturing(monkeypatch, True)
+    made_in_capture = workspace(state, "a_words")
+    capturing(monkeypatch, False)
+    kept = workspace(state, "a_words")
+    assert kept is not made_in_capture and workspace(state, "a_words") is kept

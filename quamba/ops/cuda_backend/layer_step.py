@@ -8,9 +8,8 @@ from __future__ import annotations
 import functools
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
-from quamba.ops.constants import cached, keeps_constants
+from quamba.ops.constants import cached, workspace as kernel_workspace
 from quamba.ops.cuda_backend.gemm import _epilogue_multiplier
 from quamba.ops.cuda_backend.ssm import _hadamard_plan
 from quamba.ops.fused_decode import W4A8Weight
@@ -19,7 +18,6 @@ from quamba.ops.quant4 import expand_groups, unpack_int4
 
 BLOCKS = 128  # the kernel's grid: block b owns d_inner / 128 channels
 GROUP_SIZE = 128  # the groups in which it reads W4A8's in_proj and out_proj
-_WORKSPACES = WeakIdKeyDictionary()
 
 
 def lacks(hidden, residual, layer, conv_state, ssm_state) -> str | None:
@@ -105,16 +103,9 @@ def _multipliers(linear) -> tuple[float, torch.Tensor | None]:
 
 def workspace(ssm_state: torch.Tensor) -> torch.Tensor:
     """The kernel's scratch (its grid barrier's counter, x_proj's sums, y), one per SSM state
-    tensor, so per layer and cache: zero when made, left zero by every launch but the counter,
-    which only grows. One made during a CUDA-graph capture is not kept (its zeroing runs at every
-    replay)."""
-    scratch = _WORKSPACES.get(ssm_state)
-    if scratch is None:
-        words = torch.ops.quamba.qmamba_layer_workspace_words()
-        scratch = torch.zeros(words, dtype=torch.int32, device=ssm_state.device)
-        if keeps_constants(ssm_state.device):
-            _WORKSPACES[ssm_state] = scratch
-    return scratch
+    tensor (quamba.ops.constants.workspace): left zero by every launch but the counter, which only
+    grows."""
+    return kernel_workspace(ssm_state, "qmamba_layer_workspace_words")
 
 
 def layer_step(hidden, residual, layer, conv_state, ssm_state):
