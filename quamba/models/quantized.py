@@ -4,7 +4,9 @@ checkpoints.
 
 W8A8 and W4A8 blocks are a QRMSNorm (→ int8) and a QMambaMixer (QMamba2Mixer for Mamba2);
 W4A16 (weight-only) blocks are the FP RMSNorm and the FP mixer with 4-bit in_proj, x_proj and
-out_proj (quamba.layers.weight_only). A mixed-precision model (QuantConfig.layer_bits) holds
+out_proj (quamba.layers.weight_only). A Mamba1 block of either kind (QMambaBlock,
+WeightOnlyBlock) runs its batch-1 decode step on a GPU as one op where its layer kernel applies
+(set_fused_layer). A mixed-precision model (QuantConfig.layer_bits) holds
 both kinds. It reuses MambaLMHeadModel's forward, decode step, cache and
 generate: only the blocks differ. The embedding, final norm and lm_head stay in the float dtype
 unless QuantConfig.lm_head and quantize_embedding say otherwise (quamba.layers.qhead): an int8
@@ -30,6 +32,7 @@ from quamba.layers.weight_only import weight_only_mixer
 from quamba.models.config import MambaConfig
 from quamba.models.mamba import Block, MambaLMHeadModel, RMSNorm
 from quamba.ops.fused_layer import qmamba_layer_step
+from quamba.ops.w4a16_decode import w4a16_layer_step
 
 log = logging.getLogger("quamba")
 
@@ -40,8 +43,8 @@ class QuantizedModel:
     base model). Needs ``quant_config``, ``base_model``, ``ssm_mode`` and ``dtype``."""
 
     fused_decode = False  # whether the Mamba1 mixers' decode step is fused (set_fused_decode)
-    # whether an int8 block's batch-1 decode step is one op (set_fused_layer); None: the mixers'
-    # default (QMambaMixer.fused_layer)
+    # whether a Mamba1 block's batch-1 decode step is one op (set_fused_layer); None: the mixers'
+    # default (QMambaMixer.fused_layer, WeightOnlyMambaMixer.fused_layer)
     fused_layer = None
     # whether a W4A16 Mamba1 mixer's decode-step SSM side is one op (set_fused_ssm_step); None: the
     # mixers' default (WeightOnlyMambaMixer.fused_ssm_step)
@@ -90,16 +93,19 @@ class QuantizedModel:
         return self._switch("fused_decode", enabled)
 
     def set_fused_layer(self, enabled: bool):
-        """Run each W8A8 or W4A8 Mamba1 block's batch-1 decode step on a GPU as one op,
-        qmamba_layer_step, where its layer kernel applies (QMambaMixer.layer_step_weights says
-        where), or (``enabled`` False) as its norm and mixer op by op: the same numbers bit for bit
-        either way. On by default."""
+        """Run each W8A8, W4A8 or W4A16 Mamba1 block's batch-1 decode step on a GPU as one op,
+        qmamba_layer_step or w4a16_layer_step, where its layer kernel applies
+        (QMambaMixer.layer_step_weights and WeightOnlyMambaMixer.layer_step_weights say where),
+        or (``enabled`` False) as its norm and mixer op by op: for W8A8 and W4A8 the same numbers
+        bit for bit either way, for W4A16 the same to float tolerances (the kernel sums in its
+        own order). On by default."""
         return self._switch("fused_layer", enabled)
 
     def set_fused_ssm_step(self, enabled: bool):
         """Run each W4A16 Mamba1 mixer's decode-step SSM side as one op, w4a16_ssm_step (one CUDA
         kernel on a GPU where it applies), or (``enabled`` False) op by op: the same numbers on
-        the torch backend, the same to float tolerances on a GPU. On by default."""
+        the torch backend, the same to float tolerances on a GPU. On by default; off, the blocks'
+        layer kernel (set_fused_layer) is off too: its whole step is op by op."""
         return self._switch("fused_ssm_step", enabled)
 
     def _switch(self, flag: str, enabled: bool):
@@ -235,9 +241,27 @@ class QMambaBlock(Block):
                                **mixer_kwargs)
 
 
+class WeightOnlyBlock(Block):
+    """A W4A16 Mamba1 block: the FP RMSNorm and WeightOnlyMambaMixer, whose decode step runs as
+    one op, w4a16_layer_step, where the mixer's layer kernel applies
+    (WeightOnlyMambaMixer.layer_step_weights), else op by op; the same numbers on the torch
+    backend, the same to float tolerances on the kernel. It adds no state to Block."""
+
+    def forward(self, hidden, residual=None, state=None, step=False, ssm_A=None, **mixer_kwargs):
+        if step and not mixer_kwargs:
+            weights = self.mixer.layer_step_weights(self.norm, hidden, residual, state, ssm_A)
+            if weights is not None:
+                return w4a16_layer_step(hidden, residual, weights, state.conv, state.ssm,
+                                        backend_name=self.mixer.x_proj.backend)
+        return super().forward(hidden, residual, state=state, step=step, ssm_A=ssm_A,
+                               **mixer_kwargs)
+
+
 def _weight_only_block(config: MambaConfig, quant_config, dtype, device) -> Block:
-    """An empty W4A16 block: the FP RMSNorm and the weight-only mixer."""
-    return Block(RMSNorm(config.d_model, config.norm_epsilon, config.residual_in_fp32, device,
-                         dtype),
-                 weight_only_mixer(config, quant_config.group_size, quant_config.hadamard, dtype,
-                                   device))
+    """An empty W4A16 block: the FP RMSNorm and the weight-only mixer, in a WeightOnlyBlock for
+    Mamba1."""
+    block_class = Block if config.layer == "Mamba2" else WeightOnlyBlock
+    return block_class(RMSNorm(config.d_model, config.norm_epsilon, config.residual_in_fp32,
+                               device, dtype),
+                       weight_only_mixer(config, quant_config.group_size, quant_config.hadamard,
+                                         dtype, device))

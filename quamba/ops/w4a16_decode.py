@@ -1,4 +1,5 @@
-"""One decode step of a weight-only (W4A16) Mamba1 mixer's SSM side as one op: ``w4a16_ssm_step``.
+"""One decode step of a weight-only (W4A16) Mamba1 mixer's SSM side as one op,
+``w4a16_ssm_step``, and of a whole W4A16 block as one op, ``w4a16_layer_step``.
 
 The step between in_proj and out_proj, float activations, zoh discretization:
 
@@ -16,6 +17,20 @@ cuBLAS, mamba-ssm's Triton step); it rounds u, x_proj's output and dt to the act
 where the chain stores them and sums in fp32 in its own order, so it agrees with the chain to
 float tolerances. Where the kernel cannot run, the cuda backend runs the chain on the CUDA ops
 and says so once.
+
+``w4a16_layer_step`` is a block's whole decode step (Block(RMSNorm, WeightOnlyMambaMixer)):
+
+    hidden (+ residual) ─ RMSNorm → h ─ in_proj (W4A16) → x, z
+    x, z ─ w4a16_ssm_step → y ─ out_proj (W4A16) → out
+
+Its torch reference is that chain of ops (rms_norm, w4a16_linear, w4a16_ssm_step), so a block
+computes the same numbers through it as through its norm and mixer. Its cuda backend is one
+persistent CUDA kernel for the block at batch 1 (quamba.ops.cuda_backend.w4a16_layer:
+Mamba-2.8B's sizes, a float16 model, compute capability 9.0). It rounds to float16 where the
+chain stores and sums in fp32 in its own order: its residual is the chain of CUDA ops' bit for
+bit, its output, states and in_proj's x (the conv state's newest column) agree with the chain's
+to float tolerances.
+Where it cannot run, the cuda backend runs the chain on the CUDA ops and says so once.
 """
 from __future__ import annotations
 
@@ -29,11 +44,13 @@ import torch.nn.functional as F
 from quamba.ops import backend
 from quamba.ops.causal_conv1d import causal_conv1d_update
 from quamba.ops.qlinear4 import w4a16_linear
+from quamba.ops.rms_norm import rms_norm
 from quamba.ops.selective_scan import selective_state_update
 
 log = logging.getLogger("quamba")
 
 OP = "w4a16_ssm_step"
+LAYER_OP = "w4a16_layer_step"
 
 
 @dataclass
@@ -55,6 +72,19 @@ class FloatSSMWeights:
     dt_bias: torch.Tensor  # [d_inner]
     A: torch.Tensor  # fp32 [d_inner, d_state]: -exp(A_log)
     D: torch.Tensor | None  # fp32 [d_inner]
+
+
+@dataclass
+class W4A16LayerWeights:
+    """What one W4A16 Mamba1 block's decode step reads besides its states."""
+
+    norm_weight: torch.Tensor  # [d_model], the block's RMSNorm weight
+    norm_eps: float
+    residual_in_fp32: bool
+    in_proj: W4A16Weight  # [2 d_inner, d_model]
+    x_proj: W4A16Weight  # [dt_rank + 2 d_state, d_inner]
+    ssm: FloatSSMWeights
+    out_proj: W4A16Weight  # [d_model, d_inner]
 
 
 def w4a16_ssm_step(x, z, conv_state, ssm_state, x_proj: W4A16Weight, weights: FloatSSMWeights,
@@ -121,11 +151,73 @@ def _w4a16_ssm_step_cuda(x, z, conv_state, ssm_state, x_proj, weights):
     kernel_lacks = w4a16_step.lacks(x, z, conv_state, ssm_state, x_proj, weights)
     if kernel_lacks is None:
         return w4a16_step.ssm_step(x, z, conv_state, ssm_state, x_proj, weights)
-    _log_chain(kernel_lacks)
+    _log_chain(OP, kernel_lacks)
     return chain_step(x, z, conv_state, ssm_state, x_proj, weights, backend_name="cuda")
 
 
+def w4a16_layer_step(hidden, residual, layer: W4A16LayerWeights, conv_state, ssm_state,
+                     backend_name=None):
+    """(out [batch, 1, d_model] in hidden's dtype, residual_out [batch, 1, d_model]) of one
+    decode step of a block, its states stepped in place.
+
+    hidden: the block before's output [batch, 1, d_model] (or the embedding); residual: the
+    same shape, fp32 if ``layer.residual_in_fp32`` else in hidden's dtype, or None (the first
+    block); conv_state, ssm_state: as :func:`w4a16_ssm_step` takes them. The arithmetic is the
+    chain's (module docstring)."""
+    _check_layer(hidden, residual, layer, conv_state, ssm_state)
+    impl = backend.select(LAYER_OP, hidden.device, backend_name)
+    return impl(hidden, residual, layer, conv_state, ssm_state)
+
+
+def _check_layer(hidden, residual, layer: W4A16LayerWeights, conv_state, ssm_state) -> None:
+    """ValueError for inputs outside the layer op's scope, on every backend (the SSM side's
+    shapes are :func:`w4a16_ssm_step`'s to check)."""
+    d_model = layer.out_proj.packed.shape[0]
+    if hidden.dim() != 3 or hidden.shape[1:] != (1, d_model) or not hidden.is_floating_point():
+        raise ValueError(f"{LAYER_OP}: hidden must be float [batch, 1, {d_model}], got "
+                         f"{hidden.dtype} {tuple(hidden.shape)}")
+    residual_dtype = torch.float32 if layer.residual_in_fp32 else hidden.dtype
+    if residual is not None and (residual.shape, residual.dtype) != (hidden.shape, residual_dtype):
+        raise ValueError(f"{LAYER_OP}: residual must be {residual_dtype} of hidden's shape "
+                         f"{tuple(hidden.shape)}, got {residual.dtype} {tuple(residual.shape)}")
+    if conv_state.shape[0] != hidden.shape[0] or ssm_state.shape[0] != hidden.shape[0]:
+        raise ValueError(f"{LAYER_OP}: the states' batch {conv_state.shape[0]}, "
+                         f"{ssm_state.shape[0]} is not hidden's {hidden.shape[0]}")
+
+
+def chain_layer_step(hidden, residual, layer: W4A16LayerWeights, conv_state, ssm_state,
+                     backend_name=None):
+    """The block's step as its norm's and mixer's chain of ops on ``backend_name``'s
+    implementations (the op's torch backend runs their references)."""
+    normed, residual_out = rms_norm(hidden, residual, layer.norm_weight, layer.norm_eps,
+                                    layer.residual_in_fp32, backend_name=backend_name)
+    x, z = _linear(normed[:, 0], layer.in_proj, backend_name).chunk(2, dim=-1)
+    y = w4a16_ssm_step(x, z, conv_state, ssm_state, layer.x_proj, layer.ssm,
+                       backend_name=backend_name)
+    return _linear(y, layer.out_proj, backend_name)[:, None], residual_out
+
+
+def _linear(x, weight: W4A16Weight, backend_name):
+    return w4a16_linear(x, weight.packed, weight.scales, weight.group_size,
+                        backend_name=backend_name)
+
+
+@backend.register(LAYER_OP, "torch")
+def _w4a16_layer_step_torch(hidden, residual, layer, conv_state, ssm_state):
+    return chain_layer_step(hidden, residual, layer, conv_state, ssm_state, backend_name="torch")
+
+
+@backend.register(LAYER_OP, "cuda")
+def _w4a16_layer_step_cuda(hidden, residual, layer, conv_state, ssm_state):
+    from quamba.ops.cuda_backend import w4a16_layer
+    kernel_lacks = w4a16_layer.lacks(hidden, residual, layer, conv_state, ssm_state)
+    if kernel_lacks is None:
+        return w4a16_layer.layer_step(hidden, residual, layer, conv_state, ssm_state)
+    _log_chain(LAYER_OP, kernel_lacks)
+    return chain_layer_step(hidden, residual, layer, conv_state, ssm_state, backend_name="cuda")
+
+
 @functools.lru_cache(maxsize=None)
-def _log_chain(why: str) -> None:
-    """Says once per reason that the step runs the chain of CUDA ops, not the cluster kernel."""
-    log.warning("%s runs the chain of CUDA ops, not its cluster kernel: %s", OP, why)
+def _log_chain(op: str, why: str) -> None:
+    """Says once per op and reason that it runs the chain of CUDA ops, not its kernel."""
+    log.warning("%s runs the chain of CUDA ops, not its kernel: %s", op, why)

@@ -16,10 +16,10 @@ from quamba.errors import QuambaError
 from quamba.layers.qmixer import QMambaMixer
 from quamba.layers.qmixer2 import QMamba2Mixer
 from quamba.layers.qnorm import QRMSNorm
-from quamba.layers.weight_only import weight_only_mixer_from_float
+from quamba.layers.weight_only import WeightOnlyMambaMixer, weight_only_mixer_from_float
 from quamba.models.mamba import Block, MambaLMHeadModel
 from quamba.models.mamba2 import Mamba2Mixer
-from quamba.models.quantized import QuantizedMambaLM
+from quamba.models.quantized import QuantizedMambaLM, WeightOnlyBlock
 from quamba.models.vision import VisionMamba
 from quamba.ops.quant import scale_from_range
 from quamba.quantization.cluster import sort_and_cluster
@@ -187,11 +187,14 @@ def quantized_block(fp_block, layer: int, ranges: dict, config: QuantConfig, mod
 
 def _quantize_block_(block, fp_block, layer: int, ranges: dict, config: QuantConfig,
                      model_config) -> None:
-    """Set ``block``'s norm and mixer to ``fp_block``'s, quantized at the layer's bits."""
+    """Set ``block``'s norm and mixer to ``fp_block``'s, quantized at the layer's bits (a W4A16
+    Mamba1 block becomes a WeightOnlyBlock)."""
     w_bits, a_bits = config.bits_of(layer)
     if a_bits == 16:
         block.norm = copy.deepcopy(fp_block.norm)
         block.mixer = weight_only_mixer_from_float(fp_block.mixer, config.group_size)
+        if isinstance(block.mixer, WeightOnlyMambaMixer):
+            block.__class__ = WeightOnlyBlock  # a Block that adds no state, only the decode step
         return
     layer_ranges = ranges[layer]
     h_scale = scale_from_range(layer_ranges["in_proj.input"])

@@ -1,7 +1,7 @@
-"""A Triton file of quamba/ops/cuda_backend loaded on its own, for tests of its kernels on any
-machine: compiled on a GPU, under Triton's interpreter on CPU tensors elsewhere (tests/conftest.py
-sets TRITON_INTERPRET=1 there). The package's ``__init__`` also loads quamba._C, which a CPU
-machine lacks."""
+"""A file of quamba/ops/cuda_backend loaded on its own, for tests on any machine: a Triton file's
+kernels compiled on a GPU, under Triton's interpreter on CPU tensors elsewhere (tests/conftest.py
+sets TRITON_INTERPRET=1 there); a kernel launcher's pure-torch parts (repacked weights, what the
+kernel lacks). The package's ``__init__`` also loads quamba._C, which a CPU machine lacks."""
 import copy
 import importlib.util
 from pathlib import Path
@@ -15,12 +15,18 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def load_backend_file(monkeypatch, filename: str):
-    """quamba/ops/cuda_backend/``filename`` as a fresh module; its backend registrations are undone
-    after the test."""
+    """quamba/ops/cuda_backend/``filename``, a Triton file, as a fresh module; its backend
+    registrations are undone after the test."""
     pytest.importorskip("triton")
     for name in ("_IMPLS", "_REQUIREMENTS", "_KERNELS"):
         monkeypatch.setattr(backend, name, copy.deepcopy(getattr(backend, name)))
     monkeypatch.setattr(backend, "_OPTIONAL", set(backend._OPTIONAL))
+    return load_file(filename)
+
+
+def load_file(filename: str):
+    """quamba/ops/cuda_backend/``filename`` as a fresh module (a launcher that registers no
+    backend)."""
     path = Path(backend.__file__).parent / "cuda_backend" / filename
     spec = importlib.util.spec_from_file_location(f"{path.stem}_kernels_under_test", path)
     module = importlib.util.module_from_spec(spec)

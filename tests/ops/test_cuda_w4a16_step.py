@@ -13,7 +13,8 @@ from quamba.models.config import preset_config
 from quamba.models.mamba import MambaLMHeadModel, randomize_
 from quamba.ops import backend, w4a16_decode
 from quamba.ops.w4a16_decode import chain_step, w4a16_ssm_step
-from tests.ops.w4a16_step_cases import cloned, fp64_step, relative_error, step_case
+from tests.ops.w4a16_step_cases import (cloned, fp64_step, relative_error, step_case,
+                                        teacher_forced_logits)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -89,16 +90,6 @@ def w4a16_model():
     fp_model = MambaLMHeadModel(config, device=DEVICE, dtype=torch.float16).eval()
     fp_model = randomize_(fp_model, seed=0)
     return quamba.quantize(fp_model, config=quamba.QuantConfig(w_bits=4, a_bits=16), progress=False)
-
-
-def teacher_forced_logits(model, tokens, prompt_len):
-    """The decode step's logits [batch, new tokens, vocab] for each of ``tokens``' new tokens."""
-    cache = model.allocate_cache(tokens.shape[0])
-    with torch.no_grad():
-        logits = [model(tokens[:, :prompt_len], cache=cache)[:, -1]]
-        logits += [model(tokens[:, t:t + 1], cache=cache)[:, -1]
-                   for t in range(prompt_len, tokens.shape[1] - 1)]
-    return torch.stack(logits, dim=1).float()
 
 
 @pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graphed"])

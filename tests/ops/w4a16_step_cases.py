@@ -1,6 +1,7 @@
 """Random inputs of one W4A16 decode step's SSM side (quamba.ops.w4a16_decode) at Mamba-like
-magnitudes, and an fp64 evaluation of the step without the chain's roundings to the activation
-dtype, shared by the CPU tests and the GPU kernel tests."""
+magnitudes, fp64 evaluations of the step and of a whole block's step without the chain's
+roundings to the activation dtype, and a model's decode-step logits on given tokens, shared by
+the CPU tests and the GPU kernel tests."""
 import math
 
 import torch
@@ -66,6 +67,33 @@ def fp64_step(x, z, conv_state, ssm_state, x_proj, weights):
     return y, window[..., 1:], state
 
 
+def fp64_layer_step(hidden, residual, layer, conv_state, ssm_state):
+    """(out, residual out, new conv state, new SSM state) of a block's step (a W4A16LayerWeights
+    ``layer``) in fp64, nothing rounded to the activation dtype."""
+    residual_out = hidden.double() if residual is None else hidden.double() + residual.double()
+    rms = torch.rsqrt(residual_out.pow(2).mean(-1, keepdim=True) + layer.norm_eps)
+    normed = residual_out * rms * layer.norm_weight.double()
+    x, z = (normed[:, 0] @ _fp64_weight(layer.in_proj).t()).chunk(2, dim=-1)
+    y, conv_state, ssm_state = fp64_step(x, z, conv_state, ssm_state, layer.x_proj, layer.ssm)
+    return (y @ _fp64_weight(layer.out_proj).t())[:, None], residual_out, conv_state, ssm_state
+
+
+def _fp64_weight(weight):
+    """A W4A16Weight's dequantized weight in fp64 (code · fp16 scale: exact)."""
+    return dequantize_int4(weight.packed.cpu(), weight.scales.cpu(),
+                           weight.group_size).double().to(weight.packed.device)
+
+
 def relative_error(got, expected):
     """The largest absolute difference over the largest magnitude of ``expected`` (fp64)."""
     return ((got.double() - expected).abs().max() / expected.abs().max()).item()
+
+
+def teacher_forced_logits(model, tokens, prompt_len):
+    """The decode step's logits [batch, new tokens, vocab] for each of ``tokens``' new tokens."""
+    cache = model.allocate_cache(tokens.shape[0])
+    with torch.no_grad():
+        logits = [model(tokens[:, :prompt_len], cache=cache)[:, -1]]
+        logits += [model(tokens[:, t:t + 1], cache=cache)[:, -1]
+                   for t in range(prompt_len, tokens.shape[1] - 1)]
+    return torch.stack(logits, dim=1).float()

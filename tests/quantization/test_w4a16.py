@@ -1,5 +1,5 @@
 """W4A16 (weight-only 4-bit) on the trained test model: structure, no calibration, decode,
-checkpoints, SSM modes, GPTQ."""
+checkpoints, SSM modes, GPTQ, the W4A16 blocks of a mixed-precision model."""
 import json
 
 import pytest
@@ -12,6 +12,7 @@ from quamba.layers.qlinear import W4A16Linear
 from quamba.layers.weight_only import WeightOnlyMambaMixer
 from quamba.models import MambaConfig, MambaLMHeadModel, randomize_
 from quamba.models.mamba import RMSNorm
+from quamba.models.quantized import QMambaBlock, WeightOnlyBlock
 from quamba.ops import backend
 from quamba.ops.backend import BackendError
 from quamba.quantization.checkpoint import FORMAT_VERSION
@@ -70,6 +71,7 @@ def test_structure_and_no_calibration(fp_model, monkeypatch):
     assert config.weight_only and not config.hadamard and config.ssm_mode == "fp16"
     assert qmodel.ssm_mode == "fp16" and qmodel.calibration == {}
     block = qmodel.backbone.layers[0]
+    assert type(block) is WeightOnlyBlock  # its decode step one op where the layer kernel runs
     assert type(block.norm) is RMSNorm and type(block.mixer) is WeightOnlyMambaMixer
     mixer = block.mixer
     assert all(isinstance(getattr(mixer, name), W4A16Linear)
@@ -137,7 +139,8 @@ def test_save_load_gives_identical_logits(w4a16_model, held_out_ids, tmp_path):
     w4a16_model.save_pretrained(tmp_path / "q")
     reloaded, tokenizer = quamba.from_pretrained(tmp_path / "q")
     assert tokenizer is not None and reloaded.quant_config.weight_only
-    assert isinstance(reloaded.backbone.layers[0].mixer, WeightOnlyMambaMixer)
+    assert all(type(block) is WeightOnlyBlock and type(block.mixer) is WeightOnlyMambaMixer
+               for block in reloaded.backbone.layers)
     assert torch.equal(logits(reloaded, held_out_ids), logits(w4a16_model, held_out_ids))
     recorded = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
     assert recorded["format_version"] == FORMAT_VERSION == 5
@@ -151,6 +154,22 @@ def test_save_load_gives_identical_logits(w4a16_model, held_out_ids, tmp_path):
     assert half.backbone.layers[0].mixer.in_proj.scales.dtype == torch.float16
     assert half.backbone.layers[0].mixer.A_log.dtype == torch.float32
     assert top1_agreement(logits(half, held_out_ids).float(), logits(reloaded, held_out_ids)) > 0.9
+
+
+def test_mixed_precision_rebuilds_its_w4a16_blocks_as_weight_only_blocks(fp_model,
+                                                                       shared_data_dir):
+    """Mixed precision rebuilds some W4A8 blocks (QMambaBlocks) W4A16: they become
+    WeightOnlyBlocks, whose decode step takes their weight-only mixer, as after a reload."""
+    from quamba.calibrate import load_calibration_set
+    model, tokenizer = fp_model
+    calib = load_calibration_set(str(shared_data_dir / "text" / "c4_sample.jsonl"), tokenizer,
+                                 4, 64, seed=0)
+    config = quamba.QuantConfig(w_bits=4, group_size=GROUP, mixed_precision=0.5)
+    mixed = quamba.quantize(model, tokenizer, config, calib_data=calib, progress=False)
+    layer_bits = mixed.quant_config.layer_bits
+    assert [type(block) for block in mixed.backbone.layers] == [
+        WeightOnlyBlock if bits == (4, 16) else QMambaBlock for bits in layer_bits]
+    assert mixed.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4).shape == (1, 7)
 
 
 def test_ssm_modes_do_not_apply(w4a16_model, held_out_ids):
