@@ -43,10 +43,10 @@ Quantized models are calibrated on random tokens: their scales are meaningless, 
 --fused_decode adds, after each W8A8 and W4A8 row, the same model with its mixers' decode step's
 SSM side run as one qmixer_ssm_step ("quamba w8a8 fused": QuantizedModel.set_fused_decode(True))
 instead of op by op, so the two are compared on the same machine in the same run.
-A W8A8 or W4A8 model of Mamba-2.8B's sizes runs each block's batch-1 decode step as one persistent
-kernel (qmamba_layer_step, QuantizedModel.set_fused_layer) where the GPU allows, and a W4A16
-model its mixers' decode-step SSM side as one kernel (w4a16_ssm_step,
-QuantizedModel.set_fused_ssm_step); --op_by_op adds, after each W8A8, W4A8 and W4A16 row, the
+A W8A8, W4A8 or W4A16 model of Mamba-2.8B's sizes runs each block's batch-1 decode step as one
+persistent kernel (qmamba_layer_step or w4a16_layer_step, QuantizedModel.set_fused_layer) where the
+GPU allows, and a W4A16 model its mixers' decode-step SSM side as one kernel elsewhere at batch 1
+and 2 (w4a16_ssm_step, QuantizedModel.set_fused_ssm_step); --op_by_op adds, after each W8A8, W4A8 and W4A16 row, the
 same model with its blocks' steps op by op ("quamba w8a8 op-by-op").
 
 Every quamba row records the backend of each op that ran in it (`backends`, from

@@ -160,6 +160,26 @@ __device__ __forceinline__ void grid_barrier(unsigned* counter) {
   consumer_sync();
 }
 
+// Why the kernel cannot run a block of these sizes ("" where it can).
+inline std::string shape_lacks(int64_t d_model, int64_t d_inner, int64_t d_state, int64_t dt_rank, int64_t width) {
+  if (d_model != kModel || d_inner != kInner || d_state != kStates || dt_rank != kRank || width != kWidth) {
+    return "it is built for Mamba-2.8B's blocks (d_model 2560, d_inner 5120, d_state 16, dt_rank 160, "
+           "conv width 4), not d_model " + text(d_model) + ", d_inner " + text(d_inner) + ", d_state " +
+           text(d_state) + ", dt_rank " + text(dt_rank) + ", width " + text(width);
+  }
+  return "";
+}
+
+// A tensor of this dtype and shape on ref's device, contiguous and 16-byte aligned.
+inline void check_tensor(const at::Tensor& t, const at::Tensor& ref, at::ScalarType dtype, at::IntArrayRef shape,
+                  const char* name) {
+  check_same_device(t, ref, name);
+  check_dtype(t, dtype, name);
+  check_shape(t, shape, name);
+  TORCH_CHECK(t.is_contiguous() && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name,
+              " must be contiguous and 16-byte aligned");
+}
+
 // Why this device cannot hold a grid of kBlocks blocks of smem_bytes each, one an SM ("" where it
 // can).
 inline std::string device_lacks(int device, size_t smem_bytes) {
@@ -171,6 +191,14 @@ inline std::string device_lacks(int device, size_t smem_bytes) {
   }
   if (props.sharedMemPerBlockOptin < smem_bytes) return "its blocks need " + text(smem_bytes) + " bytes of shared memory";
   return "";
+}
+
+// Why a kernel of smem_bytes a block cannot run a block of these sizes on this device ("" where it
+// can).
+inline std::string kernel_lacks(int64_t d_model, int64_t d_inner, int64_t d_state, int64_t dt_rank, int64_t width,
+                                int64_t device, size_t smem_bytes) {
+  const std::string shape = shape_lacks(d_model, d_inner, d_state, dt_rank, width);
+  return shape.empty() ? device_lacks(static_cast<int>(device), smem_bytes) : shape;
 }
 
 // A launch of kBlocks blocks, programmatically dependent on the kernel before it and cooperative:

@@ -482,25 +482,6 @@ __global__ void __launch_bounds__(kBlockThreads, 1) layer_step_kernel(const Laye
 #endif
 }
 
-// Why the kernel cannot run a block of these sizes ("" where it can).
-std::string shape_lacks(int64_t d_model, int64_t d_inner, int64_t d_state, int64_t dt_rank, int64_t width) {
-  if (d_model != kModel || d_inner != kInner || d_state != kStates || dt_rank != kRank || width != kWidth) {
-    return "it is built for Mamba-2.8B's blocks (d_model 2560, d_inner 5120, d_state 16, dt_rank 160, "
-           "conv width 4), not d_model " + text(d_model) + ", d_inner " + text(d_inner) + ", d_state " +
-           text(d_state) + ", dt_rank " + text(dt_rank) + ", width " + text(width);
-  }
-  return "";
-}
-
-void check_tensor(const at::Tensor& t, const at::Tensor& ref, at::ScalarType dtype, at::IntArrayRef shape,
-                  const char* name) {
-  check_same_device(t, ref, name);
-  check_dtype(t, dtype, name);
-  check_shape(t, shape, name);
-  TORCH_CHECK(t.is_contiguous() && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name,
-              " must be contiguous and 16-byte aligned");
-}
-
 // An optional fp32 [n] tensor of per-channel multipliers: its data, or nullptr.
 const float* multipliers_or_null(const c10::optional<at::Tensor>& t, const at::Tensor& ref, int64_t n,
                                  const char* name) {
@@ -607,8 +588,7 @@ std::tuple<at::Tensor, at::Tensor> qmamba_layer_step(
 
 std::string qmamba_layer_step_lacks(int64_t d_model, int64_t d_inner, int64_t d_state, int64_t dt_rank,
                                     int64_t width, int64_t device) {
-  const std::string shape = shape_lacks(d_model, d_inner, d_state, dt_rank, width);
-  return shape.empty() ? device_lacks(static_cast<int>(device), sizeof(Smem)) : shape;
+  return kernel_lacks(d_model, d_inner, d_state, dt_rank, width, device, sizeof(Smem));
 }
 
 int64_t qmamba_layer_workspace_words() { return kWorkspaceWords; }

@@ -125,7 +125,7 @@ struct Activations {
 
 // A warp's share of a 16-row tile: row g of ``lo`` and row g of ``hi`` (row pitch kRowBytes) for
 // lane (g, t), over the warp's groups; each group's 8 mmas (chunk 4 grp + t of both rows) summed in
-// fp32 (two chains of 4), times the rows' fp16 group scales (``scale_lo``, ``scale_hi``: the rows' scales). Returns
+// fp32 (two chains of 4), times the rows' fp16 group scales (``scale_lo``, ``scale_hi``). Returns
 // the partial sums of rows g and g + 8 of the tile (every lane of a row holds the same).
 template <int kRowBytes>
 __device__ __forceinline__ float2 tile_partial(const int8_t* lo, const int8_t* hi,
@@ -421,25 +421,6 @@ __global__ void __launch_bounds__(kBlockThreads, 1) w4a16_layer_kernel(const W4A
 #endif
 }
 
-// Why the kernel cannot run a block of these sizes ("" where it can).
-std::string shape_lacks(int64_t d_model, int64_t d_inner, int64_t d_state, int64_t dt_rank, int64_t width) {
-  if (d_model != kModel || d_inner != kInner || d_state != kStates || dt_rank != kRank || width != kWidth) {
-    return "it is built for Mamba-2.8B's blocks (d_model 2560, d_inner 5120, d_state 16, dt_rank 160, "
-           "conv width 4), not d_model " + text(d_model) + ", d_inner " + text(d_inner) + ", d_state " +
-           text(d_state) + ", dt_rank " + text(dt_rank) + ", width " + text(width);
-  }
-  return "";
-}
-
-void check_tensor(const at::Tensor& t, const at::Tensor& ref, at::ScalarType dtype, at::IntArrayRef shape,
-                  const char* name) {
-  check_same_device(t, ref, name);
-  check_dtype(t, dtype, name);
-  check_shape(t, shape, name);
-  TORCH_CHECK(t.is_contiguous() && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name,
-              " must be contiguous and 16-byte aligned");
-}
-
 template <typename T>
 const T* data_of(const at::Tensor& t) {
   return static_cast<const T*>(t.data_ptr());
@@ -517,8 +498,7 @@ std::tuple<at::Tensor, at::Tensor> w4a16_layer_step(
 
 std::string w4a16_layer_step_lacks(int64_t d_model, int64_t d_inner, int64_t d_state, int64_t dt_rank,
                                    int64_t width, int64_t device) {
-  const std::string shape = shape_lacks(d_model, d_inner, d_state, dt_rank, width);
-  return shape.empty() ? device_lacks(static_cast<int>(device), sizeof(Smem)) : shape;
+  return kernel_lacks(d_model, d_inner, d_state, dt_rank, width, device, sizeof(Smem));
 }
 
 int64_t w4a16_layer_workspace_words() { return kWorkspaceWords; }
