@@ -16,6 +16,7 @@
 #include <string>
 
 #include "../ssm_common/ssm_common.cuh"
+#include "gemm/gemv_common.cuh"
 #include "pdl.cuh"
 
 namespace quamba_ssm {
@@ -158,6 +159,46 @@ __device__ __forceinline__ void grid_barrier(unsigned* counter) {
     } while (static_cast<int>(seen - target) < 0);
   }
   consumer_sync();
+}
+
+// Whether warp w plays a row warp v = w + 8 i of the row kernel (rmsnorm_quant_row_kernel's shape:
+// threads of 8 values, warp w playing its warps w and w + 8), and the first of the 8 values that
+// lane l of v holds.
+__device__ __forceinline__ bool has_row(int i) { return threadIdx.x / 32 + i * kWarps < kRowWarps; }
+
+__device__ __forceinline__ int row_first(int i) {
+  return (32 * (threadIdx.x / 32 + i * kWarps) + threadIdx.x % 32) * kRowValues;
+}
+
+// Residual add and 1 / rms of the whole row in every block: r[i] holds hidden + residual at
+// row_first(i) (where has_row(i)), whose squares each lane adds with fmaf in order; the warps' sums and the sum of
+// those take block_sum's trees (warp_sums: 32 floats of shared memory). Each block writes its share
+// of the residual. Ends with a consumer barrier.
+__device__ __forceinline__ float residual_rstd(const __half* hidden, const float* residual, float* residual_out,
+                                               float eps, float* warp_sums, float (&r)[2][kRowValues]) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    if (!has_row(i)) break;
+    const int first = row_first(i);
+    load_values<kRowValues>(hidden + first, true, r[i]);
+    if (residual != nullptr) {
+      float res[kRowValues];
+      load_values<kRowValues>(residual + first, true, res);
+#pragma unroll
+      for (int j = 0; j < kRowValues; ++j) r[i][j] = __fadd_rn(r[i][j], res[j]);
+    }
+    float sum_sq = 0.f;
+#pragma unroll
+    for (int j = 0; j < kRowValues; ++j) sum_sq = fmaf(r[i][j], r[i][j], sum_sq);
+    sum_sq = quamba::gemm::warp_sum(sum_sq);
+    const int row_warp = threadIdx.x / 32 + i * kWarps;
+    if (lane == 0) warp_sums[row_warp] = sum_sq;
+    if ((32 * row_warp + lane) % kBlocks == blockIdx.x) store_row<kRowValues>(residual_out + first, r[i]);
+  }
+  consumer_sync();
+  const float total = quamba::gemm::warp_sum(lane < kRowWarps ? warp_sums[lane] : 0.f);
+  return __frsqrt_rn(__fadd_rn(__fdiv_rn(total, static_cast<float>(kModel)), eps));
 }
 
 // Why the kernel cannot run a block of these sizes ("" where it can).

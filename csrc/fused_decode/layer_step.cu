@@ -167,45 +167,16 @@ __device__ __forceinline__ void load_pieces(const int8_t* act, int n, int first_
   }
 }
 
-// Residual add + RMSNorm → h codes in sm.act, in every block. Warp w plays the row kernel's warps
-// w and w + 8: lane l of row warp v holds values 8 (32 v + l) ... + 7, adds their squares with
-// fmaf in order, and the warps' sums and the sum of those take block_sum's trees. Each block
-// writes its share of the residual.
+// Residual add + RMSNorm → h codes in sm.act, in every block (residual_rstd: the row kernel's
+// order), each block writing its share of the residual.
 template <bool kW4>
 __device__ void rmsnorm(const LayerStepArgs& a, Smem& sm) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   float r[2][kRowValues];
+  const float rstd = residual_rstd(a.hidden, a.residual, a.residual_out, a.eps, sm.warp_sums, r);
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
-    const int row_warp = warp + i * kWarps;
-    if (row_warp >= kRowWarps) break;
-    const int first = (32 * row_warp + lane) * kRowValues;
-    float values[kRowValues];
-    load_values<kRowValues>(a.hidden + first, true, values);
-    if (a.residual != nullptr) {
-      float res[kRowValues];
-      load_values<kRowValues>(a.residual + first, true, res);
-#pragma unroll
-      for (int j = 0; j < kRowValues; ++j) values[j] = __fadd_rn(values[j], res[j]);
-    }
-    float sum_sq = 0.f;
-#pragma unroll
-    for (int j = 0; j < kRowValues; ++j) {
-      r[i][j] = values[j];
-      sum_sq = fmaf(values[j], values[j], sum_sq);
-    }
-    sum_sq = warp_sum(sum_sq);
-    if (lane == 0) sm.warp_sums[row_warp] = sum_sq;
-    if ((32 * row_warp + lane) % kBlocks == blockIdx.x) store_row<kRowValues>(a.residual_out + first, r[i]);
-  }
-  consumer_sync();
-  const float total = warp_sum(lane < kRowWarps ? sm.warp_sums[lane] : 0.f);
-  const float rstd = __frsqrt_rn(__fadd_rn(__fdiv_rn(total, static_cast<float>(kModel)), a.eps));
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int row_warp = warp + i * kWarps;
-    if (row_warp >= kRowWarps) break;
-    const int first = (32 * row_warp + lane) * kRowValues;
+    if (!has_row(i)) break;
+    const int first = row_first(i);
 #pragma unroll
     for (int j = 0; j < kRowValues; ++j)
       sm.act[act_at<kW4>(first + j, kModel)] = quantize_rn(__fmul_rn(r[i][j], rstd), a.h_inv_scale);

@@ -38,7 +38,6 @@ namespace {
 
 using namespace layer_ring;  // Mamba-2.8B's sizes, the split over 128 blocks, the weight ring
 using L = Layout<true>;      // in_proj and out_proj as packed 4-bit rows
-using quamba::gemm::warp_sum;
 using quamba::gemm4::Act;
 
 // Block b's small chunk: x_proj's packed columns of its 40 channels [kOuts, 20 bytes], the fp16
@@ -171,39 +170,15 @@ __device__ __forceinline__ float warps_total(const Smem& sm, int r) {
 // v as float16 stores it.
 __device__ __forceinline__ float rounded(float v) { return __half2float(__float2half_rn(v)); }
 
-// Residual add + RMSNorm → fp16 h in sm.act, in every block: warp w takes row warps w and w + 8,
-// lane l of row warp v values 8 (32 v + l) ... + 7 (weight: their norm weights). Each block
-// writes its share of the residual.
+// Residual add + RMSNorm → fp16 h in sm.act, in every block (residual_rstd; weight: the norm
+// weights of the lane's values), each block writing its share of the residual.
 __device__ void rmsnorm(const W4A16LayerArgs& a, Smem& sm, const float (&weight)[2][kRowValues]) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   float r[2][kRowValues];
+  const float rstd = residual_rstd(a.hidden, a.residual, a.residual_out, a.eps, sm.warp_sums, r);
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
-    const int row_warp = warp + i * kWarps;
-    if (row_warp >= kRowWarps) break;
-    const int first = (32 * row_warp + lane) * kRowValues;
-    load_values<kRowValues>(a.hidden + first, true, r[i]);
-    if (a.residual != nullptr) {
-      float res[kRowValues];
-      load_values<kRowValues>(a.residual + first, true, res);
-#pragma unroll
-      for (int j = 0; j < kRowValues; ++j) r[i][j] = __fadd_rn(r[i][j], res[j]);
-    }
-    float sum_sq = 0.f;
-#pragma unroll
-    for (int j = 0; j < kRowValues; ++j) sum_sq = fmaf(r[i][j], r[i][j], sum_sq);
-    sum_sq = warp_sum(sum_sq);
-    if (lane == 0) sm.warp_sums[row_warp] = sum_sq;
-    if ((32 * row_warp + lane) % kBlocks == blockIdx.x) store_row<kRowValues>(a.residual_out + first, r[i]);
-  }
-  consumer_sync();
-  const float total = warp_sum(lane < kRowWarps ? sm.warp_sums[lane] : 0.f);
-  const float rstd = __frsqrt_rn(__fadd_rn(__fdiv_rn(total, static_cast<float>(kModel)), a.eps));
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int row_warp = warp + i * kWarps;
-    if (row_warp >= kRowWarps) break;
-    const int first = (32 * row_warp + lane) * kRowValues;
+    if (!has_row(i)) break;
+    const int first = row_first(i);
     __half h[kRowValues];
 #pragma unroll
     for (int j = 0; j < kRowValues; ++j) h[j] = __float2half_rn(__fmul_rn(__fmul_rn(r[i][j], rstd), weight[i][j]));
@@ -337,8 +312,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) w4a16_layer_kernel(const W4A
   float norm_weight[2][kRowValues] = {};
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
-    const int row_warp = t / 32 + i * kWarps;
-    if (row_warp < kRowWarps) load_values<kRowValues>(a.norm_weight + (32 * row_warp + t % 32) * kRowValues, true, norm_weight[i]);
+    if (has_row(i)) load_values<kRowValues>(a.norm_weight + row_first(i), true, norm_weight[i]);
   }
   const int d_conv = b * kChannels + t;  // t < kChannels: the conv's channel
   float conv_weight[kWidth] = {}, conv_bias = 0.f;

@@ -72,17 +72,25 @@ def _check(hidden, residual, layer: LayerWeights, conv_state, ssm_state) -> None
     """ValueError for inputs outside the op's scope, on every backend."""
     out_proj = layer.out_proj
     d_model = (out_proj.packed if isinstance(out_proj, W4A8Weight) else out_proj.weight).shape[0]
-    if hidden.dim() != 3 or hidden.shape[1:] != (1, d_model) or not hidden.is_floating_point():
-        raise ValueError(f"{OP}: hidden must be float [batch, 1, {d_model}], got {hidden.dtype} "
-                         f"{tuple(hidden.shape)}")
-    if residual is not None and (residual.shape != hidden.shape or residual.dtype != torch.float32):
-        raise ValueError(f"{OP}: residual must be fp32 of hidden's shape {tuple(hidden.shape)}, got "
-                         f"{residual.dtype} {tuple(residual.shape)}")
+    check_block_step(OP, hidden, residual, torch.float32, d_model, conv_state, ssm_state)
     if ssm_state.dtype != torch.int8:
         raise ValueError(f"{OP}: ssm_state must be int8 codes (QuantConfig.state_cache 'int8'), got "
                          f"{ssm_state.dtype}")
+
+
+def check_block_step(op: str, hidden, residual, residual_dtype, d_model: int, conv_state,
+                     ssm_state) -> None:
+    """ValueError unless a block's decode-step op (``op``) gets hidden float [batch, 1, d_model],
+    a residual of hidden's shape in ``residual_dtype`` or None, and states of hidden's batch."""
+    if hidden.dim() != 3 or hidden.shape[1:] != (1, d_model) or not hidden.is_floating_point():
+        raise ValueError(f"{op}: hidden must be float [batch, 1, {d_model}], got {hidden.dtype} "
+                         f"{tuple(hidden.shape)}")
+    if residual is not None and (residual.shape, residual.dtype) != (hidden.shape, residual_dtype):
+        dtype_name = "fp32" if residual_dtype == torch.float32 else residual_dtype
+        raise ValueError(f"{op}: residual must be {dtype_name} of hidden's shape "
+                         f"{tuple(hidden.shape)}, got {residual.dtype} {tuple(residual.shape)}")
     if conv_state.shape[0] != hidden.shape[0] or ssm_state.shape[0] != hidden.shape[0]:
-        raise ValueError(f"{OP}: the states' batch {conv_state.shape[0]}, {ssm_state.shape[0]} is "
+        raise ValueError(f"{op}: the states' batch {conv_state.shape[0]}, {ssm_state.shape[0]} is "
                          f"not hidden's {hidden.shape[0]}")
 
 

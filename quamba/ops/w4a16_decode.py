@@ -43,6 +43,7 @@ import torch.nn.functional as F
 
 from quamba.ops import backend
 from quamba.ops.causal_conv1d import causal_conv1d_update
+from quamba.ops.fused_layer import check_block_step
 from quamba.ops.qlinear4 import w4a16_linear
 from quamba.ops.rms_norm import rms_norm
 from quamba.ops.selective_scan import selective_state_update
@@ -172,17 +173,9 @@ def w4a16_layer_step(hidden, residual, layer: W4A16LayerWeights, conv_state, ssm
 def _check_layer(hidden, residual, layer: W4A16LayerWeights, conv_state, ssm_state) -> None:
     """ValueError for inputs outside the layer op's scope, on every backend (the SSM side's
     shapes are :func:`w4a16_ssm_step`'s to check)."""
-    d_model = layer.out_proj.packed.shape[0]
-    if hidden.dim() != 3 or hidden.shape[1:] != (1, d_model) or not hidden.is_floating_point():
-        raise ValueError(f"{LAYER_OP}: hidden must be float [batch, 1, {d_model}], got "
-                         f"{hidden.dtype} {tuple(hidden.shape)}")
     residual_dtype = torch.float32 if layer.residual_in_fp32 else hidden.dtype
-    if residual is not None and (residual.shape, residual.dtype) != (hidden.shape, residual_dtype):
-        raise ValueError(f"{LAYER_OP}: residual must be {residual_dtype} of hidden's shape "
-                         f"{tuple(hidden.shape)}, got {residual.dtype} {tuple(residual.shape)}")
-    if conv_state.shape[0] != hidden.shape[0] or ssm_state.shape[0] != hidden.shape[0]:
-        raise ValueError(f"{LAYER_OP}: the states' batch {conv_state.shape[0]}, "
-                         f"{ssm_state.shape[0]} is not hidden's {hidden.shape[0]}")
+    check_block_step(LAYER_OP, hidden, residual, residual_dtype, layer.out_proj.packed.shape[0],
+                     conv_state, ssm_state)
 
 
 def chain_layer_step(hidden, residual, layer: W4A16LayerWeights, conv_state, ssm_state,
