@@ -171,9 +171,9 @@ __device__ __forceinline__ int row_first(int i) {
 }
 
 // Residual add and 1 / rms of the whole row in every block: r[i] holds hidden + residual at
-// row_first(i) (where has_row(i)), whose squares each lane adds with fmaf in order; the warps' sums and the sum of
-// those take block_sum's trees (warp_sums: 32 floats of shared memory). Each block writes its share
-// of the residual. Ends with a consumer barrier.
+// row_first(i) (where has_row(i)), whose squares each lane adds with fmaf in order; the warps'
+// sums and the sum of those take block_sum's trees (warp_sums: 32 floats of shared memory). Each
+// block writes its share of the residual. The consumers meet once inside.
 __device__ __forceinline__ float residual_rstd(const __half* hidden, const float* residual, float* residual_out,
                                                float eps, float* warp_sums, float (&r)[2][kRowValues]) {
   const int lane = threadIdx.x % 32;
