@@ -123,7 +123,12 @@ __device__ void produce(const int8_t* in_proj, const int8_t* small, const int8_t
   static_assert(kSmallBytes <= kChunkBytes && kSmallBytes % 16 == 0 && kInFlight < kSlots);
   for (int k = 0; k < L::kChunks; ++k) {
     const int slot = k % kSlots;
-    if (k >= kSlots) mbar_wait(&sm.empty[slot], (k / kSlots - 1) & 1);
+    if (k >= kSlots) {
+      mbar_wait(&sm.empty[slot], (k / kSlots - 1) & 1);
+      // The consumers read the slot through the generic proxy and the bulk copy writes it through
+      // the async proxy: the empty barrier orders the two threads, this fence the two proxies.
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    }
     if (k >= kInFlight) mbar_wait(&sm.full[(k - kInFlight) % kSlots], ((k - kInFlight) / kSlots) & 1);
     const int8_t* src;
     int bytes;
