@@ -13,6 +13,8 @@
 
 #include <cuda_runtime.h>
 
+#include "kernel_image.h"
+
 namespace quamba::gemm {
 
 enum class OutType { kInt8, kFloat16, kBFloat16, kFloat32 };
@@ -75,7 +77,6 @@ void launch_gemm_sm90(const GemmArgs& args, int config = -1);
 constexpr int kSwappedMinM = 9;
 inline bool swapped_sm90_preferred(int M, int N) { return M >= kSwappedMinM && M <= kSkinnyMaxM && N > 256; }
 
-// Fails with a clear message when this binary holds no machine code (nor PTX) for the device.
-void check_kernel_image(const void* kernel, const char* name);
+using quamba::check_kernel_image;  // kernel_image.h
 
 }  // namespace quamba::gemm

@@ -23,16 +23,6 @@
 
 namespace quamba::gemm {
 
-void check_kernel_image(const void* kernel, const char* name) {
-  cudaFuncAttributes attributes;
-  const cudaError_t error = cudaFuncGetAttributes(&attributes, kernel);
-  if (error == cudaSuccess) return;
-  (void)cudaGetLastError();  // clear it, so that later launch checks don't report it again
-  const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
-  TORCH_CHECK(false, name, ": quamba._C holds no kernel for this GPU (compute capability ", prop->major, ".",
-              prop->minor, ": ", cudaGetErrorString(error), "); rebuild with TORCH_CUDA_ARCH_LIST including it");
-}
-
 namespace {
 
 using checks::aligned16;

@@ -15,6 +15,7 @@
 #include <type_traits>
 
 #include "../float_convert.cuh"
+#include "../kernel_image.h"
 
 namespace quamba_ssm {
 
@@ -379,22 +380,10 @@ inline Discretization discretization_of(c10::string_view name) {
               std::string(name.data(), name.size()), "'");
 }
 
-// Every entry point verifies that this build holds machine code the current GPU can run, so an
-// architecture missing from the build fails loudly instead of returning unwritten memory.
+// quamba::check_kernel_image (kernel_image.h) for a kernel function.
 template <typename Kernel>
 void check_kernel_image(Kernel kernel, const char* op) {
-  cudaFuncAttributes attributes;
-  cudaError_t status = cudaFuncGetAttributes(&attributes, kernel);
-  if (status != cudaSuccess) {
-    cudaGetLastError();  // clear the sticky-free error so later calls are unaffected
-    int device = 0, major = 0, minor = 0;
-    C10_CUDA_CHECK(cudaGetDevice(&device));
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-    TORCH_CHECK(false, op, ": the quamba extension holds no kernel for this GPU (sm_", text(major),
-                text(minor), "): ", cudaGetErrorString(status),
-                "; rebuild with TORCH_CUDA_ARCH_LIST naming it");
-  }
+  quamba::check_kernel_image(reinterpret_cast<const void*>(kernel), op);
 }
 
 inline cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream(); }
