@@ -22,7 +22,7 @@ inline void check_kernel_image(const void* kernel, const char* op) {
   (void)cudaGetLastError();  // clear a non-sticky error, so that later calls don't report it again
   TORCH_CHECK(missing_kernel_image(status), op, ": a CUDA error is pending from earlier work: ",
               cudaGetErrorString(status),
-              " (an earlier kernel's, reported here; CUDA_LAUNCH_BLOCKING=1 names the kernel that failed)");
+              " (left by an earlier kernel or CUDA call; CUDA_LAUNCH_BLOCKING=1 names the kernel that failed)");
   int device = 0, major = 0, minor = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
