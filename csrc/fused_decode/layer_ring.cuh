@@ -10,6 +10,7 @@
 #pragma once
 
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -247,11 +248,15 @@ inline std::string kernel_lacks(int64_t d_model, int64_t d_inner, int64_t d_stat
   return shape.empty() ? device_lacks(static_cast<int>(device), smem_bytes) : shape;
 }
 
-// A launch of kBlocks blocks, programmatically dependent on the kernel before it and cooperative:
-// every block resident at once (the grid barriers need it), or a launch error rather than a hang
-// where the SMs are shared.
+// op's launch of kBlocks blocks on the current device, once it can hold them and this build has the
+// kernel for it: programmatically dependent on the kernel before it and cooperative, every block
+// resident at once (the grid barriers need it), or a launch error rather than a hang where the SMs
+// are shared.
 template <typename Args>
-void launch(void (*kernel)(Args), int smem_bytes, const Args& args) {
+void launch(const char* op, void (*kernel)(Args), int smem_bytes, const Args& args) {
+  const std::string lacks = device_lacks(c10::cuda::current_device(), smem_bytes);
+  TORCH_CHECK(lacks.empty(), op, ": ", lacks);
+  check_kernel_image(kernel, op);
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
   cudaLaunchAttribute attributes[2];
   attributes[0].id = cudaLaunchAttributeCooperative;

@@ -508,8 +508,6 @@ std::tuple<at::Tensor, at::Tensor> qmamba_layer_step(
       {z_scale, "z_scale"}};
   for (const auto& [value, name] : scales) check_positive_scale(value, name);
   const c10::cuda::CUDAGuard guard(hidden.device());
-  const std::string lacks = device_lacks(hidden.get_device(), sizeof(Smem));
-  TORCH_CHECK(lacks.empty(), "qmamba_layer_step: ", lacks);
 
   at::Tensor out = at::empty({kModel}, hidden.options());
   at::Tensor residual_out = at::empty({kModel}, hidden.options().dtype(at::kFloat));
@@ -552,8 +550,7 @@ std::tuple<at::Tensor, at::Tensor> qmamba_layer_step(
   args.y = reinterpret_cast<__half*>(words + kCounterWords + kSumWords);
 
   const auto kernel = w4 ? layer_step_kernel<true> : layer_step_kernel<false>;
-  check_kernel_image(kernel, "qmamba_layer_step");
-  launch(kernel, sizeof(Smem), args);
+  launch("qmamba_layer_step", kernel, sizeof(Smem), args);
   return {out, residual_out};
 }
 

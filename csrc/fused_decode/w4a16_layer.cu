@@ -438,8 +438,6 @@ std::tuple<at::Tensor, at::Tensor> w4a16_layer_step(
   if (D.has_value()) check_tensor(*D, hidden, at::kFloat, {kInner}, "D");
   check_tensor(workspace, hidden, at::kInt, {kWorkspaceWords}, "workspace");
   const c10::cuda::CUDAGuard guard(hidden.device());
-  const std::string lacks = device_lacks(hidden.get_device(), sizeof(Smem));
-  TORCH_CHECK(lacks.empty(), "w4a16_layer_step: ", lacks);
 
   at::Tensor out = at::empty({kModel}, hidden.options());
   at::Tensor residual_out = at::empty({kModel}, hidden.options().dtype(at::kFloat));
@@ -465,8 +463,7 @@ std::tuple<at::Tensor, at::Tensor> w4a16_layer_step(
   args.counter = reinterpret_cast<unsigned*>(words);
   args.sums = reinterpret_cast<unsigned long long*>(words + kCounterWords);
   args.y = reinterpret_cast<__half*>(words + kCounterWords + kSumWords);
-  check_kernel_image(w4a16_layer_kernel, "w4a16_layer_step");
-  launch(w4a16_layer_kernel, sizeof(Smem), args);
+  launch("w4a16_layer_step", w4a16_layer_kernel, sizeof(Smem), args);
   return {out, residual_out};
 }
 
