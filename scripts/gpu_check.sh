@@ -17,7 +17,12 @@
 #                 this script again with --no-build
 #   --sanitizer   also run the tests named *small* under compute-sanitizer --tool memcheck, and the
 #                 small conv, scan and norm tests (the kernels that share memory between threads)
-#                 under --tool racecheck (each stopped after $SANITIZER_TIMEOUT seconds, default 1800)
+#                 under --tool racecheck; and the layer kernels' exactness tests under memcheck and
+#                 synccheck, filtered to the layer kernels. Not racecheck on the layer kernels: it
+#                 reports their mbarrier-ordered ring refills, as it does a minimal mbarrier ring's;
+#                 nor initcheck on these tests: it takes cuBLAS's outputs for unwritten memory
+#                 (benchmarks/RESULTS.md). Each step stops after $SANITIZER_TIMEOUT seconds
+#                 (default 1800)
 #   --no-build    reuse quamba._C (and the baseline) built by an earlier call on the same machine
 #   --quick       shorter benchmark timing runs
 #   --e2e         end-to-end generation profiles (benchmarks/profile_mamba.py): Mamba-130m and
@@ -86,14 +91,21 @@ run_tests() {
     tests/ops/test_gated_norm.py
 }
 
-# sanitize TOOL TESTS SELECTION: runs the selected tests under compute-sanitizer's TOOL; any error
-# it reports fails the step.
+# sanitize TOOL TESTS SELECTION [OPTION...]: runs the selected tests under compute-sanitizer's TOOL
+# with its OPTIONs; any error it reports fails the step.
 sanitize() {
-  local sanitizer
+  local sanitizer tool=$1 tests=$2 selection=$3
+  shift 3
   sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
-  timeout "${SANITIZER_TIMEOUT:-1800}" "$sanitizer" --tool "$1" --error-exitcode 9 --target-processes all \
-    "$PYTHON" -m pytest -q -x -p no:cacheprovider $2 -k "$3"
+  timeout "${SANITIZER_TIMEOUT:-1800}" "$sanitizer" --tool "$tool" --error-exitcode 9 --target-processes all \
+    "$@" "$PYTHON" -m pytest -q -x -p no:cacheprovider $tests -k "$selection"
 }
+
+# The layer kernels' exactness tests: a W8A8 and a W4A8 block step bit for bit against the chain,
+# a W4A16 one against fp64.
+LAYER_TESTS="tests/ops/test_cuda_fused_layer.py tests/ops/test_cuda_w4a16_layer.py"
+LAYER_SELECTION="bit_for_bit or fp64"
+LAYER_KERNELS=(--kernel-name kns=layer_)  # layer_step_kernel, w4a16_layer_kernel
 
 run_benchmarks() {
   local bench status=0
@@ -138,6 +150,8 @@ if [ "$BUILT" = 1 ]; then
   [ "$E2E" = 1 ] && step e2e run_e2e
   [ "$SANITIZER" = 1 ] && step memcheck sanitize memcheck "tests/*/test_cuda_*.py" small
   [ "$SANITIZER" = 1 ] && step racecheck sanitize racecheck tests/ops/test_cuda_ssm.py small
+  [ "$SANITIZER" = 1 ] && step memcheck-layer sanitize memcheck "$LAYER_TESTS" "$LAYER_SELECTION" "${LAYER_KERNELS[@]}"
+  [ "$SANITIZER" = 1 ] && step synccheck-layer sanitize synccheck "$LAYER_TESTS" "$LAYER_SELECTION" "${LAYER_KERNELS[@]}"
 fi
 
 {
