@@ -1,4 +1,4 @@
-"""The full-A selective scan (quamba.ops.full_scan) on the GPU: its Triton kernel against its
+"""The full-A selective scan (quamba.ops.scan.full_scan) on the GPU: its Triton kernel against its
 torch reference, d_state 16, L 1024, prefill and one decode step, every discretization.
 
 A is dense and stable per channel; ``--regime mamba`` (default) takes Mamba's ranges (A near
@@ -13,12 +13,12 @@ from __future__ import annotations
 import json
 import math
 
+import common
 import torch
 
-import common
 from quamba.ops import backend
-from quamba.ops.discretization import METHODS
-from quamba.ops.full_scan import full_selective_scan, full_selective_state_update
+from quamba.ops.scan.discretization import METHODS
+from quamba.ops.scan.full_scan import full_selective_scan, full_selective_state_update
 
 DEVICE = torch.device("cuda")
 D_STATE, SEQLEN = 16, 1024

@@ -1,7 +1,7 @@
 """One quantized Mamba1 layer's SSM side at decode: the four quamba kernels of the unfused step
 (qconv1d_update, x_proj's GEMV, dt_proj's GEMV, qsscan_update) against qmixer_ssm_step's
-(quamba.ops.fused_decode) two Triton kernels and its cluster kernel (csrc/fused_decode, W8A8
-x_proj only), at Mamba-2.8B's shapes (d_inner 5120, d_state 16, dt_rank 160, conv width 4),
+(quamba.ops.fused_decode.mixer_step) two Triton kernels and its cluster kernel (csrc/fused_decode,
+W8A8 x_proj only), at Mamba-2.8B's shapes (d_inner 5120, d_state 16, dt_rank 160, conv width 4),
 batch 1 and 8, W8A8 and W4A8 x_proj, int8 and fp32 SSM state.
 
 Each is timed as CUDA-graph replays of many layers' steps, each with its own weights and states
@@ -20,15 +20,15 @@ from __future__ import annotations
 import math
 import sys
 
+import common
 import torch
 
-import common
 from quamba.ops import backend
-from quamba.ops.fused_decode import (ConvWeights, StepScales, W4A8Weight, W8A8Weight,
-                                     project)
-from quamba.ops.qconv1d import qconv1d_update
-from quamba.ops.qlinear import w8a8_linear
-from quamba.ops.qsscan import SSMParams, qsscan_update
+from quamba.ops.conv.qconv1d import qconv1d_update
+from quamba.ops.fused_decode.mixer_step import project
+from quamba.ops.fused_decode.weights import ConvWeights, StepScales, W4A8Weight, W8A8Weight
+from quamba.ops.linear.qlinear import w8a8_linear
+from quamba.ops.scan.qsscan import SSMParams, qsscan_update
 
 DEVICE = torch.device("cuda")
 D_MODEL, D_INNER, D_STATE, D_CONV = 2560, 5120, 16, 4
@@ -38,7 +38,8 @@ GROUP = 128
 BATCHES = (1, 8)
 COLUMNS = ("x_proj", "state", "batch", "unfused_us", "triton_us", "cluster_us", "speedup",
            "floor_us")
-# (CONV_CHANNELS, SCAN_CHANNELS, NUM_WARPS) of quamba.ops.fused_decode_kernel tried by --tiles
+# (CONV_CHANNELS, SCAN_CHANNELS, NUM_WARPS) of quamba.ops.fused_decode.mixer_step_triton tried by
+# --tiles
 TILES = ((64, 64, 8), (128, 32, 4), (128, 64, 4), (256, 64, 8), (128, 128, 8), (64, 32, 4))
 TILE_COLUMNS = ("batch", "conv_channels", "scan_channels", "warps", "fused_us")
 
@@ -81,18 +82,18 @@ def unfused_step(x, z, conv_state, ssm_state, conv, x_proj, dt_proj, params, sca
 
 
 def triton_step(**step):
-    from quamba.ops import fused_decode_kernel
-    return fused_decode_kernel.ssm_step(**step, out_dtype=torch.float16)
+    from quamba.ops.fused_decode import mixer_step_triton
+    return mixer_step_triton.ssm_step(**step, out_dtype=torch.float16)
 
 
 def cluster_step(**step):
-    from quamba.ops.cuda_backend import mixer_step
-    return mixer_step.ssm_step(**step, out_dtype=torch.float16)
+    from quamba.ops.fused_decode import mixer_step_cuda
+    return mixer_step_cuda.ssm_step(**step, out_dtype=torch.float16)
 
 
 def cluster_runs(step: dict) -> bool:
-    from quamba.ops.cuda_backend import mixer_step
-    return mixer_step.lacks(step["x"], step["conv"], step["x_proj"], step["dt_proj"],
+    from quamba.ops.fused_decode import mixer_step_cuda
+    return mixer_step_cuda.lacks(step["x"], step["conv"], step["x_proj"], step["dt_proj"],
                             step["ssm_state"]) is None
 
 
@@ -127,7 +128,7 @@ def bench(x_proj_kind, state_kind, batch, bandwidth, replays) -> dict:
 
 def bench_tiles(replays) -> list[dict]:
     """The fused step (W8A8 x_proj, int8 state) at each of TILES, batch 1 and 8."""
-    from quamba.ops import fused_decode_kernel as kernel
+    from quamba.ops.fused_decode import mixer_step_triton as kernel
     chosen = (kernel.CONV_CHANNELS, kernel.SCAN_CHANNELS, kernel.NUM_WARPS)
     rows = []
     try:

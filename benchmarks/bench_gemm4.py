@@ -21,10 +21,20 @@ from __future__ import annotations
 import sys
 
 import torch
+from common import (
+    copy_bandwidth_gbs,
+    format_table,
+    fp16_linear_us,
+    gemm_options,
+    parse_args,
+    row_counts,
+    run_metadata,
+    skinny_gemm_runs,
+    time_graph_ms,
+    write_json,
+)
 
-from common import (copy_bandwidth_gbs, format_table, fp16_linear_us, gemm_options, parse_args, row_counts,
-                    run_metadata, skinny_gemm_runs, time_graph_ms, write_json)
-from quamba.ops.qlinear4 import w4a16_linear
+from quamba.ops.linear.qlinear4 import w4a16_linear
 
 # name, N, K, W4A8 output dtype (Mamba-2.8B: d_model 2560, d_inner 5120, dt_rank 160, d_state 16)
 LAYERS = [("in_proj", 10240, 2560, torch.int8), ("x_proj", 192, 5120, torch.int8),

@@ -18,11 +18,11 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from torch.profiler import ProfilerActivity, profile
-
 from bench_gemm4 import GROUP, gemv_operands
 from common import format_table, host_ms, parse_args, run_metadata, write_json
-from quamba.ops.qlinear4 import w4a16_linear
+from torch.profiler import ProfilerActivity, profile
+
+from quamba.ops.linear.qlinear4 import w4a16_linear
 
 N, K = 10240, 2560
 

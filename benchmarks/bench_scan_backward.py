@@ -1,7 +1,7 @@
 """Forward + backward of Mamba1's selective scan on the GPU (training): quamba's fused Triton
-kernels (``trainable_selective_scan`` on ``cuda``, quamba.ops.triton_scan) against autograd
-through the torch reference and mamba-ssm's ``selective_scan_fn`` (CUDA, zoh only) where it is
-installed. Shapes: d_inner 1536, d_state 16, L 2048, batch 1 and 8, with D, z, Δ bias and
+kernels (``trainable_selective_scan`` on ``cuda``, quamba.ops.scan.trainable_scan_triton) against
+autograd through the torch reference and mamba-ssm's ``selective_scan_fn`` (CUDA, zoh only) where it
+is installed. Shapes: d_inner 1536, d_state 16, L 2048, batch 1 and 8, with D, z, Δ bias and
 softplus as Mamba's mixer uses them; fp32 inputs (and bf16 u, Δ, B, C, z for the kernels).
 Times: the median of fwd + bwd (autograd.grad of y against a fixed dy), per discretization for
 the fused kernels (mamba-ssm and the reference at zoh).
@@ -10,11 +10,11 @@ the fused kernels (mamba-ssm and the reference at zoh).
 """
 from __future__ import annotations
 
+import common
 import torch
 
-import common
-from quamba.ops import triton_scan
-from quamba.ops.trainable_scan import FUSED_METHODS, trainable_selective_scan
+from quamba.ops.scan import trainable_scan_triton
+from quamba.ops.scan.trainable_scan import FUSED_METHODS, trainable_selective_scan
 
 DEVICE = torch.device("cuda")
 D_INNER, D_STATE, SEQLEN = 1536, 16, 2048
@@ -48,7 +48,7 @@ def forward_backward(scan, values):
 
 def fused(method, **options):
     if options:
-        return lambda **v: triton_scan.selective_scan(**v, delta_softplus=True,
+        return lambda **v: trainable_scan_triton.selective_scan(**v, delta_softplus=True,
                                                       discretization=method, **options)
     return lambda **v: trainable_selective_scan(**v, delta_softplus=True, discretization=method,
                                                 backend_name="cuda")

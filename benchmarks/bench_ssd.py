@@ -8,20 +8,20 @@ Python wrapper alone outlasts its kernels at batch 1). Shapes: Mamba2-2.7B's hea
     python benchmarks/bench_ssd.py --out results_ssd.json [--quick] [--step]
 
 --step adds the decode step (``qssd_state_update``, int8 state) at batch 1 to 64 for each number of
-a head's channels per program (STEP_BLOCK_P of quamba.ops.cuda_backend.ssd), against mamba-ssm's
+a head's channels per program (STEP_BLOCK_P of quamba.ops.ssd.ssd_triton), against mamba-ssm's
 ``selective_state_update`` (Triton) on an fp32 state, the layout its Mamba2 step passes.
 --state_tiles adds the int8 prefill for each tile of its pass 1 (the chunks' own states:
 STATE_BLOCK_T steps, STATE_BLOCK_N states, STATE_WARPS warps a program).
 """
 from __future__ import annotations
 
+import common
 import torch
 
-import common
-from quamba.ops.qsscan import SSMParams
-from quamba.ops.qssd import qssd_scan
 from quamba.ops.quant import quantize_weight
-from quamba.ops.ssd import ssd_scan
+from quamba.ops.scan.qsscan import SSMParams
+from quamba.ops.ssd.qssd import qssd_scan
+from quamba.ops.ssd.ssd import ssd_scan
 
 DEVICE = torch.device("cuda")
 NHEADS, HEADDIM, NGROUPS, D_STATE, CHUNK = 80, 64, 1, 128, 256
@@ -81,30 +81,30 @@ STATE_TILES = [(t, n, w) for t in (32, 64) for n in (64, 128) for w in (4, 8)]
 
 def state_tile_rows(replays: int) -> list[dict]:
     """The int8 prefill's time per pass-1 tile (STATE_TILES), at each of SHAPES."""
-    from quamba.ops.cuda_backend import ssd
-    default = ssd.STATE_BLOCK_T, ssd.STATE_BLOCK_N, ssd.STATE_WARPS
+    from quamba.ops.ssd import ssd_triton
+    default = ssd_triton.STATE_BLOCK_T, ssd_triton.STATE_BLOCK_N, ssd_triton.STATE_WARPS
     rows = []
     for batch, seqlen in SHAPES:
         int8, fp16 = inputs(batch, seqlen)
         row = {"batch": batch, "seqlen": seqlen}
         for tile in STATE_TILES:
-            ssd.STATE_BLOCK_T, ssd.STATE_BLOCK_N, ssd.STATE_WARPS = tile
+            ssd_triton.STATE_BLOCK_T, ssd_triton.STATE_BLOCK_N, ssd_triton.STATE_WARPS = tile
             row["t{}_n{}_w{}_us".format(*tile)] = 1e3 * common.time_graph_ms(
                 lambda _: lambda: qssd_scan(**int8, backend_name="cuda"), 4 * fp16["x"].numel(),
                 replays=replays)
-        ssd.STATE_BLOCK_T, ssd.STATE_BLOCK_N, ssd.STATE_WARPS = default
+        ssd_triton.STATE_BLOCK_T, ssd_triton.STATE_BLOCK_N, ssd_triton.STATE_WARPS = default
         rows.append(row)
     return rows
 
 
 def step_rows(replays: int) -> list[dict]:
-    from quamba.ops.cuda_backend import ssd
-    from quamba.ops.qssd import qssd_state_update
+    from quamba.ops.ssd import ssd_triton
+    from quamba.ops.ssd.qssd import qssd_state_update
     try:
         from mamba_ssm.ops.triton.selective_state_update import selective_state_update
     except ImportError:
         selective_state_update = None
-    rows, default = [], ssd.STEP_BLOCK_P
+    rows, default = [], ssd_triton.STEP_BLOCK_P
     for batch in STEP_BATCHES:
         step, state, baseline = step_inputs(batch)
         state_bytes = 2 * state.numel()
@@ -118,10 +118,10 @@ def step_rows(replays: int) -> list[dict]:
             own = dict(baseline, state=baseline["state"].clone())
             return lambda: selective_state_update(**own)
         for block_p in STEP_BLOCKS:
-            ssd.STEP_BLOCK_P = block_p
+            ssd_triton.STEP_BLOCK_P = block_p
             row[f"int8_p{block_p}_us"] = 1e3 * common.time_graph_ms(int8_step, state_bytes,
                                                                     replays=replays)
-        ssd.STEP_BLOCK_P = default
+        ssd_triton.STEP_BLOCK_P = default
         if selective_state_update is not None:
             row["mamba_ssm_us"] = 1e3 * common.time_graph_ms(baseline_step, 8 * state.numel(),
                                                              replays=replays)

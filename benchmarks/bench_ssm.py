@@ -17,8 +17,8 @@ where mamba-ssm or causal-conv1d is not installed.
 chunked one (config 2, the default) at several chunk lengths.
 
 ``--discretizations`` times instead QSScan's prefill (module layout, batch 1 and 8) and decode
-step (batch 1 and 8) for every discretization of quamba.ops.discretization, with each one's time
-over zoh's (``vs_zoh``) on the same inputs.
+step (batch 1 and 8) for every discretization of quamba.ops.scan.discretization, with each one's
+time over zoh's (``vs_zoh``) on the same inputs.
 
 ``--decode`` times only the decode steps, at batch 1, 8, 16, 32, 64 and 128.
 
@@ -29,17 +29,17 @@ from __future__ import annotations
 import functools
 import math
 
+import common
 import torch
 
-import common
 from quamba.ops import backend
-from quamba.ops.discretization import DEFAULT, METHODS
-from quamba.ops.qconv1d import qconv1d, qconv1d_update
-from quamba.ops.qhadamard import hadamard_quant
-from quamba.ops.qnorm import rmsnorm_quant
-from quamba.ops.qlinear import w8a8_linear
-from quamba.ops.qsscan import DtProjection, SSMParams, qsscan, qsscan_update
+from quamba.ops.conv.qconv1d import qconv1d, qconv1d_update
+from quamba.ops.linear.qlinear import w8a8_linear
+from quamba.ops.norm.qhadamard import hadamard_quant
+from quamba.ops.norm.qnorm import rmsnorm_quant
 from quamba.ops.quant import requant_multiplier
+from quamba.ops.scan.discretization import DEFAULT, METHODS
+from quamba.ops.scan.qsscan import DtProjection, SSMParams, qsscan, qsscan_update
 
 DEVICE = torch.device("cuda")
 BATCH, D_INNER, D_STATE, D_CONV, D_MODEL = 1, 5120, 16, 4, 2560
@@ -157,7 +157,7 @@ def bench_scan_configs(timer, batch, seqlen):
     """Every launch configuration of the QSScan kernel (the op's default is one of them), and
     the chunked one at several chunk lengths (module layout)."""
     backend.cuda_extension_error()  # loads quamba._C and registers the cuda backend
-    from quamba.ops.cuda_backend.ssm import qsscan_op_args
+    from quamba.ops.scan.cuda import qsscan_op_args
 
     params, rows = ssm_params(), []
     nbytes = scan_bytes(seqlen, 1, 2, 1, batch)

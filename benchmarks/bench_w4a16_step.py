@@ -15,15 +15,14 @@ from __future__ import annotations
 import os
 import sys
 
-import torch
-
 import common
+import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests' cases
 
 from quamba.ops import fp_kernels  # noqa: E402
-from quamba.ops.cuda_backend import w4a16_step  # noqa: E402
-from quamba.ops.w4a16_decode import chain_step  # noqa: E402
+from quamba.ops.fused_decode import w4a16_step_cuda  # noqa: E402
+from quamba.ops.fused_decode.w4a16_step import chain_step  # noqa: E402
 from tests.ops.w4a16_step_cases import cloned, step_case  # noqa: E402
 
 BATCHES = (1, 2, 4, 8)
@@ -38,7 +37,7 @@ def main():
     print(torch.cuda.get_device_name(), "chain FP ops:", fp_kernels.missing() or "mamba-ssm")
     for batch in BATCHES:
         case = cloned(step_case(batch, 5120, 16, 160, 4, 128, device="cuda"))
-        kernel_us = l2_resident_us(lambda: w4a16_step.ssm_step(**case))
+        kernel_us = l2_resident_us(lambda: w4a16_step_cuda.ssm_step(**case))
         chain_us = l2_resident_us(lambda: chain_step(**case, backend_name="cuda"))
         print(f"batch {batch}: kernel {kernel_us:.2f} us, chain {chain_us:.2f} us", flush=True)
 

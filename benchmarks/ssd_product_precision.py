@@ -1,7 +1,7 @@
 """What the Triton SSD's fp16 products cost a quantized Mamba2, measured on CPU: the torch
 reference's chunk step with the kernel's roundings emulated (C·Bᵀ from tf32 operands; the masked
 weights (C Bᵀ ∘ decay ∘ Δ), the carried state and the B side of the chunk state rounded to fp16, as
-quamba.ops.cuda_backend.ssd rounds them for int8 inputs) against the plain reference.
+quamba.ops.ssd.ssd_triton rounds them for int8 inputs) against the plain reference.
 
 Two numbers: how far the logits of the random-weight 3-layer model of
 tests/models/test_cuda_mamba2.py move (W8A8, W4A8 and FP), and the trained tiny-mamba2's W8A8
@@ -17,11 +17,11 @@ import datetime
 import json
 from pathlib import Path
 
+import common
 import torch
 
-import common
 import quamba
-import quamba.ops.ssd as ssd
+import quamba.ops.ssd.ssd as ssd
 from quamba.eval.perplexity import perplexity
 from quamba.models.config import MambaConfig
 from quamba.models.mamba import MambaLMHeadModel, randomize_
@@ -42,7 +42,7 @@ def fp16(t: torch.Tensor) -> torch.Tensor:
 
 
 def kernel_rounded_chunk(x, dt, decay, B, C, state):
-    """quamba.ops.ssd._ssd_chunk with the kernel's product operands rounded."""
+    """quamba.ops.ssd.ssd._ssd_chunk with the kernel's product operands rounded."""
     cumulative = decay.cumsum(dim=1)
     log_decay = cumulative.transpose(1, 2)
     between = log_decay[..., :, None] - log_decay[..., None, :]

@@ -36,7 +36,7 @@ sys.path.insert(0, str(REPO_ROOT))
 
 import quamba.models.mamba as mamba_module  # noqa: E402
 from quamba.models import MambaConfig, MambaLMHeadModel, save_model  # noqa: E402
-from quamba.ops.selective_scan import selective_scan  # noqa: E402
+from quamba.ops.scan.selective_scan import selective_scan  # noqa: E402
 
 DATA_DIR = REPO_ROOT.parent / "shared" / "data"
 OUT_DIR = REPO_ROOT / "tests" / "fixtures" / "tiny-mamba"
@@ -95,7 +95,15 @@ def split_documents(args) -> tuple[list[str], list[str]]:
 
 def train_tokenizer(texts: list[str]):
     """A GPT-NeoX-style byte-level BPE: <|endoftext|> = 0 (bos/eos/unk), <|padding|> = 1."""
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from tokenizers import (
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
     from transformers import PreTrainedTokenizerFast
     bpe = Tokenizer(models.BPE())
     bpe.normalizer = normalizers.NFC()
@@ -158,7 +166,8 @@ def one_thread():
 
 
 class _SelectiveScanCore(torch.autograd.Function):
-    """The recurrence of ``quamba.ops.selective_scan``, time-major, with a hand-written backward.
+    """The recurrence of ``quamba.ops.scan.selective_scan``, time-major, with a hand-written
+    backward.
 
     delta (after softplus), u: [t, b, d]; A: [d, n]; B, C: [t, b, n]. Returns y [t, b, d] with
     y[t] = C[t] · h[t], h[t] = exp(delta[t] A) * h[t-1] + delta[t] u[t] B[t], and h[last].
@@ -205,9 +214,9 @@ class _SelectiveScanCore(torch.autograd.Function):
 
 def training_selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None,
                             delta_softplus=False):
-    """``quamba.ops.selective_scan`` (without initial_state) computed by ``_SelectiveScanCore``:
-    the same arithmetic step for step with a far faster backward. ``check_training_scan``
-    compares the two before training starts."""
+    """``quamba.ops.scan.selective_scan`` (without initial_state) computed by
+    ``_SelectiveScanCore``: the same arithmetic step for step with a far faster backward.
+    ``check_training_scan`` compares the two before training starts."""
     out_dtype = u.dtype
     u, delta, A, B, C = u.float(), delta.float(), A.float(), B.float(), C.float()
     if delta_bias is not None:

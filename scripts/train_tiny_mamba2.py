@@ -12,7 +12,7 @@ training_report.json beside it.
     python scripts/train_tiny_mamba2.py               # about 10 minutes of training on 2 cores
     python scripts/train_tiny_mamba2.py --steps 1200  # a fixed number of steps
 
-The model trains on quamba's own chunked SSD (quamba.ops.ssd), which is plain differentiable
+The model trains on quamba's own chunked SSD (quamba.ops.ssd.ssd), which is plain differentiable
 torch code: unlike Mamba1's scan it loops over chunks, not over time steps, so autograd through
 it is fast enough and no training substitute is patched in.
 """
@@ -28,9 +28,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import train_tiny_mamba as base  # noqa: E402  (it puts the repository root on sys.path)
+
 from quamba.models import MambaConfig, load_model  # noqa: E402
 from quamba.models.loading import load_tokenizer  # noqa: E402
-from quamba.ops.ssd import ssd_scan  # noqa: E402
+from quamba.ops.ssd.ssd import ssd_scan  # noqa: E402
 
 TOKENIZER_DIR = base.REPO_ROOT / "tests" / "fixtures" / "tiny-mamba"
 OUT_DIR = base.REPO_ROOT / "tests" / "fixtures" / "tiny-mamba2"

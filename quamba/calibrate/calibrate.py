@@ -13,7 +13,7 @@ from quamba.calibrate.data import CalibrationSet
 from quamba.calibrate.errors import CalibrationError
 from quamba.calibrate.observers import ChannelAbsMaxObserver, ObserverSpec, make_observer
 from quamba.models.mamba2 import Mamba2Mixer
-from quamba.ops.causal_conv1d import causal_conv1d
+from quamba.ops.conv.causal_conv1d import causal_conv1d
 
 _ABSMAX = ObserverSpec("absmax")
 _PERCENTILE = ObserverSpec("percentile", 0.9995)

@@ -6,11 +6,17 @@ import torch
 import torch.nn as nn
 
 from quamba.layers.base import QuantModule
-from quamba.ops.qlinear import w8a8_linear
-from quamba.ops.qlinear4 import w4a8_linear, w4a16_linear, w4a16_linear_channel_major
+from quamba.ops.linear.qlinear import w8a8_linear
+from quamba.ops.linear.qlinear4 import w4a8_linear, w4a16_linear, w4a16_linear_channel_major
 from quamba.ops.quant import dequantize, fake_quantize, quantize_weight
-from quamba.ops.quant4 import (dequantize_int4, effective_scales, group_size_for, pack_int4,
-                               quantize_weight_w4a8, quantize_weight_w4a16)
+from quamba.ops.quant4 import (
+    dequantize_int4,
+    effective_scales,
+    group_size_for,
+    pack_int4,
+    quantize_weight_w4a8,
+    quantize_weight_w4a16,
+)
 
 
 def register_out_scale(layer: QuantModule, out_scale) -> None:

@@ -12,8 +12,8 @@ A decode step (one token) runs conv update → x_proj → scan step op by op, dt
 the scan step up to batch 8 where the scan takes dt as int8 codes (qsscan_update's ``dt_proj``:
 the same dt codes, one kernel fewer on a GPU; above, dt_proj runs between them), or with
 ``fused_decode`` set (off by default: slower on a GPU so far) as one op, qmixer_ssm_step
-(quamba.ops.fused_decode: two Triton kernels on a GPU), where :meth:`QMambaMixer.fuses_decode`
-says it applies.
+(quamba.ops.fused_decode.mixer_step: two Triton kernels on a GPU), where
+:meth:`QMambaMixer.fuses_decode` says it applies.
 """
 from __future__ import annotations
 
@@ -26,19 +26,23 @@ from quamba.layers.base import QuantModule
 from quamba.layers.qlinear import W4A8Linear, W8A8Linear, output_scale
 from quamba.models.mamba import MixerState
 from quamba.ops import backend
-from quamba.ops.causal_conv1d import causal_conv1d, causal_conv1d_update, conv_state_from_prefill
-from quamba.ops.discretization import (DEFAULT as DEFAULT_DISCRETIZATION,
-                                       check as check_discretization, input_drive)
-from quamba.ops.fused_decode import (ConvWeights, StepScales, W4A8Weight, W8A8Weight,
-                                     qmixer_ssm_step)
-from quamba.ops.fused_layer import LayerWeights
-from quamba.ops.hadamard import hadamard_transform
-from quamba.ops.qconv1d import qconv1d, qconv1d_update
-from quamba.ops.qhadamard import hadamard_quant
-from quamba.ops.qsscan import DtProjection, SSMParams, qsscan, qsscan_last_drive, qsscan_update
-from quamba.ops.quant import (dequantize, fake_quantize, fp32_multiplier, quantize,
-                              quantize_weight)
-from quamba.ops.selective_scan import selective_scan, selective_state_update
+from quamba.ops.conv.causal_conv1d import (
+    causal_conv1d,
+    causal_conv1d_update,
+    conv_state_from_prefill,
+)
+from quamba.ops.conv.qconv1d import qconv1d, qconv1d_update
+from quamba.ops.fused_decode.layer_step import LayerWeights
+from quamba.ops.fused_decode.mixer_step import qmixer_ssm_step
+from quamba.ops.fused_decode.weights import ConvWeights, StepScales, W4A8Weight, W8A8Weight
+from quamba.ops.norm.hadamard import hadamard_transform
+from quamba.ops.norm.qhadamard import hadamard_quant
+from quamba.ops.quant import dequantize, fake_quantize, fp32_multiplier, quantize, quantize_weight
+from quamba.ops.scan.discretization import DEFAULT as DEFAULT_DISCRETIZATION
+from quamba.ops.scan.discretization import check as check_discretization
+from quamba.ops.scan.discretization import input_drive
+from quamba.ops.scan.qsscan import DtProjection, SSMParams, qsscan, qsscan_last_drive, qsscan_update
+from quamba.ops.scan.selective_scan import selective_scan, selective_state_update
 
 log = logging.getLogger("quamba")
 
@@ -57,7 +61,7 @@ class QMambaMixer(QuantModule):
     """Quantized mixer with the FP mixer's interface: ``forward(h, state=None, step=False)`` and
     ``allocate_state(batch, device)``. Its input h is what QRMSNorm returns (int8 codes, or
     fake-quantized floats in float-sim mode). Its scan discretizes as ``discretization`` says
-    (quamba.ops.discretization), in every SSM mode."""
+    (quamba.ops.scan.discretization), in every SSM mode."""
 
     def __init__(self, d_model: int, d_inner: int, d_state: int, d_conv: int, dt_rank: int,
                  scales: dict[str, float], h_scale: float, hadamard: bool, out_dtype,
@@ -286,8 +290,8 @@ class QMambaMixer(QuantModule):
         weights = self.layer_weights(norm)
         if weights is None:
             return None
-        from quamba.ops.cuda_backend import layer_step
-        kernel_lacks = layer_step.lacks(hidden, residual, weights, state.conv, state.ssm)
+        from quamba.ops.fused_decode import layer_step_cuda
+        kernel_lacks = layer_step_cuda.lacks(hidden, residual, weights, state.conv, state.ssm)
         if kernel_lacks is not None:
             _log_op_by_op(kernel_lacks)
             return None

@@ -20,13 +20,21 @@ from quamba.layers.qmixer import out_projection, project_codes
 from quamba.models.config import MambaConfig
 from quamba.models.mamba2 import GatedRMSNorm, Mamba2Mixer
 from quamba.models.state import MixerState
-from quamba.ops.causal_conv1d import causal_conv1d, causal_conv1d_update, conv_state_from_prefill
-from quamba.ops.qsscan import SSMParams
-from quamba.ops.qhadamard import gated_norm_hadamard_quant
-from quamba.ops.qssd import (qconv1d_channelwise, qconv1d_channelwise_update, qssd_scan,
-                             qssd_state_update)
+from quamba.ops.conv.causal_conv1d import (
+    causal_conv1d,
+    causal_conv1d_update,
+    conv_state_from_prefill,
+)
+from quamba.ops.norm.qhadamard import gated_norm_hadamard_quant
 from quamba.ops.quant import dequantize, fake_quantize, quantize_weight
-from quamba.ops.ssd import ssd_scan, ssd_state_update
+from quamba.ops.scan.qsscan import SSMParams
+from quamba.ops.ssd.qssd import (
+    qconv1d_channelwise,
+    qconv1d_channelwise_update,
+    qssd_scan,
+    qssd_state_update,
+)
+from quamba.ops.ssd.ssd import ssd_scan, ssd_state_update
 
 # Per-tensor activation scales of a Mamba2 mixer; xbc_in_scale and xbc_scale are per channel.
 ACTIVATION_SCALES = ("z_scale", "dt_scale", "state_scale", "y_scale")

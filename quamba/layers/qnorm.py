@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from quamba.layers.base import QuantModule
-from quamba.ops.qnorm import rmsnorm_quant
+from quamba.ops.norm.qnorm import rmsnorm_quant
 from quamba.ops.quant import dequantize
 
 

@@ -5,7 +5,7 @@ Only these three weights are quantized (W4A16Linear: packed 4-bit codes, fp16 gr
 dt_proj, conv1d, A_log and D keep their float dtypes and activations are never quantized, so
 conv1d and the scan run the FP ops, and the mixer's forward and state are the FP mixer's own. A
 Mamba1 mixer's decode step runs its SSM side (conv, x_proj, dt_proj, the scan step) as one op,
-w4a16_ssm_step (quamba.ops.w4a16_decode: one CUDA kernel on a GPU instead of four), where
+w4a16_ssm_step (quamba.ops.fused_decode.w4a16_step: one CUDA kernel on a GPU instead of four), where
 ``fused_ssm_step`` is set (the default; QuantizedModel.set_fused_ssm_step switches it). Its
 block's (quamba.models.quantized.WeightOnlyBlock) batch-1 decode step on a GPU runs whole as one
 op, w4a16_layer_step, where ``fused_layer`` is set (the default; QuantizedModel.set_fused_layer)
@@ -26,10 +26,14 @@ from quamba.models.mamba import MambaMixer
 from quamba.models.mamba2 import Mamba2Mixer
 from quamba.models.state import MixerState
 from quamba.ops import backend
-from quamba.ops.discretization import DEFAULT as DEFAULT_DISCRETIZATION
-from quamba.ops.hadamard import HadamardTransform
-from quamba.ops.w4a16_decode import (FloatSSMWeights, W4A16LayerWeights, W4A16Weight,
-                                     w4a16_ssm_step)
+from quamba.ops.fused_decode.w4a16_step import (
+    FloatSSMWeights,
+    W4A16LayerWeights,
+    W4A16Weight,
+    w4a16_ssm_step,
+)
+from quamba.ops.norm.hadamard import HadamardTransform
+from quamba.ops.scan.discretization import DEFAULT as DEFAULT_DISCRETIZATION
 
 log = logging.getLogger("quamba")
 
@@ -89,8 +93,8 @@ class WeightOnlyMambaMixer(MambaMixer):
         weights = self.layer_weights(norm, ssm_A)
         if weights is None:
             return None
-        from quamba.ops.cuda_backend import w4a16_layer
-        kernel_lacks = w4a16_layer.lacks(hidden, residual, weights, state.conv, state.ssm)
+        from quamba.ops.fused_decode import w4a16_layer_cuda
+        kernel_lacks = w4a16_layer_cuda.lacks(hidden, residual, weights, state.conv, state.ssm)
         if kernel_lacks is not None:
             _log_op_by_op(kernel_lacks)
             return None

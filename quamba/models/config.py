@@ -5,7 +5,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from quamba.ops.discretization import DEFAULT as DEFAULT_DISCRETIZATION, METHODS as DISCRETIZATIONS
+from quamba.ops.scan.discretization import DEFAULT as DEFAULT_DISCRETIZATION
+from quamba.ops.scan.discretization import METHODS as DISCRETIZATIONS
 
 
 class ConfigError(ValueError):
@@ -20,7 +21,7 @@ class MambaConfig:
     channels per head, ``ngroups`` groups of B and C shared by heads, scan in chunks of
     ``chunk_size`` tokens; its gated RMSNorm normalizes each group of d_inner / ngroups channels).
     ``discretization``: how the Mamba1 selective scan discretizes its ODE ("zoh", mamba_ssm's, by
-    default; see quamba.ops.discretization); Mamba2 runs zoh only.
+    default; see quamba.ops.scan.discretization); Mamba2 runs zoh only.
     """
 
     d_model: int = 768

@@ -22,10 +22,14 @@ from quamba.models.config import MambaConfig
 from quamba.models.mamba2 import Mamba2Mixer, init_mamba2_parameters
 from quamba.models.state import MixerState
 from quamba.ops import backend
-from quamba.ops.causal_conv1d import causal_conv1d, causal_conv1d_update, conv_state_from_prefill
-from quamba.ops.discretization import input_drive
-from quamba.ops.rms_norm import rms_norm
-from quamba.ops.selective_scan import selective_scan, selective_state_update
+from quamba.ops.conv.causal_conv1d import (
+    causal_conv1d,
+    causal_conv1d_update,
+    conv_state_from_prefill,
+)
+from quamba.ops.norm.rms_norm import rms_norm
+from quamba.ops.scan.discretization import input_drive
+from quamba.ops.scan.selective_scan import selective_scan, selective_state_update
 
 
 class RMSNorm(nn.Module):
@@ -70,7 +74,7 @@ def ssm_branch(config: MambaConfig, device=None, dtype=None) -> tuple:
 class MambaMixer(nn.Module):
     """The Mamba1 mixer: in_proj → causal conv1d + SiLU → x_proj → dt_proj → selective scan →
     out_proj. ``online_hadamard`` (set by the rotation pass) rotates y before out_proj. The scan
-    discretizes as ``config.discretization`` says (quamba.ops.discretization)."""
+    discretizes as ``config.discretization`` says (quamba.ops.scan.discretization)."""
 
     def __init__(self, config: MambaConfig, device=None, dtype=None):
         super().__init__()

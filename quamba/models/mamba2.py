@@ -2,7 +2,7 @@
 
     h → in_proj → z [d_inner], xBC [d_inner + 2·ngroups·d_state], dt [nheads]
     xBC → causal conv1d + SiLU → x (nheads × headdim), B, C (ngroups × d_state each)
-    SSD (quamba.ops.ssd): scalar A = -exp(A_log) per head, dt_bias, D per head
+    SSD (quamba.ops.ssd.ssd): scalar A = -exp(A_log) per head, dt_bias, D per head
     y → gated RMSNorm: norm(y · SiLU(z)), RMS over each group of d_inner / ngroups channels
     → out_proj
 
@@ -18,9 +18,13 @@ import torch.nn as nn
 
 from quamba.models.config import MambaConfig
 from quamba.models.state import MixerState
-from quamba.ops.causal_conv1d import causal_conv1d, causal_conv1d_update, conv_state_from_prefill
-from quamba.ops.gated_norm import gated_rms_norm
-from quamba.ops.ssd import ssd_scan, ssd_state_update
+from quamba.ops.conv.causal_conv1d import (
+    causal_conv1d,
+    causal_conv1d_update,
+    conv_state_from_prefill,
+)
+from quamba.ops.norm.gated_norm import gated_rms_norm
+from quamba.ops.ssd.ssd import ssd_scan, ssd_state_update
 
 
 class GatedRMSNorm(nn.Module):
@@ -33,7 +37,7 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
 
     def forward(self, y, z, z_scale=None, out_dtype=None, backend_name=None):
-        """z float, or int8 codes of ``z_scale`` (quamba.ops.gated_norm.gated_rms_norm)."""
+        """z float, or int8 codes of ``z_scale`` (quamba.ops.norm.gated_norm.gated_rms_norm)."""
         return gated_rms_norm(y, z, self.weight, self.group_size, self.eps, z_scale=z_scale,
                               out_dtype=out_dtype, backend_name=backend_name)
 

@@ -21,8 +21,8 @@ import torch.nn as nn
 
 from quamba.errors import QuambaError
 from quamba.layers.base import QuantModule
-from quamba.layers.qhead import QEmbedding, empty_lm_head
 from quamba.layers.modes import FP_MODE, check_mode, check_weight_only_mode
+from quamba.layers.qhead import QEmbedding, empty_lm_head
 from quamba.layers.qlinear import W4A16Linear
 from quamba.layers.qmixer import ACTIVATION_SCALES, QMambaMixer
 from quamba.layers.qmixer2 import ACTIVATION_SCALES as MAMBA2_ACTIVATION_SCALES
@@ -31,8 +31,8 @@ from quamba.layers.qnorm import QRMSNorm
 from quamba.layers.weight_only import weight_only_mixer
 from quamba.models.config import MambaConfig
 from quamba.models.mamba import Block, MambaLMHeadModel, RMSNorm
-from quamba.ops.fused_layer import qmamba_layer_step
-from quamba.ops.w4a16_decode import w4a16_layer_step
+from quamba.ops.fused_decode.layer_step import qmamba_layer_step
+from quamba.ops.fused_decode.w4a16_step import w4a16_layer_step
 
 log = logging.getLogger("quamba")
 

@@ -9,7 +9,7 @@ import torch
 @dataclass
 class MixerState:
     """Decode state of one mixer: the last conv inputs, the SSM state, and for the foh
-    discretization the last step's drive u ⊗ B (quamba.ops.discretization)."""
+    discretization the last step's drive u ⊗ B (quamba.ops.scan.discretization)."""
 
     conv: torch.Tensor  # [batch, conv channels, d_conv - 1], model dtype
     ssm: torch.Tensor  # Mamba1: [batch, d_inner, d_state]; Mamba2: [batch, nheads, headdim, d_state]; fp32

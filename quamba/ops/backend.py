@@ -5,7 +5,7 @@ Resolution order: the environment variable ``QUAMBA_BACKEND`` (torch | cuda | au
 argument, then ``auto``. ``auto`` takes the CUDA kernel for CUDA tensors when one can run there,
 else the torch reference. Asking for ``cuda`` where quamba's own kernel cannot run is an error,
 never a silent fallback; so is asking for it with an option that only the reference implements
-(a discretization other than zoh for the FP scans, quamba.ops.discretization), which ``auto``
+(a discretization other than zoh for the FP scans, quamba.ops.scan.discretization), which ``auto``
 runs there.
 
 A torch reference on a CUDA device is a slow path (the decode step of a quantized 2.8B model runs
@@ -14,11 +14,17 @@ WARNING names the op and the reason, once per op, reason and process. Every othe
 (op, backend) pair is logged at INFO. :func:`recording` collects which backend each op ran on
 inside a block (the profile and the quantized model report it); :func:`plan` says what would run
 on a device without running anything (``python -m quamba.env``).
+
+The registry knows no op family: each family (quamba.ops.linear, .conv, .scan, .norm, .ssd,
+.fused_decode) registers its torch references when imported and names, with
+:func:`kernel_modules`, the modules that register its cuda implementations; those load once
+``quamba._C`` has loaded, since they call its ops.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import logging
 import os
 from typing import Callable, Iterator
@@ -42,6 +48,9 @@ _KERNELS: dict[str, tuple[str, ...]] = {}
 _LOGGED: set[tuple[str, str]] = set()
 _WARNED: set[tuple[str, str]] = set()  # (op, why it runs the reference)
 _RECORDERS: list[dict[str, set[str]]] = []
+# modules that register cuda implementations, named by the op families, not yet imported
+_PENDING_KERNEL_MODULES: list[str] = []
+_EXTENSION_LOADED = False
 
 
 class BackendError(QuambaError):
@@ -79,9 +88,24 @@ def fp_ops() -> list[str]:
     return sorted(_OPTIONAL)
 
 
+def kernel_modules(*names: str) -> None:
+    """Names the modules (dotted) that register an op family's cuda implementations: imported
+    when quamba._C is found to load (:func:`cuda_extension_error`), or at once if it has been."""
+    _PENDING_KERNEL_MODULES.extend(names)
+    if _EXTENSION_LOADED:
+        _import_kernel_modules()
+
+
+def _import_kernel_modules() -> None:
+    while _PENDING_KERNEL_MODULES:
+        importlib.import_module(_PENDING_KERNEL_MODULES.pop(0))
+
+
 @functools.lru_cache(maxsize=1)
 def cuda_extension_error() -> str | None:
-    """None when quamba._C loads, else why not (one line, with the import error's own text)."""
+    """None when quamba._C loads (its kernel modules then register their implementations), else
+    why not (one line, with the import error's own text)."""
+    global _EXTENSION_LOADED
     try:
         import quamba._C  # noqa: F401
     except ModuleNotFoundError as exc:
@@ -92,7 +116,8 @@ def cuda_extension_error() -> str | None:
                 "build it as the README's GPU install says")
     except Exception as exc:  # noqa: BLE001  an undefined symbol, a missing library, a bad ELF...
         return f"quamba._C failed to load: {type(exc).__name__}: {_one_line(exc)}"
-    import quamba.ops.cuda_backend  # noqa: F401  registers the kernels
+    _EXTENSION_LOADED = True
+    _import_kernel_modules()
     return None
 
 

@@ -19,6 +19,8 @@ from typing import Callable
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from quamba.ops.quant import fp32_reciprocal
+
 _CONSTANTS = WeakIdKeyDictionary()
 _WORKSPACES = WeakIdKeyDictionary()
 # Constants that a CUDA-graph capture read and that their cache has since replaced: the graph's
@@ -72,3 +74,13 @@ def workspace(anchor: torch.Tensor, words_op: str) -> torch.Tensor:
         if keeps_constants(anchor.device):
             kept[words_op] = scratch
     return scratch
+
+
+def scale_float(value) -> float | None:
+    """A scale as a hashable Python float for a kernel's launch (0-d tensors are read once)."""
+    return None if value is None else float(value)
+
+
+def reciprocal_or_none(scale) -> float | None:
+    """The fp32 reciprocal of an optional output scale, as the kernels take it."""
+    return None if scale is None else fp32_reciprocal(scale_float(scale))

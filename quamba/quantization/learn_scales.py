@@ -11,7 +11,7 @@ descent on the block's output error against the FP block:
   int8 / 4-bit weights, every activation fake-quantized where the int8 path holds int8) with
   straight-through rounding, q = clamp(round(x / s), -127, 127) · s, whose gradient to the scale
   is LSQ's (round(x / s) - x / s inside the range, ±127 outside) and to x is 1 inside, 0 outside;
-  the scan is quamba.ops.selective_scan's torch reference (autograd);
+  the scan is quamba.ops.scan.selective_scan's torch reference (autograd);
 * the state scale: a prefill never quantizes the state, so each sample's scan is cut at its
   middle and the second half continues from the fake-quantized state, as a decode continues
   from the int8 state a prefill left;
@@ -49,13 +49,13 @@ from tqdm.auto import tqdm
 from quamba.errors import QuambaError
 from quamba.layers.qlinear import W4A8Linear
 from quamba.models.mamba import Block, MambaMixer
-from quamba.ops.causal_conv1d import causal_conv1d
-from quamba.ops.discretization import input_drive
-from quamba.ops.hadamard import hadamard_transform
+from quamba.ops.conv.causal_conv1d import causal_conv1d
+from quamba.ops.norm.hadamard import hadamard_transform
+from quamba.ops.norm.rms_norm import rms_norm
 from quamba.ops.quant import INT8_MAX, SCALE_FLOOR, dequantize
 from quamba.ops.quant4 import INT4_MAX, W4A8_MAX_MULTIPLIER
-from quamba.ops.rms_norm import rms_norm
-from quamba.ops.selective_scan import selective_scan
+from quamba.ops.scan.discretization import input_drive
+from quamba.ops.scan.selective_scan import selective_scan
 
 LEARNED_KINDS = ("in_proj.input", "in_proj.output", "x_proj.input", "x_proj.output",
                  "dt_proj.output", "ssm_state", "out_proj.input")

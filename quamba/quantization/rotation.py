@@ -33,7 +33,7 @@ import torch.nn as nn
 
 from quamba.models.mamba import MambaLMHeadModel, MambaMixer, RMSNorm
 from quamba.models.mamba2 import Mamba2Mixer
-from quamba.ops.hadamard import HadamardTransform, hadamard_matrix
+from quamba.ops.norm.hadamard import HadamardTransform, hadamard_matrix
 
 
 def rotate_model_(model: MambaLMHeadModel) -> MambaLMHeadModel:

@@ -13,7 +13,7 @@ import quamba
 from quamba.calibrate import load_calibration_set
 from quamba.layers.qmixer import FOLD_DT_PROJ_MAX_BATCH, QMambaMixer
 from quamba.ops import backend
-from quamba.ops.fused_decode import OP
+from quamba.ops.fused_decode.mixer_step import OP
 
 CALIB_SAMPLES, CALIB_SEQLEN = 8, 128
 NEW_TOKENS = 16
@@ -127,10 +127,10 @@ def test_greedy_tokens_of_the_fused_kernels_are_the_unfused_steps(request, recip
     """The op's Triton kernels stand in for its torch backend (the CPU has no cuda backend):
     greedy decoding picks the unfused reference steps' tokens, and their logits agree closely
     (the kernels' int8 codes may differ by one step where exp rounds differently)."""
-    from quamba.ops import fused_decode_kernel
+    from quamba.ops.fused_decode import mixer_step_triton
     model = request.getfixturevalue(recipe)
     unfused = decode_logits(model.set_fused_decode(False), prompt, NEW_TOKENS)
-    monkeypatch.setitem(backend._IMPLS[OP], "torch", fused_decode_kernel.ssm_step)
+    monkeypatch.setitem(backend._IMPLS[OP], "torch", mixer_step_triton.ssm_step)
     try:
         fused = decode_logits(model.set_fused_decode(True), prompt, NEW_TOKENS)
     finally:

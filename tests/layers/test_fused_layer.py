@@ -1,9 +1,9 @@
-"""qmamba_layer_step (quamba.ops.fused_layer) on the trained test model: its torch reference with
-the weights a block hands it (QMambaMixer.layer_weights) is the block's own decode step, norm and
-mixer op by op, bit for bit, W8A8 and W4A8, at every layer and for several steps; the op refuses
-inputs outside its scope with a one-line error; and the blocks run op by op where the layer kernel
-cannot apply (here: no GPU). tests/ops/test_cuda_fused_layer.py checks the kernel on a GPU."""
-import copy
+"""qmamba_layer_step (quamba.ops.fused_decode.layer_step) on the trained test model: its torch
+reference with the weights a block hands it (QMambaMixer.layer_weights) is the block's own decode
+step, norm and mixer op by op, bit for bit, W8A8 and W4A8, at every layer and for several steps; the
+op refuses inputs outside its scope with a one-line error; and the blocks run op by op where the
+layer kernel cannot apply (here: no GPU). tests/ops/test_cuda_fused_layer.py checks the kernel on a
+GPU.""" import copy
 
 import pytest
 import torch
@@ -12,7 +12,7 @@ import quamba
 from quamba.calibrate import load_calibration_set
 from quamba.models.quantized import QMambaBlock
 from quamba.ops import backend
-from quamba.ops.fused_layer import OP, qmamba_layer_step
+from quamba.ops.fused_decode.layer_step import OP, qmamba_layer_step
 
 CALIB_SAMPLES, CALIB_SEQLEN, STEPS = 8, 128, 4
 

@@ -8,8 +8,8 @@ import quamba
 from quamba.models.config import MambaConfig
 from quamba.models.mamba import MambaLMHeadModel, randomize_
 from quamba.ops import backend
-from quamba.ops.qlinear import w8a8_linear
-from quamba.ops.qlinear4 import w4a8_linear
+from quamba.ops.linear.qlinear import w8a8_linear
+from quamba.ops.linear.qlinear4 import w4a8_linear
 from quamba.ops.quant4 import quantize_weight_w4a8
 
 pytestmark = [

@@ -11,7 +11,7 @@ from quamba.errors import CheckpointError
 from quamba.models.config import MambaConfig, preset_config
 from quamba.models.loading import save_model
 from quamba.models.mamba import MambaLMHeadModel, randomize_
-from quamba.ops.ssd import ssd_scan, ssd_state_update
+from quamba.ops.ssd.ssd import ssd_scan, ssd_state_update
 
 # Odd sizes: ngroups 2 (3 heads per group), headdim 16, chunk 16 < the prompt, d_state 12.
 HF_CONFIG = dict(vocab_size=101, hidden_size=48, num_hidden_layers=2, state_size=12, expand=2,

@@ -1,6 +1,6 @@
-"""Inputs of qmixer_ssm_step (quamba.ops.fused_decode) and the checks of its kernels against the
-chain of reference ops, shared by tests/ops/test_fused_decode.py (CPU, Triton's interpreter) and
-tests/ops/test_cuda_fused_decode.py (GPU).
+"""Inputs of qmixer_ssm_step (quamba.ops.fused_decode.mixer_step) and the checks of its kernels
+against the chain of reference ops, shared by tests/ops/test_fused_decode.py (CPU, Triton's
+interpreter) and tests/ops/test_cuda_fused_decode.py (GPU).
 
 The inputs are random int8 codes with scales that keep every stage in its working range: x_proj's
 and dt_proj's outputs spread over the int8 codes (some saturate), Δ = softplus(dt + dt_bias)
@@ -22,12 +22,12 @@ import zlib
 
 import torch
 
-from quamba.ops.fused_decode import (ConvWeights, StepScales, W4A8Weight, W8A8Weight,
-                                     project, qmixer_ssm_step)
-from quamba.ops.qconv1d import qconv1d_update
-from quamba.ops.qlinear import w8a8_linear
-from quamba.ops.qsscan import SSMParams, qsscan_update
+from quamba.ops.conv.qconv1d import qconv1d_update
+from quamba.ops.fused_decode.mixer_step import project, qmixer_ssm_step
+from quamba.ops.fused_decode.weights import ConvWeights, StepScales, W4A8Weight, W8A8Weight
+from quamba.ops.linear.qlinear import w8a8_linear
 from quamba.ops.quant4 import quantize_weight_w4a8
+from quamba.ops.scan.qsscan import SSMParams, qsscan_update
 
 ULP_16 = {torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7, torch.float32: 0.0}
 CODE_STD = 127 / math.sqrt(3)  # of codes uniform in [-127, 127]
@@ -96,9 +96,9 @@ def reference_step(case: dict, out_dtype):
 
 
 def check_step(case: dict, out_dtype, kernel_step) -> None:
-    """Runs ``kernel_step`` (quamba.ops.fused_decode_kernel.ssm_step_with_codes) on a copy of
-    ``case``'s states and checks every output link by link (module docstring); ``case``'s own
-    states are left stepped by the reference, ready for the next step."""
+    """Runs ``kernel_step`` (quamba.ops.fused_decode.mixer_step_triton.ssm_step_with_codes) on a
+    copy of ``case``'s states and checks every output link by link (module docstring); ``case``'s
+    own states are left stepped by the reference, ready for the next step."""
     ran = cloned_states(case)
     y, u, x_dbl, dt = kernel_step(**ran, out_dtype=out_dtype)
     conv_state = case["conv_state"].clone()

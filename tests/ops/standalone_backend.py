@@ -1,7 +1,8 @@
-"""A file of quamba/ops/cuda_backend loaded on its own, for tests on any machine: a Triton file's
+"""A kernel file of quamba/ops loaded on its own, for tests on any machine: a Triton file's
 kernels compiled on a GPU, under Triton's interpreter on CPU tensors elsewhere (tests/conftest.py
 sets TRITON_INTERPRET=1 there); a kernel launcher's pure-torch parts (repacked weights, what the
-kernel lacks). The package's ``__init__`` also loads quamba._C, which a CPU machine lacks."""
+kernel lacks). quamba.ops.backend imports such a file only once quamba._C loads, which a CPU
+machine lacks."""
 import copy
 import importlib.util
 from pathlib import Path
@@ -15,8 +16,8 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def load_backend_file(monkeypatch, filename: str):
-    """quamba/ops/cuda_backend/``filename``, a Triton file, as a fresh module; its backend
-    registrations are undone after the test."""
+    """quamba/ops/``filename`` (e.g. ``ssd/ssd_triton.py``), a Triton file, as a fresh module; its
+    backend registrations are undone after the test."""
     pytest.importorskip("triton")
     for name in ("_IMPLS", "_REQUIREMENTS", "_KERNELS"):
         monkeypatch.setattr(backend, name, copy.deepcopy(getattr(backend, name)))
@@ -25,9 +26,8 @@ def load_backend_file(monkeypatch, filename: str):
 
 
 def load_file(filename: str):
-    """quamba/ops/cuda_backend/``filename`` as a fresh module (a launcher that registers no
-    backend)."""
-    path = Path(backend.__file__).parent / "cuda_backend" / filename
+    """quamba/ops/``filename`` as a fresh module (a launcher that registers no backend)."""
+    path = Path(backend.__file__).parent / filename
     spec = importlib.util.spec_from_file_location(f"{path.stem}_kernels_under_test", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -13,9 +13,15 @@ import quamba
 from quamba.models.config import preset_config
 from quamba.models.mamba import MambaLMHeadModel, randomize_
 from quamba.ops import backend
-from quamba.ops.fused_decode import chain_step, qmixer_ssm_step
-from tests.ops.fused_step_cases import (assert_codes_close, assert_floats_close, check_step,
-                                        cloned_states, reference_step, step_case)
+from quamba.ops.fused_decode.mixer_step import chain_step, qmixer_ssm_step
+from tests.ops.fused_step_cases import (
+    assert_codes_close,
+    assert_floats_close,
+    check_step,
+    cloned_states,
+    reference_step,
+    step_case,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -40,8 +46,8 @@ N_LAYER, VOCAB, PROMPT_LEN, NEW_TOKENS = 2, 4096, 16, 128
 
 
 def kernel_step(**case):
-    from quamba.ops import fused_decode_kernel
-    return fused_decode_kernel.ssm_step_with_codes(**case)
+    from quamba.ops.fused_decode import mixer_step_triton
+    return mixer_step_triton.ssm_step_with_codes(**case)
 
 
 @pytest.mark.parametrize("int8_state", [True, False], ids=["int8-state", "fp32-state"])
@@ -80,16 +86,16 @@ def test_kernel_steps_are_the_cuda_chain_bit_for_bit(shape, int4, int8_state):
 def cluster_step(out_dtype, **case):
     """The cluster kernel (csrc/fused_decode) with the step's integer intermediates, as
     kernel_step returns them."""
-    from quamba.ops.cuda_backend import mixer_step
+    from quamba.ops.fused_decode import mixer_step_cuda
     batch, d_inner = case["x"].shape
     n_out = case["x_proj"].weight.shape[0]
     codes = tuple(torch.empty(batch, n, dtype=torch.int8, device=DEVICE)
                   for n in (d_inner, n_out, d_inner))
-    lacks = mixer_step.lacks(case["x"], case["conv"], case["x_proj"], case["dt_proj"],
+    lacks = mixer_step_cuda.lacks(case["x"], case["conv"], case["x_proj"], case["dt_proj"],
                              case["ssm_state"])
     if lacks is not None:
         pytest.skip(f"the cluster kernel cannot run here: {lacks}")
-    y = mixer_step.ssm_step(**case, out_dtype=out_dtype, codes=codes)
+    y = mixer_step_cuda.ssm_step(**case, out_dtype=out_dtype, codes=codes)
     return (y, *codes)
 
 

@@ -1,7 +1,7 @@
-"""qmamba_layer_step's layer kernel (csrc/fused_decode/layer_step.cu) on a GPU: random-weight W8A8
-and W4A8 models with Mamba-2.8B's blocks (2 of them), each block's step against the chain of CUDA ops
-bit for bit (out, residual, both states) over several steps, and greedy decoding with the layer
-kernel against op by op, eager and from a CUDA graph, over 128 tokens: the same tokens; and a
+"""qmamba_layer_step's layer kernel (csrc/fused_decode/layer_step_cuda.cu) on a GPU: random-weight
+W8A8 and W4A8 models with Mamba-2.8B's blocks (2 of them), each block's step against the chain of
+CUDA ops bit for bit (out, residual, both states) over several steps, and greedy decoding with the
+layer kernel against op by op, eager and from a CUDA graph, over 128 tokens: the same tokens; and a
 block's decode step is the layer kernel alone."""
 import copy
 
@@ -13,7 +13,7 @@ from quamba.models.config import preset_config
 from quamba.models.mamba import MambaLMHeadModel, randomize_
 from quamba.models.quantized import QMambaBlock
 from quamba.ops import backend
-from quamba.ops.fused_layer import OP, chain_layer_step, qmamba_layer_step
+from quamba.ops.fused_decode.layer_step import OP, chain_layer_step, qmamba_layer_step
 
 pytestmark = [
     pytest.mark.gpu,
@@ -47,9 +47,9 @@ def kernel_lacks(model) -> str | None:
     hidden = torch.zeros(1, 1, model.config.d_model, dtype=torch.float16, device=DEVICE)
     if block.mixer.layer_step_weights(block.norm, hidden, None, cache.states[0]) is not None:
         return None
-    from quamba.ops.cuda_backend import layer_step
-    return layer_step.lacks(hidden, None, block.mixer.layer_weights(block.norm), cache.states[0].conv,
-                            cache.states[0].ssm) or "the block does not qualify"
+    from quamba.ops.fused_decode import layer_step_cuda
+    return layer_step_cuda.lacks(hidden, None, block.mixer.layer_weights(block.norm),
+                                 cache.states[0].conv, cache.states[0].ssm) or "the block does not qualify"
 
 
 def test_each_block_step_is_the_cuda_chain_bit_for_bit(model):

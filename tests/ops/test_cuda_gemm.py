@@ -2,9 +2,10 @@
 
 Every kernel path is exercised on its own through its ``*_out`` op, with the output poisoned
 first (-128 cannot come out of the int8 epilogue, NaN out of the float one), then the dispatching
-op and the ``cuda`` backend of :func:`quamba.ops.qlinear.w8a8_linear`. int8 outputs must equal
-the reference exactly; float outputs within 1e-3 relative. Skipped without a GPU or the extension.
-Tests whose names contain ``small`` are the subset scripts/gpu_check.sh runs under compute-sanitizer.
+op and the ``cuda`` backend of :func:`quamba.ops.linear.qlinear.w8a8_linear`. int8 outputs must
+equal the reference exactly; float outputs within 1e-3 relative. Skipped without a GPU or the
+extension. Tests whose names contain ``small`` are the subset scripts/gpu_check.sh runs under
+compute-sanitizer.
 """
 import zlib
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from quamba.ops import backend
-from quamba.ops.qlinear import int8_matmul, w8a8_linear
+from quamba.ops.linear.qlinear import int8_matmul, w8a8_linear
 from quamba.ops.quant import requant_multiplier
 from tests.ops.skinny_plans import SKINNY_MAX_STAGED_BYTES, skinny_staged_bytes
 

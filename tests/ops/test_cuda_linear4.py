@@ -1,5 +1,5 @@
 """W4A8 / W4A16 kernels of quamba._C (csrc/gemm4) against the torch reference of
-:func:`quamba.ops.qlinear4.w4a8_linear` / :func:`~quamba.ops.qlinear4.w4a16_linear`.
+:func:`quamba.ops.linear.qlinear4.w4a8_linear` / :func:`~quamba.ops.qlinear4.w4a16_linear`.
 
 Every path (GEMV in each work split, the expansion + W8A8 GEMM on mma.sync and on each CUTLASS
 sm90 configuration, the dequantization + cuBLAS GEMM, the dispatching ops and the ``cuda``
@@ -20,7 +20,7 @@ import torch
 
 from quamba.errors import QuambaError
 from quamba.ops import backend
-from quamba.ops.qlinear4 import w4a8_linear, w4a16_linear, w4a16_linear_channel_major
+from quamba.ops.linear.qlinear4 import w4a8_linear, w4a16_linear, w4a16_linear_channel_major
 from quamba.ops.quant4 import dequantize_int4, pack_int4
 from tests.ops.skinny_plans import SKINNY_MAX_STAGED_BYTES, skinny_staged_bytes
 
@@ -33,8 +33,8 @@ if backend.cuda_extension_error() is not None:
 if not hasattr(torch.ops.quamba, "w4a8_linear"):
     pytest.skip("quamba._C was built without the gemm4 kernel family", allow_module_level=True)
 
-from quamba.ops.cuda_backend.gemm import _epilogue_multiplier  # noqa: E402
-from quamba.ops.cuda_backend.gemm4 import W4A8OverflowError, check_expandable  # noqa: E402
+from quamba.ops.linear.cuda import _epilogue_multiplier  # noqa: E402
+from quamba.ops.linear.cuda4 import W4A8OverflowError, check_expandable  # noqa: E402
 
 ops = torch.ops.quamba
 DEVICE = torch.device("cuda")

@@ -5,11 +5,15 @@ the output's range; qssd_state_update: fp32, summation order apart)."""
 import pytest
 import torch
 
-from quamba.ops.qssd import (qconv1d_channelwise, qconv1d_channelwise_update, qssd_scan,
-                             qssd_state_update)
-from quamba.ops.qsscan import SSMParams
 from quamba.ops.quant import dequantize, quantize_weight
-from quamba.ops.ssd import ssd_scan
+from quamba.ops.scan.qsscan import SSMParams
+from quamba.ops.ssd.qssd import (
+    qconv1d_channelwise,
+    qconv1d_channelwise_update,
+    qssd_scan,
+    qssd_state_update,
+)
+from quamba.ops.ssd.ssd import ssd_scan
 
 pytestmark = [
     pytest.mark.gpu,

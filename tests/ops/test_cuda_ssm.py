@@ -34,14 +34,19 @@ import pytest
 import torch
 
 from quamba.ops import backend
-from quamba.ops.qconv1d import qconv1d, qconv1d_update
-from quamba.ops.qhadamard import gated_norm_hadamard_quant, hadamard_quant
-from quamba.ops.qnorm import rmsnorm_quant
-from quamba.ops.discretization import DEFAULT, METHODS
-from quamba.ops.qlinear import w8a8_linear
-from quamba.ops.qsscan import DtProjection, SSMParams, qsscan, qsscan_last_drive, qsscan_update
-from quamba.ops.quant import (dequantize, quantize, quantize_weight, requant_multiplier,
-                              scale_from_range)
+from quamba.ops.conv.qconv1d import qconv1d, qconv1d_update
+from quamba.ops.linear.qlinear import w8a8_linear
+from quamba.ops.norm.qhadamard import gated_norm_hadamard_quant, hadamard_quant
+from quamba.ops.norm.qnorm import rmsnorm_quant
+from quamba.ops.quant import (
+    dequantize,
+    quantize,
+    quantize_weight,
+    requant_multiplier,
+    scale_from_range,
+)
+from quamba.ops.scan.discretization import DEFAULT, METHODS
+from quamba.ops.scan.qsscan import DtProjection, SSMParams, qsscan, qsscan_last_drive, qsscan_update
 
 pytestmark = pytest.mark.gpu
 
@@ -345,7 +350,7 @@ CHUNKED_CONFIG = 2  # the chunked scan (csrc/qsscan/qsscan_chunked.cu), the op's
 def test_small_qsscan_every_config(layout, config, dim, seqlen):
     """Every launch configuration, called directly (the op's default is one of them), on a shape
     the kernel stages element by element (dim 200) and one it moves in 16-byte vectors."""
-    from quamba.ops.cuda_backend.ssm import qsscan_op_args
+    from quamba.ops.scan.cuda import qsscan_op_args
 
     seed_for("scan-config", layout, config, dim, seqlen)
     inputs, params = scan_inputs(3, dim, seqlen, layout), ssm_params(dim)
@@ -362,7 +367,7 @@ def test_small_qsscan_every_config(layout, config, dim, seqlen):
 
 def chunked_scan(inputs, params, out_dtype, chunk_len, method=DEFAULT, state_scale=None):
     """The chunked configuration with an explicit chunk length (0: the launcher's choice)."""
-    from quamba.ops.cuda_backend.ssm import qsscan_op_args
+    from quamba.ops.scan.cuda import qsscan_op_args
 
     s = scales_for(method)
     args = qsscan_op_args(inputs["u"], s["u_scale"], inputs["dt"], s["dt_scale"], inputs["B"],
@@ -430,7 +435,7 @@ def test_small_qsscan_chunked_state_sizes(d_state, in_dtype):
 def test_small_qsscan_default_config_follows_the_layout(layout, config):
     """The op's default runs the chunked scan on channel-last inputs and config 0 on channel-first
     ones (which the chunked scan reads element by element): the same bits as that config."""
-    from quamba.ops.cuda_backend.ssm import qsscan_op_args
+    from quamba.ops.scan.cuda import qsscan_op_args
 
     seed_for("scan-default-config", layout)
     inputs, params = scan_inputs(2, 256, 300, layout), ssm_params(256)
@@ -585,7 +590,7 @@ def lanes_case(batch, dim, method) -> dict:
 def step_with_lanes(state, state_scale, step, params, method, lanes, drive=None):
     """y (fp16) of the CUDA step with ``lanes`` lanes a channel; ``state`` (and foh's ``drive``)
     stepped in place."""
-    from quamba.ops.cuda_backend.ssm import _input_scale, _param_args
+    from quamba.ops.scan.cuda import _input_scale, _param_args
 
     s = scales_for(method)
     return torch.ops.quamba.qsscan_update(
@@ -765,7 +770,7 @@ def test_small_qsscan_discretization_float_inputs(method, in_dtype):
 @pytest.mark.parametrize("method", OTHER_METHODS)
 def test_small_qsscan_discretization_every_config(method, config):
     """Every launch configuration, on a shape staged in 16-byte vectors, for every method."""
-    from quamba.ops.cuda_backend.ssm import qsscan_op_args
+    from quamba.ops.scan.cuda import qsscan_op_args
 
     seed_for("scan-method-config", method, config)
     inputs, params = scan_inputs(3, 208, 704, "module"), ssm_params(208)
@@ -844,7 +849,7 @@ def test_small_qsscan_update_discretization_matches_reference(method, batch, dim
 
 
 def test_small_qsscan_discretization_errors():
-    from quamba.ops.cuda_backend.ssm import qsscan_op_args
+    from quamba.ops.scan.cuda import qsscan_op_args
 
     inputs, ssm = scan_inputs(1, 64, 8, "module"), ssm_params(64)
     s = SCALES
@@ -961,7 +966,7 @@ def test_small_hadamard_quant_batched_rows():
 
 def test_small_hadamard_quant_rejects_other_sign_matrices():
     """The kernel has S_m built in; masks of any other matrix are refused, not ignored."""
-    from quamba.ops.cuda_backend.ssm import _hadamard_plan
+    from quamba.ops.norm.cuda import _hadamard_plan
     m, p, masks, norm = _hadamard_plan(20 * 16)
     x = torch.randn(2, m * p, device=DEVICE, dtype=torch.float16)
     torch.ops.quamba.hadamard_quant(x, m, p, masks, norm, 10.0)
@@ -1037,7 +1042,7 @@ def test_small_errors_name_the_argument():
     with pytest.raises(RuntimeError, match="out_dtype"):
         run_scan(inputs, ssm, None, torch.int8, "cuda")
     with pytest.raises(RuntimeError, match="config must be in"):
-        from quamba.ops.cuda_backend.ssm import qsscan_op_args
+        from quamba.ops.scan.cuda import qsscan_op_args
         s = SCALES
         torch.ops.quamba.qsscan(*qsscan_op_args(
             inputs["u"], s["u_scale"], inputs["dt"], s["dt_scale"], inputs["B"], s["B_scale"],

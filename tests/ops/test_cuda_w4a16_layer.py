@@ -1,8 +1,8 @@
-"""w4a16_layer_step's layer kernel (csrc/fused_decode/w4a16_layer.cu) on a GPU, on a random-weight
-W4A16 model with Mamba-2.8B's blocks (2 of them): each block's step from random states, with and
-without a residual, against the step in fp64 (tests/ops/w4a16_step_cases.py) as close as the chain
-of CUDA ops it replaces, its residual and the shifted columns of its conv state the chain's bit
-for bit; greedy decoding with
+"""w4a16_layer_step's layer kernel (csrc/fused_decode/w4a16_layer_cuda.cu) on a GPU, on a
+random-weight W4A16 model with Mamba-2.8B's blocks (2 of them): each block's step from random
+states, with and without a residual, against the step in fp64 (tests/ops/w4a16_step_cases.py) as
+close as the chain of CUDA ops it replaces, its residual and the shifted columns of its conv state
+the chain's bit for bit; greedy decoding with
 the layer kernel against op by op, eager and from a CUDA graph, over 128 tokens; and the op's
 fallback to the chain where the kernel cannot run."""
 import copy
@@ -14,8 +14,9 @@ import torch
 import quamba
 from quamba.models.config import preset_config
 from quamba.models.mamba import MambaLMHeadModel, randomize_
-from quamba.ops import backend, w4a16_decode
-from quamba.ops.w4a16_decode import LAYER_OP, chain_layer_step, w4a16_layer_step
+from quamba.ops import backend
+from quamba.ops.fused_decode import w4a16_step
+from quamba.ops.fused_decode.w4a16_step import LAYER_OP, chain_layer_step, w4a16_layer_step
 from tests.ops.w4a16_step_cases import fp64_layer_step, relative_error, teacher_forced_logits
 
 pytestmark = [
@@ -46,9 +47,9 @@ def skip_unless_the_kernel_runs(model) -> None:
     block, state = model.backbone.layers[0], model.allocate_cache(1, device=DEVICE).states[0]
     hidden = torch.zeros(1, 1, model.config.d_model, dtype=torch.float16, device=DEVICE)
     if block.mixer.layer_step_weights(block.norm, hidden, None, state) is None:
-        from quamba.ops.cuda_backend import w4a16_layer
+        from quamba.ops.fused_decode import w4a16_layer_cuda
         weights = block.mixer.layer_weights(block.norm)
-        lacks = w4a16_layer.lacks(hidden, None, weights, state.conv, state.ssm)
+        lacks = w4a16_layer_cuda.lacks(hidden, None, weights, state.conv, state.ssm)
         pytest.skip(f"the layer kernel cannot run here: {lacks or 'the block does not qualify'}")
 
 
@@ -97,9 +98,9 @@ def test_greedy_decoding_with_the_layer_kernel_takes_op_by_ops_choices(model, gr
     """Over 128 greedy tokens, each token the layer kernel's decode step chose is the op-by-op
     step's argmax on the same tokens, or within a near-tie of it (float sums in another order)."""
     skip_unless_the_kernel_runs(model)
-    from quamba.ops.cuda_backend import w4a16_layer
+    from quamba.ops.fused_decode import w4a16_layer_cuda
     launches = []
-    launch = w4a16_layer.layer_step
+    launch = w4a16_layer_cuda.layer_step
     monkeypatch.setattr(w4a16_layer, "layer_step",
                         lambda *args: launches.append(1) or launch(*args))
     gen = torch.Generator(device=DEVICE).manual_seed(1)
@@ -127,7 +128,7 @@ def test_the_op_runs_the_chain_where_the_kernel_cannot_and_says_so(model, caplog
     hidden = torch.randn(2, 1, model.config.d_model, device=DEVICE).half()
     assert block.mixer.layer_step_weights(block.norm, hidden, None, state) is None
     weights, chain = block.mixer.layer_weights(block.norm), copy.deepcopy(state)
-    w4a16_decode._log_chain.cache_clear()  # it says so once per reason and process
+    w4a16_step._log_chain.cache_clear()  # it says so once per reason and process
     with caplog.at_level(logging.INFO, logger="quamba"), backend.recording() as used:
         out, res = w4a16_layer_step(hidden, None, weights, state.conv, state.ssm,
                                     backend_name="cuda")

@@ -11,10 +11,16 @@ import torch
 import quamba
 from quamba.models.config import preset_config
 from quamba.models.mamba import MambaLMHeadModel, randomize_
-from quamba.ops import backend, w4a16_decode
-from quamba.ops.w4a16_decode import chain_step, w4a16_ssm_step
-from tests.ops.w4a16_step_cases import (cloned, fp64_step, relative_error, step_case,
-                                        teacher_forced_logits)
+from quamba.ops import backend
+from quamba.ops.fused_decode import w4a16_step
+from quamba.ops.fused_decode.w4a16_step import chain_step, w4a16_ssm_step
+from tests.ops.w4a16_step_cases import (
+    cloned,
+    fp64_step,
+    relative_error,
+    step_case,
+    teacher_forced_logits,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -38,9 +44,9 @@ N_LAYER, VOCAB, PROMPT_LEN, NEW_TOKENS = 2, 4096, 16, 128
 
 
 def kernel_step(case):
-    from quamba.ops.cuda_backend import w4a16_step
-    assert w4a16_step.lacks(**case) is None
-    return w4a16_step.ssm_step(**case)
+    from quamba.ops.fused_decode import w4a16_step_cuda
+    assert w4a16_step_cuda.lacks(**case) is None
+    return w4a16_step_cuda.ssm_step(**case)
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
@@ -76,7 +82,7 @@ def test_op_runs_the_kernel_and_says_when_it_runs_the_chain(caplog):
     assert used["w4a16_ssm_step"] == {"cuda"} and "w4a16_linear" not in used
     assert torch.equal(y, kernel_step(cloned(case)))
     fp32 = step_case(2, 1536, 16, 48, 4, 128, dtype=torch.float32, device=DEVICE)
-    w4a16_decode._log_chain.cache_clear()  # it says so once per reason and process
+    w4a16_step._log_chain.cache_clear()  # it says so once per reason and process
     with caplog.at_level(logging.WARNING, logger="quamba"), backend.recording() as used:
         y = w4a16_ssm_step(**cloned(fp32))
     assert "w4a16_linear" in used and "float16 or bfloat16" in caplog.text

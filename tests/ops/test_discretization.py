@@ -1,4 +1,4 @@
-"""The scan's discretizations (quamba.ops.discretization) against independent ones: scipy's
+"""The scan's discretizations (quamba.ops.scan.discretization) against independent ones: scipy's
 cont2discrete (zoh-exact, bilinear, foh), an ODE solve of the foh interpolation and a generic RK4
 step; decode steps against the prefill for every method; zoh unchanged; the errors; the config
 field through save and load."""
@@ -15,12 +15,13 @@ import quamba
 from quamba.errors import QuambaError
 from quamba.models import MambaConfig, MambaLMHeadModel, load_model, randomize_, save_model
 from quamba.models.config import ConfigError
-from quamba.ops import backend, discretization
+from quamba.ops import backend
 from quamba.ops.backend import BackendError
-from quamba.ops.discretization import METHODS, input_drive
-from quamba.ops.qsscan import SSMParams, qsscan, qsscan_last_drive, qsscan_update
 from quamba.ops.quant import quantize_weight
-from quamba.ops.selective_scan import selective_scan, selective_state_update, state_readout
+from quamba.ops.scan import discretization
+from quamba.ops.scan.discretization import METHODS, input_drive
+from quamba.ops.scan.qsscan import SSMParams, qsscan, qsscan_last_drive, qsscan_update
+from quamba.ops.scan.selective_scan import selective_scan, selective_state_update, state_readout
 
 SCIPY_METHOD = {"zoh-exact": "zoh", "bilinear": "bilinear", "foh": "foh"}
 TINY = dict(d_model=32, n_layer=2, vocab_size=64, d_state=8)

@@ -1,5 +1,5 @@
-"""The full-A selective scan (quamba.ops.full_scan): a diagonal A reproduces the diagonal scan of
-every method; dense stable systems against scipy (cont2discrete, expm) and a generic RK4 step;
+"""The full-A selective scan (quamba.ops.scan.full_scan): a diagonal A reproduces the diagonal scan
+of every method; dense stable systems against scipy (cont2discrete, expm) and a generic RK4 step;
 decode steps against the prefill; the structured form; the errors."""
 import numpy as np
 import pytest
@@ -8,10 +8,11 @@ from scipy.linalg import expm
 from scipy.signal import cont2discrete
 
 from quamba.errors import QuambaError
-from quamba.ops import backend, full_scan
-from quamba.ops.discretization import METHODS, input_drive
-from quamba.ops.full_scan import full_selective_scan, full_selective_state_update, structured_A
-from quamba.ops.selective_scan import selective_scan, selective_state_update
+from quamba.ops import backend
+from quamba.ops.scan import full_scan
+from quamba.ops.scan.discretization import METHODS, input_drive
+from quamba.ops.scan.full_scan import full_selective_scan, full_selective_state_update, structured_A
+from quamba.ops.scan.selective_scan import selective_scan, selective_state_update
 
 SCIPY_METHOD = {"zoh-exact": "zoh", "bilinear": "bilinear", "foh": "foh"}
 

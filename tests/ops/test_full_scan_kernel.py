@@ -1,5 +1,5 @@
-"""The full-A scan's Triton kernel (quamba.ops.full_scan_kernel) against the torch reference
-(quamba.ops.full_scan), fp32 with stable A (eigenvalues' real parts in about [-3.5, -0.5]).
+"""The full-A scan's Triton kernel (quamba.ops.scan.full_scan_triton) against the torch reference
+(quamba.ops.scan.full_scan), fp32 with stable A (eigenvalues' real parts in about [-3.5, -0.5]).
 
 The small-shape tests run the kernel itself: on a GPU, or on CPU under Triton's interpreter
 (``TRITON_INTERPRET=1 python -m pytest -q tests/ops/test_full_scan_kernel.py``); the others go
@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from quamba.ops import backend
-from quamba.ops.discretization import METHODS, input_drive
-from quamba.ops.full_scan import full_selective_scan, full_selective_state_update, structured_A
-from quamba.ops.selective_scan import selective_scan
+from quamba.ops.scan.discretization import METHODS, input_drive
+from quamba.ops.scan.full_scan import full_selective_scan, full_selective_state_update, structured_A
+from quamba.ops.scan.selective_scan import selective_scan
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
@@ -59,12 +59,12 @@ def assert_close(actual, expected, rtol):
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("d_state,seqlen", [(4, 17), (8, 5), (16, 9)])
 def test_the_kernel_matches_the_reference(method, d_state, seqlen):
-    from quamba.ops import full_scan_kernel
+    from quamba.ops.scan import full_scan_triton
     inputs = scan_inputs(d_state + seqlen, 2, 5, d_state, seqlen)
     initial = torch.randn(2, 5, d_state, device=DEVICE)
     drive = torch.randn(2, 5, d_state, device=DEVICE) if method == "foh" else None
     y_ref, last_ref = reference(inputs, method, initial_state=initial, initial_drive=drive)
-    y, last = full_scan_kernel.scan(*inputs.values(), True, initial, method, initial_drive=drive)
+    y, last = full_scan_triton.scan(*inputs.values(), True, initial, method, initial_drive=drive)
     assert_close(y, y_ref, 1e-4)
     assert_close(last, last_ref, 1e-4)
 
@@ -72,14 +72,14 @@ def test_the_kernel_matches_the_reference(method, d_state, seqlen):
 @runs_kernel
 @pytest.mark.parametrize("method", METHODS)
 def test_kernel_decode_steps_continue_the_kernel_prefill(method):
-    from quamba.ops import full_scan_kernel
+    from quamba.ops.scan import full_scan_triton
     inputs = scan_inputs(3, 2, 3, 6, 7)
     y_all, last_all = reference(inputs, method)
     prefix = {k: (v[..., :4] if k in ("u", "delta", "B", "C", "z") else v) for k, v in inputs.items()}
-    y_prefix, state = full_scan_kernel.scan(*prefix.values(), True, None, method)
+    y_prefix, state = full_scan_triton.scan(*prefix.values(), True, None, method)
     drive = input_drive(inputs["u"][..., 3], inputs["B"][..., 3]) if method == "foh" else None
     state_view = state.transpose(0, 1).contiguous().transpose(0, 1)  # steps a strided state too
-    ys = [full_scan_kernel.step(state_view, *at(inputs, t).values(), True, method, drive)
+    ys = [full_scan_triton.step(state_view, *at(inputs, t).values(), True, method, drive)
           for t in range(4, 7)]
     assert_close(torch.cat([y_prefix, torch.stack(ys, dim=-1)], dim=-1), y_all, 1e-4)
     assert_close(state_view, last_all, 1e-4)
@@ -92,23 +92,23 @@ def test_kernel_decode_steps_continue_the_kernel_prefill(method):
 @pytest.mark.parametrize("shift", [6.0, 3.5, 2.5])
 def test_short_steps_take_shorter_series(method, shift):
     """Δ around softplus(-shift): sub-step norms in each of the series' length ranges."""
-    from quamba.ops import full_scan_kernel
+    from quamba.ops.scan import full_scan_triton
     inputs = scan_inputs(10, 2, 5, 16, 6)
     inputs["delta"] = inputs["delta"] + 1.5 - shift
     y_ref, last_ref = reference(inputs, method)
-    y, last = full_scan_kernel.scan(*inputs.values(), True, None, method)
+    y, last = full_scan_triton.scan(*inputs.values(), True, None, method)
     assert_close(y, y_ref, 1e-4)
     assert_close(last, last_ref, 1e-4)
 
 
 @runs_kernel
 def test_half_inputs_and_no_optional_inputs():
-    from quamba.ops import full_scan_kernel
+    from quamba.ops.scan import full_scan_triton
     inputs = scan_inputs(4, 2, 5, 16, 6, dtype=torch.float16)
     for name in ("D", "z", "delta_bias"):
         inputs[name] = None
     y_ref, last_ref = reference(inputs, "zoh")
-    y, last = full_scan_kernel.scan(*inputs.values(), True, None, "zoh")
+    y, last = full_scan_triton.scan(*inputs.values(), True, None, "zoh")
     assert y.dtype == torch.float16 and last.dtype == torch.float32
     assert_close(y, y_ref, 2e-3)
     assert_close(last, last_ref, 1e-4)
@@ -200,3 +200,9 @@ def test_structured_a_runs_the_kernel_on_its_dense_form():
     assert_close(y, y_ref, 1e-3)
     assert_close(last, last_ref, 1e-3)
 
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+def test_the_dispatch_limit_is_the_kernels_tile():
+    from quamba.ops.scan import full_scan, full_scan_triton
+    assert full_scan.KERNEL_MAX_D_STATE == full_scan_triton.D_STATE_TILE

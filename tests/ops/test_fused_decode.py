@@ -1,6 +1,6 @@
-"""qmixer_ssm_step (quamba.ops.fused_decode): the two Triton kernels of its cuda backend against
-the chain of reference ops (tests/ops/fused_step_cases.py says how each output is compared), and
-what the op refuses.
+"""qmixer_ssm_step (quamba.ops.fused_decode.mixer_step): the two Triton kernels of its cuda backend
+against the chain of reference ops (tests/ops/fused_step_cases.py says how each output is compared),
+and what the op refuses.
 
 Without a GPU the kernels run under Triton's interpreter on CPU tensors (tests/conftest.py sets
 TRITON_INTERPRET=1); tests/ops/test_cuda_fused_decode.py runs them compiled at Mamba-2.8B's
@@ -11,11 +11,12 @@ import pytest
 import torch
 
 from quamba.ops import backend
-from quamba.ops.fused_decode import W8A8Weight, qmixer_ssm_step
-from quamba.ops.qconv1d import qconv1d_update
-from quamba.ops.qlinear import w8a8_linear
-from quamba.ops.qlinear4 import w4a8_linear
-from quamba.ops.qsscan import qsscan_update
+from quamba.ops.conv.qconv1d import qconv1d_update
+from quamba.ops.fused_decode.mixer_step import qmixer_ssm_step
+from quamba.ops.fused_decode.weights import W8A8Weight
+from quamba.ops.linear.qlinear import w8a8_linear
+from quamba.ops.linear.qlinear4 import w4a8_linear
+from quamba.ops.scan.qsscan import qsscan_update
 from tests.ops.fused_step_cases import check_step, cloned_states, reference_step, step_case
 
 HAS_CUDA = torch.cuda.is_available()
@@ -26,8 +27,8 @@ runs_kernel = pytest.mark.skipif(
 
 
 def kernel_step(**case):
-    from quamba.ops import fused_decode_kernel
-    return fused_decode_kernel.ssm_step_with_codes(**case)
+    from quamba.ops.fused_decode import mixer_step_triton
+    return mixer_step_triton.ssm_step_with_codes(**case)
 
 
 # (batch, d_inner, d_state, dt_rank, width): d_inner odd or past a block, batch 1 to past a row
@@ -67,11 +68,11 @@ def test_other_output_dtypes(out_dtype):
 
 @runs_kernel
 def test_an_empty_batch_returns_an_empty_output():
-    from quamba.ops import fused_decode_kernel
+    from quamba.ops.fused_decode import mixer_step_triton
     case = step_case(1, 16, 4, 2, device=DEVICE)
     batched = ("x", "z", "conv_state", "ssm_state")
     empty = {k: (v[:0] if k in batched else v) for k, v in case.items()}
-    y = fused_decode_kernel.ssm_step(**empty, out_dtype=torch.float16)
+    y = mixer_step_triton.ssm_step(**empty, out_dtype=torch.float16)
     assert y.shape == (0, 16)
 
 

@@ -1,11 +1,11 @@
-"""Mamba2's gated RMSNorm (quamba.ops.gated_norm): the output dtype, and the cuda backend's Triton
-kernel (compiled on a GPU, under Triton's interpreter on a CPU) against the torch reference on
-strided inputs as the quantized mixer passes them."""
+"""Mamba2's gated RMSNorm (quamba.ops.norm.gated_norm): the output dtype, and the cuda backend's
+Triton kernel (compiled on a GPU, under Triton's interpreter on a CPU) against the torch reference
+on strided inputs as the quantized mixer passes them."""
 import pytest
 import torch
 
-from quamba.ops.gated_norm import gated_rms_norm
-from quamba.ops.qhadamard import gated_norm_hadamard_quant, hadamard_quant
+from quamba.ops.norm.gated_norm import gated_rms_norm
+from quamba.ops.norm.qhadamard import gated_norm_hadamard_quant, hadamard_quant
 from tests.ops.standalone_backend import DEVICE, load_backend_file
 
 
@@ -26,7 +26,7 @@ def test_out_dtype_is_the_norm_of_the_fp32_input():
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.float16])
 def test_kernel_matches_the_reference_on_strided_rows(rows, dim, group_size, int8_z, out_dtype,
                                                       monkeypatch):
-    kernels = load_backend_file(monkeypatch, "gated_norm.py")
+    kernels = load_backend_file(monkeypatch, "norm/gated_norm_triton.py")
     g = torch.Generator().manual_seed(rows * dim)
     y = torch.randn(rows, dim, generator=g).half()
     # z as the mixer passes it: a slice of in_proj's wider output rows

@@ -4,8 +4,13 @@ import math
 import pytest
 import torch
 
-from quamba.ops.hadamard import (HadamardTransform, hadamard_factors, hadamard_matrix,
-                                 hadamard_sign_matrix, hadamard_transform)
+from quamba.ops.norm.hadamard import (
+    HadamardTransform,
+    hadamard_factors,
+    hadamard_matrix,
+    hadamard_sign_matrix,
+    hadamard_transform,
+)
 
 MAX_SIZE = 8192
 SIZES = sorted({base << k for base in (1, 12, 20, 28, 40) for k in range(14)

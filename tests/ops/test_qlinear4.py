@@ -2,9 +2,15 @@
 import pytest
 import torch
 
-from quamba.ops.qlinear4 import w4a8_linear, w4a16_linear, w4a16_linear_channel_major
-from quamba.ops.quant4 import (dequantize_int4, effective_scales, expand_groups, pack_int4,
-                               quantize_weight_w4a8, quantize_weight_w4a16)
+from quamba.ops.linear.qlinear4 import w4a8_linear, w4a16_linear, w4a16_linear_channel_major
+from quamba.ops.quant4 import (
+    dequantize_int4,
+    effective_scales,
+    expand_groups,
+    pack_int4,
+    quantize_weight_w4a8,
+    quantize_weight_w4a16,
+)
 
 
 def random_weight(n, k, seed):

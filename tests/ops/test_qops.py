@@ -11,15 +11,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from quamba.ops.hadamard import hadamard_matrix
-from quamba.ops.qconv1d import qconv1d, qconv1d_update
-from quamba.ops.qhadamard import hadamard_quant
-from quamba.ops.qlinear import w8a8_linear
-from quamba.ops.qnorm import rmsnorm_quant
 from quamba.errors import QuambaError
-from quamba.ops.qsscan import DtProjection, SSMParams, qsscan, qsscan_update
-from quamba.ops.quant import (dequantize, quantize, quantize_weight, requant_multiplier,
-                              scale_from_range)
+from quamba.ops.conv.qconv1d import qconv1d, qconv1d_update
+from quamba.ops.linear.qlinear import w8a8_linear
+from quamba.ops.norm.hadamard import hadamard_matrix
+from quamba.ops.norm.qhadamard import hadamard_quant
+from quamba.ops.norm.qnorm import rmsnorm_quant
+from quamba.ops.quant import (
+    dequantize,
+    quantize,
+    quantize_weight,
+    requant_multiplier,
+    scale_from_range,
+)
+from quamba.ops.scan.qsscan import DtProjection, SSMParams, qsscan, qsscan_update
 
 
 def codes(*shape, gen):

@@ -1,13 +1,17 @@
-"""The Mamba2 int8 ops (quamba.ops.qssd) against the ops they generalise."""
+"""The Mamba2 int8 ops (quamba.ops.ssd.qssd) against the ops they generalise."""
 import pytest
 import torch
 
-from quamba.ops.qconv1d import qconv1d
-from quamba.ops.qsscan import SSMParams
-from quamba.ops.qssd import (qconv1d_channelwise, qconv1d_channelwise_update, qssd_scan,
-                             qssd_state_update)
+from quamba.ops.conv.qconv1d import qconv1d
 from quamba.ops.quant import dequantize, quantize, quantize_weight
-from quamba.ops.ssd import ssd_scan, ssd_state_update
+from quamba.ops.scan.qsscan import SSMParams
+from quamba.ops.ssd.qssd import (
+    qconv1d_channelwise,
+    qconv1d_channelwise_update,
+    qssd_scan,
+    qssd_state_update,
+)
+from quamba.ops.ssd.ssd import ssd_scan, ssd_state_update
 from tests.ops.standalone_backend import DEVICE, load_backend_file
 
 
@@ -123,7 +127,7 @@ def test_step_kernel_matches_the_torch_step(state_dtype, heads, headdim, groups,
     which dequantizes A_log, D and dt_bias itself, against the torch step: int8 state codes within
     one step, y within fp32 rounding, with a head's channels in blocks of 8, 16 (chosen) or 64. The
     FP path (fp32 parameters) is checked too."""
-    kernels = load_backend_file(monkeypatch, "ssd.py")
+    kernels = load_backend_file(monkeypatch, "ssd/ssd_triton.py")
     monkeypatch.setattr(kernels, "STEP_BLOCK_P", block_p)
 
     inputs, params = ssd_case(2, 1, heads, headdim, groups, d_state,
@@ -162,7 +166,7 @@ def test_prefill_kernels_write_the_int8_last_state(seqlen, monkeypatch):
     """The cuda backend's SSD prefill (compiled on a GPU, under Triton's interpreter on a CPU)
     writes the decode cache's int8 last state in its state-passing pass: exactly ``quantize`` of
     the fp32 last state the same kernels give, with the same y."""
-    kernels = load_backend_file(monkeypatch, "ssd.py")
+    kernels = load_backend_file(monkeypatch, "ssd/ssd_triton.py")
     inputs, params = ssd_case(2, seqlen, 3, 8, 1, 16, torch.Generator().manual_seed(seqlen))
     args = dict(zip(inputs, on_device(inputs.values())))
     y, state = kernels._qssd_scan_cuda(**args, params=params, chunk_size=256, state_scale=None,

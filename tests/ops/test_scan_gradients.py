@@ -4,9 +4,9 @@ decode step of the diagonal scan and the prefill of the full-A scan."""
 import pytest
 import torch
 
-from quamba.ops.discretization import METHODS
-from quamba.ops.full_scan import full_selective_scan
-from quamba.ops.selective_scan import selective_scan, selective_state_update
+from quamba.ops.scan.discretization import METHODS
+from quamba.ops.scan.full_scan import full_selective_scan
+from quamba.ops.scan.selective_scan import selective_scan, selective_state_update
 
 BATCH, D_INNER, D_STATE, SEQLEN = 2, 3, 4, 7
 
@@ -59,7 +59,7 @@ def test_decode_step_gradients(method):
 
 @pytest.mark.parametrize("method", METHODS)
 def test_full_A_prefill_gradients(method):
-    """The full-A scan (quamba.ops.full_scan), A a dense stable matrix per channel."""
+    """The full-A scan (quamba.ops.scan.full_scan), A a dense stable matrix per channel."""
     inputs = scan_inputs(seed=len(method) + 2)
     gen = torch.Generator().manual_seed(1)
     dense = torch.randn(D_INNER, D_STATE, D_STATE, generator=gen, dtype=torch.float64) * 0.3

@@ -1,9 +1,9 @@
-"""quamba.ops.selective_scan.state_readout: the decode step's C · h, added as a pairwise tree."""
-import pytest
+"""quamba.ops.scan.selective_scan.state_readout: the decode step's C · h, added as a pairwise
+tree.""" import pytest
 import torch
 import torch.nn.functional as F
 
-from quamba.ops.selective_scan import state_readout
+from quamba.ops.scan.selective_scan import state_readout
 
 
 def test_the_terms_are_added_adjacent_pairs_first():

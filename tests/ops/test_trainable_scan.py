@@ -1,5 +1,6 @@
-"""The fused Triton scan (quamba.ops.triton_scan, the cuda backend of trainable_selective_scan)
-against autograd through the fp32 reference: y, the last state and every gradient.
+"""The fused Triton scan (quamba.ops.scan.trainable_scan_triton, the cuda backend of
+trainable_selective_scan) against autograd through the fp32 reference: y, the last state and every
+gradient.
 
 Without a GPU its kernels run under TRITON_INTERPRET=1 (set by tests/conftest.py) on CPU tensors
 (tiny shapes, chunks shorter than the sequence); on a GPU the same cases run compiled, and the
@@ -9,10 +10,11 @@ import torch
 
 pytest.importorskip("triton")
 
-from quamba.ops import backend, triton_scan  # noqa: E402
-from quamba.ops.discretization import METHODS  # noqa: E402
-from quamba.ops.selective_scan import selective_scan  # noqa: E402
-from quamba.ops.trainable_scan import FUSED_METHODS, trainable_selective_scan  # noqa: E402
+from quamba.ops import backend  # noqa: E402
+from quamba.ops.scan import trainable_scan_triton
+from quamba.ops.scan.discretization import METHODS  # noqa: E402
+from quamba.ops.scan.selective_scan import selective_scan  # noqa: E402
+from quamba.ops.scan.trainable_scan import FUSED_METHODS, trainable_selective_scan  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 NAMES = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias")
@@ -50,8 +52,8 @@ def outputs_and_grads(scan, inputs, seed):
 def assert_matches_reference(inputs, method, softplus, seed, rtol, atol, **tile):
     """The fused scan with ``tile`` (chunk, block_d, num_warps) against the reference."""
     def fused(**values):
-        return triton_scan.selective_scan(**values, delta_softplus=softplus, discretization=method,
-                                          **tile)
+        return trainable_scan_triton.selective_scan(**values, delta_softplus=softplus,
+                                                    discretization=method, **tile)
 
     def reference(**values):
         return selective_scan(**values, delta_softplus=softplus, discretization=method,
@@ -86,7 +88,7 @@ def test_only_some_inputs_need_gradients():
     inputs = scan_inputs(2, 4, 4, 11, seed=4)
     for name in ("A", "D", "delta_bias", "z"):
         inputs[name] = inputs[name].detach()
-    y, _ = triton_scan.selective_scan(**inputs, delta_softplus=True, chunk=4, block_d=4)
+    y, _ = trainable_scan_triton.selective_scan(**inputs, delta_softplus=True, chunk=4, block_d=4)
     du, dB = torch.autograd.grad(y.sum(), (inputs["u"], inputs["B"]))
     want = torch.autograd.grad(selective_scan(**inputs, delta_softplus=True, backend_name="torch")[0].sum(),
                                (inputs["u"], inputs["B"]))
@@ -97,19 +99,19 @@ def test_only_some_inputs_need_gradients():
 def test_bad_options_are_one_line_errors():
     inputs = scan_inputs(1, 4, 4, 5, seed=5)
     with pytest.raises(ValueError, match="foh"):
-        triton_scan.selective_scan(**inputs, discretization="foh")
+        trainable_scan_triton.selective_scan(**inputs, discretization="foh")
     with pytest.raises(ValueError, match="chunk must be a power of two"):
-        triton_scan.selective_scan(**inputs, chunk=12)
+        trainable_scan_triton.selective_scan(**inputs, chunk=12)
     with pytest.raises(ValueError, match="num_warps must be a power of two"):
-        triton_scan.selective_scan(**inputs, num_warps=3)
+        trainable_scan_triton.selective_scan(**inputs, num_warps=3)
 
 
 def test_backward_partials_stay_under_their_cap():
     """Mamba-2.8B's d_inner at batch 8, 2048 steps: (2, 2) would keep 5.4 GB of dB and dC
     partials; the block widens to 8 channels (1.3 GB). The benchmark's shape keeps its tile."""
-    assert triton_scan.partial_capped((2, 2), 8, 5120, 2048, 16) == (8, 2)
-    assert triton_scan.partial_capped((2, 2), 8, 1536, 2048, 16) == (2, 2)
-    assert triton_scan.partial_capped((1, 1), 1, 64, 16, 4) == (1, 1)
+    assert trainable_scan_triton.partial_capped((2, 2), 8, 5120, 2048, 16) == (8, 2)
+    assert trainable_scan_triton.partial_capped((2, 2), 8, 1536, 2048, 16) == (2, 2)
+    assert trainable_scan_triton.partial_capped((1, 1), 1, 64, 16, 4) == (1, 1)
 
 
 def test_the_torch_backend_is_the_reference():

@@ -5,7 +5,7 @@ tests/quantization/test_w4a16.py; the kernel's in test_cuda_w4a16_step.py."""
 import pytest
 import torch
 
-from quamba.ops.w4a16_decode import FloatSSMWeights, w4a16_ssm_step
+from quamba.ops.fused_decode.w4a16_step import FloatSSMWeights, w4a16_ssm_step
 from tests.ops.w4a16_step_cases import cloned, fp64_step, relative_error, step_case
 
 # (batch, d_inner, d_state, dt_rank, conv width, group size)

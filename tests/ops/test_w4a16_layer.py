@@ -1,10 +1,10 @@
-"""w4a16_layer_step (quamba.ops.w4a16_decode) on the CPU, on a random-weight W4A16 model with
-groups of 128: its torch reference with the weights a block hands it
+"""w4a16_layer_step (quamba.ops.fused_decode.w4a16_step) on the CPU, on a random-weight W4A16 model
+with groups of 128: its torch reference with the weights a block hands it
 (WeightOnlyMambaMixer.layer_weights) is the block's own decode step, norm and mixer op by op, bit
 for bit (out, residual, both states), float32 and float16, the residual in fp32 or not; a block
 steps through it where its mixer offers it; the op refuses inputs outside its scope with a
-one-line error; and its kernel launcher (quamba.ops.cuda_backend.w4a16_layer) says why the kernel
-cannot run a step and repacks the weights in the layout the kernel reads.
+one-line error; and its kernel launcher (quamba.ops.fused_decode.w4a16_layer_cuda) says why the
+kernel cannot run a step and repacks the weights in the layout the kernel reads.
 tests/ops/test_cuda_w4a16_layer.py checks the kernel on a GPU."""
 import copy
 import dataclasses
@@ -18,7 +18,7 @@ from quamba.models import MambaConfig, MambaLMHeadModel, randomize_
 from quamba.models.mamba import Block, step_ssm_A
 from quamba.models.quantized import WeightOnlyBlock
 from quamba.ops import backend
-from quamba.ops.w4a16_decode import LAYER_OP, W4A16Weight, w4a16_layer_step
+from quamba.ops.fused_decode.w4a16_step import LAYER_OP, W4A16Weight, w4a16_layer_step
 from tests.ops.standalone_backend import load_file
 from tests.ops.w4a16_step_cases import fp64_layer_step, relative_error
 
@@ -42,7 +42,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def w4a16_layer():
-    return load_file("w4a16_layer.py")
+    return load_file("fused_decode/w4a16_layer_cuda.py")
 
 
 def prompt_ids(length=PROMPT_LEN):

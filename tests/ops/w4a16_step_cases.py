@@ -1,5 +1,5 @@
-"""Random inputs of one W4A16 decode step's SSM side (quamba.ops.w4a16_decode) at Mamba-like
-magnitudes, fp64 evaluations of the step and of a whole block's step without the chain's
+"""Random inputs of one W4A16 decode step's SSM side (quamba.ops.fused_decode.w4a16_step) at
+Mamba-like magnitudes, fp64 evaluations of the step and of a whole block's step without the chain's
 roundings to the activation dtype, and a model's decode-step logits on given tokens, shared by
 the CPU tests and the GPU kernel tests."""
 import math
@@ -7,8 +7,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from quamba.ops.fused_decode.w4a16_step import FloatSSMWeights, W4A16Weight
 from quamba.ops.quant4 import dequantize_int4, quantize_weight_w4a16
-from quamba.ops.w4a16_decode import FloatSSMWeights, W4A16Weight
 
 
 def step_case(batch, d_inner, d_state, dt_rank, width, group_size, dtype=torch.float16,

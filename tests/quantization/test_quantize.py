@@ -9,7 +9,7 @@ import quamba
 from quamba.calibrate import load_calibration_set
 from quamba.errors import CheckpointError, QuambaError
 from quamba.ops.backend import BackendError
-from quamba.ops.qlinear import w8a8_linear
+from quamba.ops.linear.qlinear import w8a8_linear
 from quamba.quantization.checkpoint import FORMAT_VERSION
 
 REPO = Path(__file__).resolve().parents[2]

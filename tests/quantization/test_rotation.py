@@ -6,7 +6,7 @@ import torch
 
 from quamba.models.config import MambaConfig
 from quamba.models.mamba import MambaLMHeadModel, randomize_
-from quamba.ops.hadamard import HadamardTransform
+from quamba.ops.norm.hadamard import HadamardTransform
 from quamba.quantization.rotation import rotate_model_
 
 BATCH, PREFILL_LEN, DECODE_STEPS = 2, 7, 3
