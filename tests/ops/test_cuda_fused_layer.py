@@ -48,8 +48,9 @@ def kernel_lacks(model) -> str | None:
     if block.mixer.layer_step_weights(block.norm, hidden, None, cache.states[0]) is not None:
         return None
     from quamba.ops.fused_decode import layer_step_cuda
-    return layer_step_cuda.lacks(hidden, None, block.mixer.layer_weights(block.norm),
-                                 cache.states[0].conv, cache.states[0].ssm) or "the block does not qualify"
+    lacks = layer_step_cuda.lacks(hidden, None, block.mixer.layer_weights(block.norm),
+                                  cache.states[0].conv, cache.states[0].ssm)
+    return lacks or "the block does not qualify"
 
 
 def test_each_block_step_is_the_cuda_chain_bit_for_bit(model):
