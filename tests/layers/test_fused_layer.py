@@ -3,7 +3,8 @@ reference with the weights a block hands it (QMambaMixer.layer_weights) is the b
 step, norm and mixer op by op, bit for bit, W8A8 and W4A8, at every layer and for several steps; the
 op refuses inputs outside its scope with a one-line error; and the blocks run op by op where the
 layer kernel cannot apply (here: no GPU). tests/ops/test_cuda_fused_layer.py checks the kernel on a
-GPU.""" import copy
+GPU."""
+import copy
 
 import pytest
 import torch

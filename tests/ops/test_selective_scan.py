@@ -1,5 +1,6 @@
 """quamba.ops.scan.selective_scan.state_readout: the decode step's C · h, added as a pairwise
-tree.""" import pytest
+tree."""
+import pytest
 import torch
 import torch.nn.functional as F
 

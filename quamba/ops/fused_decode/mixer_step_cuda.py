@@ -3,7 +3,8 @@ Mamba1 mixer's decode step in one CUDA kernel, one thread-block cluster a batch 
 x_proj. Where it cannot run (a W4A8 x_proj, sizes its shared memory does not hold, a GPU before
 compute capability 9.0), the op's cuda backend runs the two Triton kernels
 (quamba.ops.fused_decode.mixer_step_triton) instead; both compute the chain's numbers bit for
-bit.""" from __future__ import annotations
+bit."""
+from __future__ import annotations
 
 import functools
 
@@ -45,7 +46,8 @@ def ssm_step(x, z, conv_state, ssm_state, conv, x_proj, dt_proj, params, scales,
              codes=(None, None, None)):
     """y [batch, d_inner] of :func:`quamba.ops.fused_decode.mixer_step.qmixer_ssm_step` on the
     cluster kernel; ``codes``: int8 tensors that receive the step's u, x_proj and dt codes, or
-    None.""" int8_state = ssm_state.dtype == torch.int8
+    None."""
+    int8_state = ssm_state.dtype == torch.int8
     return torch.ops.quamba.qmixer_ssm_step(
         x, z, float(scales.xz), conv_state, ssm_state, float(scales.state) if int8_state else 1.0,
         conv.weight.contiguous(), conv.bias, fp32_multiplier(scales.xz, conv.weight_scale),

@@ -314,8 +314,8 @@ LIBDEVICE_MATH = not isinstance(_dt_proj_scan_kernel, InterpretedFunction)
 
 def ssm_step(x, z, conv_state, ssm_state, conv, x_proj, dt_proj, params, scales, out_dtype):
     """:func:`quamba.ops.fused_decode.mixer_step.qmixer_ssm_step` on the two kernels: y [batch,
-    d_inner].""" return _launch(x, z, conv_state, ssm_state, conv, x_proj, dt_proj, params, scales,
-    out_dtype,
+    d_inner]."""
+    return _launch(x, z, conv_state, ssm_state, conv, x_proj, dt_proj, params, scales, out_dtype,
                    codes=None)
 
 
