@@ -4,7 +4,7 @@ record the run as JSON.
     python main.py state-spaces/mamba-130m --quantize --eval_zero_shot --pretrained_dir pretrained
     python main.py quamba-mamba-130m-w8a8 --pretrained_dir pretrained --ssm_mode fp32-ssm-input \
         --eval_zero_shot
-    python main.py tests/fixtures/tiny-vim --quantize --calib_data digits --eval_image digits
+    python main.py tests/fixtures/tiny-vim --quantize --eval_image digits
 
 Everything happens in the library (quamba.cli_support, quamba.eval.run); this file only maps
 flags onto it. Errors in the input print ``error: <message>`` and exit with status 2.
@@ -152,7 +152,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> _Flags:
     flags.add(group, "--calib_data", metavar="SOURCE",
               help="calibration text: Hub dataset id or .txt/.jsonl file (default: QuantConfig's, "
                    "the Pile validation split); for a Vision Mamba classifier, images: digits (its "
-                   "train split) or an ImageFolder directory")
+                   "train split) or an ImageFolder directory (default: the train split of the "
+                   "--eval_image set, i.e. digits' train split with --eval_image digits; an "
+                   "ImageFolder --eval_image has none, so give --calib_data)")
     flags.add(group, "--calib_data_num", type=int, default=512, help="calibration samples (default 512)")
     flags.add(group, "--calib_seqlen", type=int, default=512,
               help="tokens per calibration sample (default 512)")

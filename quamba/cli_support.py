@@ -10,14 +10,17 @@ is reused only when its recorded recipe equals the requested one, otherwise it i
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from quamba.errors import ModelNotFoundError, QuambaError
+from quamba.utils.io import check_directory_target
 
 log = logging.getLogger("quamba")
 
@@ -139,16 +142,92 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def check_device(device: str | None) -> str:
+    """``device`` (None: :func:`default_device`) when this torch can use it, else a QuambaError
+    saying what is there: checked before anything is loaded, so that a missing GPU is one line
+    and not a traceback from the middle of loading or calibrating."""
+    if device is None:
+        return default_device()
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, ValueError, TypeError):
+        raise QuambaError(f"--device {device!r} is not a torch device (e.g. cpu, cuda, "
+                          "cuda:1)") from None
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            if torch.version.cuda is None and torch.version.hip is None:
+                raise QuambaError(f"--device {device}: this torch ({torch.__version__}) was "
+                                  "built without CUDA; use --device cpu, or install a CUDA build "
+                                  "of torch")
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            shown = "" if visible is None else f" (CUDA_VISIBLE_DEVICES={visible!r})"
+            raise QuambaError(f"--device {device}: no CUDA device is visible{shown}; use "
+                              "--device cpu")
+        count = torch.cuda.device_count()
+        if parsed.index is not None and parsed.index >= count:
+            shown = "cuda:0" if count == 1 else f"cuda:0 to cuda:{count - 1}"
+            raise QuambaError(f"--device {device}: there is no CUDA device {parsed.index}; "
+                              f"{count} {'is' if count == 1 else 'are'} visible ({shown})")
+    elif parsed.type != "cpu":  # mps, xpu, ...: refused only when torch says it has none
+        module = getattr(torch.backends, parsed.type, None) or getattr(torch, parsed.type, None)
+        available = getattr(module, "is_available", None)
+        if callable(available) and not available():
+            raise QuambaError(f"--device {device}: this torch ({torch.__version__}) has no "
+                              f"{parsed.type} device; use --device cpu")
+    return device
+
+
+def check_request(request: ModelRequest) -> str:
+    """What can be refused before anything is read or loaded: the device (returned, resolved)
+    and a ``pretrained_dir`` to save into that is a file."""
+    device = check_device(request.device)
+    if request.quantize and request.pretrained_dir:
+        check_directory_target(request.pretrained_dir, "--pretrained_dir", writable=False)
+    return device
+
+
 def prepare_model(request: ModelRequest) -> PreparedModel:
     from quamba.ops.backend import requested_backend
+    device = check_request(request)
     backend = requested_backend(request.backend)
-    device = request.device or default_device()
     source = _under_pretrained_dir(request.model, request.pretrained_dir) or request.model
     if request.quantize and _recorded_quant_config(Path(source)) is None:
         return _quantize_or_reuse(source, request, device, backend)
     prepared = _load(source, request, device, backend)
     _check_mode_fits(prepared, request)
     return prepared
+
+
+def image_calibration_default(request: ModelRequest, image_set: str | None) -> ModelRequest:
+    """``request`` for a run that evaluates a classifier on ``image_set``: a Vision Mamba model
+    quantized without a ``calib_source`` calibrates on the image set's train split, as the
+    language models calibrate on QuantConfig's text set (``digits``: its train split, disjoint
+    from the test split evaluated). An ImageFolder directory is one set with no train split, and
+    is not taken as its own calibration set: that asks for ``calib_source``. A request naming its
+    calibration, or for a saved quantized model, or evaluating no images, is returned as is."""
+    from quamba.eval.images import DIGITS
+    from quamba.models.loading import detect_layout, is_quamba_checkpoint, resolve_model_dir
+    from quamba.models.vision_loading import is_vision_config
+    if not request.quantize or request.calib_source or image_set is None:
+        return request
+    source = _under_pretrained_dir(request.model, request.pretrained_dir) or request.model
+    try:
+        raw = json.loads((resolve_model_dir(source) / "config.json").read_text())
+    except (ModelNotFoundError, OSError, ValueError):
+        return request  # loading it says what is wrong
+    if not isinstance(raw, dict) or is_quamba_checkpoint(raw):
+        return request
+    if not is_vision_config(raw):
+        try:
+            detect_layout(raw)
+        except QuambaError:
+            return request
+        raise QuambaError("--eval_image needs a Vision Mamba classifier; this is a language model")
+    if image_set != DIGITS:
+        raise QuambaError(f"a Vision Mamba model is calibrated on images, and --eval_image "
+                          f"{image_set} is one directory with no train split to take them from: "
+                          "give --calib_data (digits or another ImageFolder directory)")
+    return dataclasses.replace(request, calib_source=image_set)
 
 
 def _under_pretrained_dir(model: str, pretrained_dir: str | None) -> str | None:

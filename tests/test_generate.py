@@ -1,5 +1,6 @@
 """generate.py on the CPU with the test model: text out, timings, flag errors (status 2)."""
 import pytest
+import torch
 
 import generate
 
@@ -53,3 +54,18 @@ def test_bad_flags_exit_2(tiny_model_dir, capsys, argv, message):
         generate.parse_args([str(tiny_model_dir)] + argv)
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_device_cuda_without_cuda_is_one_line(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    """--device cuda where torch has no CUDA: one line, status 2, nothing loaded or written."""
+    monkeypatch.setattr(torch, "__version__", "2.0.0+cpu")
+    monkeypatch.setattr(torch.version, "cuda", None)
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.chdir(tmp_path)
+    assert generate.main([str(tiny_model_dir), "--genlen", "2", "--device", "cuda"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.strip().splitlines() == [
+        "error: --device cuda: this torch (2.0.0+cpu) was built without CUDA; use --device cpu, or "
+        "install a CUDA build of torch"]
+    assert not any(tmp_path.iterdir())

@@ -9,6 +9,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -290,7 +291,7 @@ def test_vision_classifier_quantized_and_evaluated_on_digits(tiny_vim_dir, tmp_p
     (["--eval_image", "digits", "--eval_ppl"], "image classification and language tasks"),
     (["--eval_ppl"], "evaluate it with --eval_image"),
     (["--eval_image", "no-such-dir"], "neither digits nor a directory"),
-    (["--quantize", "--eval_image", "digits"], "calibrated on images"),
+    (["--quantize", "--eval_image", str(REPO / "tests" / "fixtures")], "no train split"),
 ])
 def test_vision_flag_mistakes_are_one_line_errors(tiny_vim_dir, tmp_path, capsys, argv, message):
     assert main.main([str(tiny_vim_dir), *argv, "--log_dir", str(tmp_path)]) == 2
@@ -325,3 +326,97 @@ def test_mamba2_mixed_precision_from_the_command_line(tiny_mamba2_dir, tmp_path,
     assert "reusing" in caplog.text
     second = json.loads(next((tmp_path / "second").iterdir()).read_text())["perplexity"]["perplexity"]
     assert second == first
+
+
+def test_vision_quantize_calibrates_on_the_eval_sets_train_split(tiny_vim_dir, tmp_path, capsys):
+    """No --calib_data: a Vision Mamba model quantized for --eval_image digits calibrates on
+    digits' train split (disjoint from the test split it is evaluated on)."""
+    logs = tmp_path / "logs"
+    argv = [tiny_vim_dir, "--quantize", "--eval_image", "digits", "--calib_data_num", "16",
+            "--log_dir", logs]
+    assert main.main([str(a) for a in argv]) == 0
+    assert "top-1 digits-test: 0.9" in capsys.readouterr().out
+    record = json.loads(next(logs.iterdir()).read_text())
+    assert record["image_classification"]["top1"] > 0.9
+    assert record["model"]["quant_config"]["calib_source"] == "digits"
+    assert record["model"]["calibration"]["source"] == "digits-train"
+    assert record["model"]["calibration"]["num_samples"] == 16
+
+
+# --- bad inputs: one `error:` line on stderr, status 2, nothing written ------------------------
+
+def _only_error_line(stderr: str) -> str:
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), stderr
+    return lines[0]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_device_cuda_without_cuda_is_one_line(offline_env, tmp_path):
+    """The real command on this torch (CPU-only here): refused before the model is loaded."""
+    done = run_cli([REPO / "tests" / "fixtures" / "tiny-mamba", "--eval_ppl", "--device", "cuda",
+                    "--log_dir", tmp_path / "logs"], offline_env, cwd=tmp_path)
+    assert done.returncode == 2
+    line = _only_error_line(done.stderr)
+    if torch.version.cuda is None and torch.version.hip is None:
+        assert line.startswith(f"error: --device cuda: this torch ({torch.__version__}) was built "
+                               "without CUDA")
+    else:
+        assert line.startswith("error: --device cuda: no CUDA device is visible")
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("device, built_with, count, message", [
+    ("cuda", None, 0, "error: --device cuda: this torch (2.0.0+cpu) was built without CUDA; use "
+                      "--device cpu, or install a CUDA build of torch"),
+    ("cuda:1", "12.4", 0, "error: --device cuda:1: no CUDA device is visible; use --device cpu"),
+    ("cuda:7", "12.4", 1, "error: --device cuda:7: there is no CUDA device 7; 1 is visible "
+                          "(cuda:0)"),
+    ("cuda:2", "12.4", 2, "error: --device cuda:2: there is no CUDA device 2; 2 are visible "
+                          "(cuda:0 to cuda:1)"),
+    ("gpu", None, 0, "error: --device 'gpu' is not a torch device (e.g. cpu, cuda, cuda:1)"),
+])
+def test_device_that_is_not_there_is_one_line(tiny_model_dir, tmp_path, capsys, monkeypatch,
+                                              device, built_with, count, message):
+    """Whatever torch and GPUs the machine has, each case as that machine would see it."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(torch, "__version__", "2.0.0+cpu" if built_with is None else "2.0.0+cu124")
+    monkeypatch.setattr(torch.version, "cuda", built_with)
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    argv = [str(tiny_model_dir), "--quantize", "--eval_ppl", "--device", device,
+            "--pretrained_dir", str(tmp_path / "pretrained"), "--log_dir", str(tmp_path / "logs")]
+    assert main.main(argv) == 2
+    assert _only_error_line(capsys.readouterr().err) == message
+    assert not any(tmp_path.iterdir())
+
+
+def test_log_dir_naming_a_file_is_one_line(offline_env, tmp_path):
+    log_file = tmp_path / "logs"
+    log_file.write_text("not a directory\n")
+    done = run_cli([REPO / "tests" / "fixtures" / "tiny-mamba", "--eval_ppl", "--log_dir",
+                    log_file], offline_env, cwd=tmp_path)
+    assert done.returncode == 2
+    assert _only_error_line(done.stderr) == \
+        f"error: --log_dir {log_file} names an existing file, not a directory"
+    assert [p.name for p in tmp_path.iterdir()] == ["logs"]
+    assert log_file.read_text() == "not a directory\n"
+
+
+@pytest.mark.parametrize("flag, under, message", [
+    ("--log_dir", "file/logs", "error: --log_dir {target}: {file} is a file, not a directory"),
+    ("--pretrained_dir", "file", "error: --pretrained_dir {target} names an existing file, not a "
+                                 "directory"),
+])
+def test_output_directory_under_a_file_is_one_line(tiny_model_dir, tmp_path, capsys, flag, under,
+                                                   message):
+    """A file where a directory is to be made, refused before loading (not after quantizing)."""
+    file = tmp_path / "file"
+    file.write_text("x\n")
+    target = tmp_path / under
+    argv = [str(tiny_model_dir), "--quantize", "--eval_ppl", "--log_dir", str(tmp_path / "logs"),
+            flag, str(target)]
+    assert main.main(argv) == 2
+    assert _only_error_line(capsys.readouterr().err) == message.format(target=target, file=file)
+    assert [p.name for p in tmp_path.iterdir()] == ["file"] and file.read_text() == "x\n"

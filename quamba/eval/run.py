@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from quamba.errors import QuambaError
-from quamba.utils.io import atomic_write_text
+from quamba.utils.io import atomic_write_text, check_directory_target
 from quamba.version import __version__
 
 log = logging.getLogger("quamba")
@@ -203,6 +203,8 @@ class EvalPlan:
                               "them separately")
         if self.image_set not in (None, "digits") and not Path(self.image_set).is_dir():
             raise QuambaError(f"image set {self.image_set!r} is neither digits nor a directory")
+        if self.runs_anything:
+            check_directory_target(self.log_dir, "--log_dir")
 
     @property
     def runs_language_tasks(self) -> bool:
@@ -227,10 +229,12 @@ def check_model_fits(model, plan: EvalPlan) -> None:
 def execute_run(request, plan: EvalPlan, config: dict | None = None) -> tuple[dict, Path | None]:
     """Prepare the model ``request`` asks for (:mod:`quamba.cli_support`), run ``plan``, and
     write the run file when anything was evaluated. Returns ``(record, path or None)``."""
-    from quamba.cli_support import prepare_model
+    from quamba.cli_support import check_request, image_calibration_default, prepare_model
     from quamba.eval.perplexity import evaluate_perplexity
 
     plan.check()
+    check_request(request)
+    request = image_calibration_default(request, plan.image_set)
     torch.manual_seed(plan.seed)
     started = time.perf_counter()
     prepared = prepare_model(request)

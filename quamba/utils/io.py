@@ -55,3 +55,21 @@ def atomic_write_text(path, text: str) -> Path:
             os.unlink(tmp)
         raise
     return path
+
+
+def check_directory_target(path, flag: str, writable: bool = True) -> None:
+    """Raise a one-line QuambaError (naming ``flag``) unless ``path`` is, or can be made as, a
+    directory: it must not be an existing file, nor lie under one, and (``writable``) its nearest
+    existing ancestor must be writable. Checked before a run starts, so that a bad output
+    directory fails before any work rather than with a traceback at the end of it."""
+    from quamba.errors import QuambaError
+    path = Path(path)
+    existing = path
+    while not os.path.lexists(existing) and existing != existing.parent:
+        existing = existing.parent
+    if existing == path and not path.is_dir():
+        raise QuambaError(f"{flag} {path} names an existing file, not a directory")
+    if not existing.is_dir():
+        raise QuambaError(f"{flag} {path}: {existing} is a file, not a directory")
+    if writable and not os.access(existing, os.W_OK | os.X_OK):
+        raise QuambaError(f"{flag} {path}: cannot write in {existing} (permission denied)")
