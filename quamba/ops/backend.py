@@ -5,8 +5,9 @@ Resolution order: the environment variable ``QUAMBA_BACKEND`` (torch | cuda | au
 argument, then ``auto``. ``auto`` takes the CUDA kernel for CUDA tensors when one can run there,
 else the torch reference. Asking for ``cuda`` where quamba's own kernel cannot run is an error,
 never a silent fallback; so is asking for it with an option that only the reference implements
-(a discretization other than zoh for the FP scans, quamba.ops.scan.discretization), which ``auto``
-runs there.
+(a discretization other than zoh for the FP scans, quamba.ops.scan.discretization) or a shape
+outside every kernel's limits (each family's ``kernel_lacks``, beside its reference), which
+``auto`` runs there.
 
 A torch reference on a CUDA device is a slow path (the decode step of a quantized 2.8B model runs
 10-25x slower on it). Where ``auto`` (or ``cuda`` for the optional FP kernels) ends up there, a
@@ -162,8 +163,8 @@ def resolve(op: str, device: torch.device, argument: str | None = None,
     """(the backend ``op`` runs on for tensors on ``device``, why not cuda where that is the torch
     reference and cuda was possible to ask for). Raises BackendError where ``cuda`` is required
     and cannot run. ``cuda_lacks`` says why no cuda implementation can serve this call (an option
-    only the reference implements, e.g. a discretization): ``auto`` then runs the reference, and
-    ``cuda`` is refused even for the optional FP kernels."""
+    only the reference implements, e.g. a discretization, or a shape outside the kernels' limits):
+    ``auto`` then runs the reference, and ``cuda`` is refused even for the optional FP kernels."""
     choice = requested_backend(argument)
     if choice == "torch":
         return "torch", None

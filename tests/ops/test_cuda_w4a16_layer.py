@@ -101,7 +101,7 @@ def test_greedy_decoding_with_the_layer_kernel_takes_op_by_ops_choices(model, gr
     from quamba.ops.fused_decode import w4a16_layer_cuda
     launches = []
     launch = w4a16_layer_cuda.layer_step
-    monkeypatch.setattr(w4a16_layer, "layer_step",
+    monkeypatch.setattr(w4a16_layer_cuda, "layer_step",
                         lambda *args: launches.append(1) or launch(*args))
     gen = torch.Generator(device=DEVICE).manual_seed(1)
     prompt = torch.randint(0, VOCAB, (1, PROMPT_LEN), device=DEVICE, generator=gen)

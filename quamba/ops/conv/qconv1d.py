@@ -1,11 +1,35 @@
 """Quantized depthwise causal conv1d (+ bias, SiLU): int8 in, int8 (or fp32) out."""
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
 from quamba.ops import backend
 from quamba.ops.quant import dequantize, quantize, requant_multiplier
+
+# The int8 conv kernels' limits (csrc/conv1d/qconv1d.cu): widths of check_conv_params, a prefill's
+# batch in the grid's z dimension (check_conv_input), its seqlen in the y dimension, kRun = 16
+# steps a block (run_qconv1d), and 32-bit element offsets.
+KERNEL_WIDTHS = (2, 3, 4)
+KERNEL_MAX_BATCH = 65535
+KERNEL_MAX_SEQLEN = 65535 * 16
+KERNEL_MAX_ELEMENTS = 2**31 - 1
+
+
+def kernel_lacks(shape, width: int) -> str | None:
+    """Why the int8 conv kernels cannot take x of ``shape`` ([batch, dim, seqlen], or [batch, dim]
+    for a decode step) with a filter of ``width`` taps; None where they can."""
+    if width not in KERNEL_WIDTHS:
+        return f"its kernels take conv widths {KERNEL_WIDTHS}, not {width}"
+    if math.prod(shape) > KERNEL_MAX_ELEMENTS:
+        return f"its kernels take fewer than 2^31 elements, not {math.prod(shape)}"
+    if len(shape) == 3 and shape[0] > KERNEL_MAX_BATCH:
+        return f"its prefill kernels take a batch up to {KERNEL_MAX_BATCH}, not {shape[0]}"
+    if len(shape) == 3 and shape[-1] > KERNEL_MAX_SEQLEN:
+        return f"its prefill kernels take seqlen up to {KERNEL_MAX_SEQLEN}, not {shape[-1]}"
+    return None
 
 
 def silu(y: torch.Tensor) -> torch.Tensor:
@@ -28,7 +52,8 @@ def qconv1d(x, x_scale, weight, weight_scale, bias, bias_scale, out_scale=None,
     out_scale)`` [batch, dim, seqlen], or fp32 y when ``out_scale`` is None (the fp32-conv mode).
     int8 outputs agree across backends to one step (exp differs by an ulp between libraries).
     """
-    impl = backend.select("qconv1d", x.device, backend_name)
+    impl = backend.select("qconv1d", x.device, backend_name,
+                          cuda_lacks=kernel_lacks(x.shape, weight.shape[-1]))
     return impl(x, x_scale, weight, weight_scale, bias, bias_scale, out_scale, activation)
 
 
@@ -37,7 +62,8 @@ def qconv1d_update(x, conv_state, x_scale, weight, weight_scale, bias, bias_scal
     """One decode step. x: int8 [batch, dim]; conv_state: int8 [batch, dim, width - 1] holding the
     previous inputs' codes (oldest first, scale x_scale), rolled in place. Same arithmetic as
     :func:`qconv1d`; returns int8 [batch, dim] (or fp32 if ``out_scale`` is None)."""
-    impl = backend.select("qconv1d_update", x.device, backend_name)
+    impl = backend.select("qconv1d_update", x.device, backend_name,
+                          cuda_lacks=kernel_lacks(x.shape, weight.shape[-1]))
     return impl(x, conv_state, x_scale, weight, weight_scale, bias, bias_scale, out_scale,
                 activation)
 

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 import torch
 
 from quamba.ops import backend
-from quamba.ops.fused_decode.mixer_step import chain_step, project
+from quamba.ops.fused_decode.mixer_step import chain_lacks, chain_step, linear_lacks, project
 from quamba.ops.fused_decode.weights import ConvWeights, StepScales, W4A8Weight, W8A8Weight
-from quamba.ops.norm.qhadamard import hadamard_quant
+from quamba.ops.norm.qhadamard import hadamard_quant, lacks_on
 from quamba.ops.norm.qnorm import rmsnorm_quant
 from quamba.ops.scan.qsscan import SSMParams
 
@@ -64,7 +64,8 @@ def qmamba_layer_step(hidden, residual, layer: LayerWeights, conv_state, ssm_sta
     (module docstring) on every backend; on a GPU the kernel's equal the chain of CUDA ops' bit
     for bit."""
     _check(hidden, residual, layer, conv_state, ssm_state)
-    impl = backend.select(OP, hidden.device, backend_name)
+    impl = backend.select(OP, hidden.device, backend_name,
+                          cuda_lacks=_cuda_lacks(hidden, residual, layer, conv_state, ssm_state))
     return impl(hidden, residual, layer, conv_state, ssm_state)
 
 
@@ -92,6 +93,24 @@ def check_block_step(op: str, hidden, residual, residual_dtype, d_model: int, co
     if conv_state.shape[0] != hidden.shape[0] or ssm_state.shape[0] != hidden.shape[0]:
         raise ValueError(f"{op}: the states' batch {conv_state.shape[0]}, {ssm_state.shape[0]} is "
                          f"not hidden's {hidden.shape[0]}")
+
+
+def _cuda_lacks(hidden, residual, layer: LayerWeights, conv_state, ssm_state) -> str | None:
+    """Why no cuda path takes this step: what the chain's CUDA kernels lack, unless the layer
+    kernel runs it (it takes Mamba-2.8B's blocks only, inside every limit of the chain's but a
+    4-bit x_proj's group size: it reads x_proj expanded)."""
+    lacks = (linear_lacks(layer.in_proj) or chain_lacks(layer.conv, layer.x_proj, ssm_state)
+             or lacks_on(hidden.device, ssm_state.shape[1]) or linear_lacks(layer.out_proj))
+    if lacks is not None and _layer_kernel_runs(hidden, residual, layer, conv_state, ssm_state):
+        return None
+    return lacks
+
+
+def _layer_kernel_runs(hidden, residual, layer: LayerWeights, conv_state, ssm_state) -> bool:
+    if not hidden.is_cuda or backend.cuda_extension_error() is not None:
+        return False
+    from quamba.ops.fused_decode import layer_step_cuda
+    return layer_step_cuda.lacks(hidden, residual, layer, conv_state, ssm_state) is None
 
 
 def chain_layer_step(hidden, residual, layer: LayerWeights, conv_state, ssm_state,

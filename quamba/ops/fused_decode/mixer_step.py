@@ -25,11 +25,13 @@ import logging
 import torch
 
 from quamba.ops import backend
+from quamba.ops.conv.qconv1d import kernel_lacks as conv_kernel_lacks
 from quamba.ops.conv.qconv1d import qconv1d_update
 from quamba.ops.fused_decode.weights import ConvWeights, StepScales, W4A8Weight, W8A8Weight
 from quamba.ops.linear.qlinear import w8a8_linear
+from quamba.ops.linear.qlinear4 import kernel_lacks as w4_kernel_lacks
 from quamba.ops.linear.qlinear4 import w4a8_linear
-from quamba.ops.scan.qsscan import SSMParams, qsscan_update
+from quamba.ops.scan.qsscan import SSMParams, qsscan_update, step_kernel_lacks
 
 log = logging.getLogger("quamba")
 
@@ -117,6 +119,21 @@ def project(linear: W8A8Weight | W4A8Weight, x, out_dtype=torch.float16,
                            out_dtype=out_dtype, backend_name=backend_name)
     return w8a8_linear(x, linear.in_scale, linear.weight, linear.weight_scale, linear.out_scale,
                        out_dtype=out_dtype, backend_name=backend_name)
+
+
+def linear_lacks(linear: W8A8Weight | W4A8Weight) -> str | None:
+    """What quamba's linear kernels lack for ``linear`` (the 4-bit ones' limits; W8A8's take
+    any shape); None: nothing."""
+    if isinstance(linear, W4A8Weight):
+        return w4_kernel_lacks(linear.packed, linear.group_size)
+    return None
+
+
+def chain_lacks(conv: ConvWeights, x_proj, ssm_state) -> str | None:
+    """What the CUDA kernels of :func:`chain_step`'s ops lack for this step (None: nothing)."""
+    batch, d_inner, d_state = ssm_state.shape
+    return (conv_kernel_lacks((batch, d_inner), conv.weight.shape[1]) or linear_lacks(x_proj)
+            or step_kernel_lacks(d_state, batch, d_inner, None))
 
 
 def chain_step(x, z, conv_state, ssm_state, conv, x_proj, dt_proj, params, scales,

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from quamba.ops import backend
 from quamba.ops.conv.causal_conv1d import causal_conv1d_update
 from quamba.ops.fused_decode.layer_step import check_block_step
-from quamba.ops.linear.qlinear4 import w4a16_linear
+from quamba.ops.linear.qlinear4 import w4a16_kernel_lacks, w4a16_linear
 from quamba.ops.norm.rms_norm import rms_norm
 from quamba.ops.scan.selective_scan import selective_state_update
 
@@ -97,7 +97,7 @@ def w4a16_ssm_step(x, z, conv_state, ssm_state, x_proj: W4A16Weight, weights: Fl
     W4A16 weight [dt_rank + 2 d_state, d_inner]. The arithmetic is the chain's (module docstring).
     """
     _check(x, z, conv_state, ssm_state, x_proj, weights)
-    impl = backend.select(OP, x.device, backend_name)
+    impl = backend.select(OP, x.device, backend_name, cuda_lacks=_chain_lacks(x, x_proj))
     return impl(x, z, conv_state, ssm_state, x_proj, weights)
 
 
@@ -123,6 +123,18 @@ def _check(x, z, conv_state, ssm_state, x_proj, weights) -> None:
     if weights.A.shape != (d_inner, d_state) or weights.dt_weight.shape[0] != d_inner:
         raise ValueError(f"{OP}: A {tuple(weights.A.shape)} and dt_proj "
                          f"{tuple(weights.dt_weight.shape)} must have d_inner = {d_inner} rows")
+
+
+def _chain_lacks(x, *linears: W4A16Weight) -> str | None:
+    """What the cuda chain's 4-bit kernels lack for these weights and activations like x (None:
+    nothing). The op's own kernels lack it too: the step kernel reads x_proj in pieces of 32
+    channels within a group (w4a16_step.cu's kPiece), the layer kernel in groups of 128, so no
+    cuda path of the op takes such a step."""
+    for linear in linears:
+        lacks = w4a16_kernel_lacks(x, linear.packed, linear.group_size)
+        if lacks is not None:
+            return lacks
+    return None
 
 
 def chain_step(x, z, conv_state, ssm_state, x_proj: W4A16Weight, weights: FloatSSMWeights,
@@ -166,7 +178,9 @@ def w4a16_layer_step(hidden, residual, layer: W4A16LayerWeights, conv_state, ssm
     block); conv_state, ssm_state: as :func:`w4a16_ssm_step` takes them. The arithmetic is the
     chain's (module docstring)."""
     _check_layer(hidden, residual, layer, conv_state, ssm_state)
-    impl = backend.select(LAYER_OP, hidden.device, backend_name)
+    impl = backend.select(LAYER_OP, hidden.device, backend_name,
+                          cuda_lacks=_chain_lacks(hidden, layer.in_proj, layer.x_proj,
+                                                  layer.out_proj))
     return impl(hidden, residual, layer, conv_state, ssm_state)
 
 

@@ -28,7 +28,7 @@ import quamba._C  # noqa: F401  loads torch.ops.quamba.*
 from quamba.errors import QuambaError
 from quamba.ops import backend
 from quamba.ops.linear.cuda import _epilogue_multiplier
-from quamba.ops.linear.qlinear4 import _w4a16_linear_torch
+from quamba.ops.linear.qlinear4 import HALF_TYPES, _w4a16_linear_torch
 
 GEMV_MAX_M = 8
 
@@ -69,7 +69,7 @@ def _w4a16_linear_cuda(x, weight_packed, scales, group_size, out_dtype):
     x read through its strides: the FP mixer hands x_proj and out_proj transposed views of its
     channel-major tensors, which torch.matmul passes to cuBLAS as they are, where a contiguous copy
     for the op would move as many bytes as the GEMM reads."""
-    if x.dtype not in (torch.float16, torch.bfloat16):
+    if x.dtype not in HALF_TYPES:
         # The kernels take 16-bit activations; fp32 models run the reference's own computation
         # (fp32 dequantized weight, torch matmul) on the GPU rather than failing.
         return _w4a16_linear_torch(x, weight_packed, scales, group_size, out_dtype)
@@ -84,7 +84,7 @@ def _w4a16_linear_cuda(x, weight_packed, scales, group_size, out_dtype):
 def _w4a16_linear_channel_major_cuda(x, weight_packed, scales, group_size, out_dtype):
     """Up to 8 rows: the GEMV's [M, N], transposed (a view). More: the weight dequantized to x's
     dtype times xᵀ in one cuBLAS call, [N, M] as it comes, with x read through its strides."""
-    if x.dtype not in (torch.float16, torch.bfloat16) or x.shape[0] <= GEMV_MAX_M:
+    if x.dtype not in HALF_TYPES or x.shape[0] <= GEMV_MAX_M:
         return _w4a16_linear_cuda(x, weight_packed, scales, group_size, out_dtype).t()
     return (_dequantized(weight_packed, scales, group_size, x.dtype) @ x.t()).to(out_dtype)
 

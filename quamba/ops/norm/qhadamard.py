@@ -2,6 +2,8 @@
 its gated RMSNorm before it."""
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from quamba.ops import backend
@@ -9,12 +11,38 @@ from quamba.ops.norm.gated_norm import gated_rms_norm
 from quamba.ops.norm.hadamard import hadamard_transform
 from quamba.ops.quant import quantize
 
+# csrc/norm/hadamard_quant.cu: a block transforms a row in shared memory (max_shared_floats: the
+# device's opt-in shared memory a block, in floats) and gates it in at most kMaxGateGroups groups
+KERNEL_MAX_GATE_GROUPS = 64
+
+
+def kernel_lacks(n: int, shared_floats: int, groups: int = 1) -> str | None:
+    """Why the Hadamard kernel cannot take rows of n values (gated in ``groups`` RMSNorm groups)
+    on a device whose blocks hold ``shared_floats`` floats; None where it can."""
+    if n > shared_floats:
+        return f"its kernel holds a row of up to {shared_floats} values in shared memory, not {n}"
+    if groups > KERNEL_MAX_GATE_GROUPS:
+        return f"its kernel gates a row in up to {KERNEL_MAX_GATE_GROUPS} groups, not {groups}"
+    return None
+
+
+def lacks_on(device: torch.device, n: int, groups: int = 1) -> str | None:
+    """:func:`kernel_lacks` on ``device`` (None off a GPU, where no kernel runs)."""
+    return kernel_lacks(n, _shared_floats(device), groups) if device.type == "cuda" else None
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_floats(device: torch.device) -> int:
+    """The floats a block of ``device`` holds in shared memory (asked once per device)."""
+    return torch.cuda.get_device_properties(device).shared_memory_per_block_optin // 4
+
 
 def hadamard_quant(x, out_scale, backend_name=None):
     """x: [..., n] float, n a supported Hadamard size (quamba.ops.norm.hadamard). Returns int8
     ``quantize(x @ hadamard_matrix(n), out_scale)`` [..., n], the transform in fp32. int8 outputs
     agree across backends to one step (fp32 summation order differs)."""
-    impl = backend.select("hadamard_quant", x.device, backend_name)
+    impl = backend.select("hadamard_quant", x.device, backend_name,
+                          cuda_lacks=lacks_on(x.device, x.shape[-1]))
     return impl(x, out_scale)
 
 
@@ -32,7 +60,8 @@ def gated_norm_hadamard_quant(y, z, z_scale, weight, group_size: int, eps: float
     if z.dtype != torch.int8 or y.shape != z.shape:
         raise ValueError(f"gated_norm_hadamard_quant: z must be int8 codes of y's shape "
                          f"{tuple(y.shape)}, got {z.dtype} {tuple(z.shape)}")
-    impl = backend.select("gated_norm_hadamard_quant", y.device, backend_name)
+    impl = backend.select("gated_norm_hadamard_quant", y.device, backend_name,
+                          cuda_lacks=lacks_on(y.device, y.shape[-1], y.shape[-1] // group_size))
     return impl(y, z, z_scale, weight, group_size, eps, out_scale)
 
 

@@ -18,6 +18,36 @@ from quamba.ops.quant import dequantize, quantize, requantize
 from quamba.ops.scan.discretization import DEFAULT, METHODS, input_drive, require_drive, select_scan
 from quamba.ops.scan.selective_scan import selective_scan, selective_state_update
 
+# The QSScan kernels' limits (csrc/qsscan/qsscan.cu): kMaxState states a channel, a prefill's
+# batch in the grid's y dimension, a decode step's batch · d_inner channels of 32 lanes indexed in
+# 32 bits, and kMaxDtRank for a dt_proj folded into the step (its rows staged in shared memory).
+KERNEL_MAX_D_STATE = 32
+KERNEL_MAX_BATCH = 65535
+KERNEL_MAX_STEP_CHANNELS = 2**26 - 1
+KERNEL_MAX_DT_RANK = 1024
+
+
+def kernel_lacks(d_state: int, batch: int) -> str | None:
+    """Why the prefill kernels cannot scan this shape (None: they can)."""
+    if d_state > KERNEL_MAX_D_STATE:
+        return f"its kernels take d_state up to {KERNEL_MAX_D_STATE}, not {d_state}"
+    if batch > KERNEL_MAX_BATCH:
+        return f"its prefill kernel takes a batch up to {KERNEL_MAX_BATCH}, not {batch}"
+    return None
+
+
+def step_kernel_lacks(d_state: int, batch: int, d_inner: int, dt_rank: int | None) -> str | None:
+    """Why the decode-step kernel cannot step this shape (``dt_rank``: of a folded dt_proj, or
+    None); None where it can."""
+    if d_state > KERNEL_MAX_D_STATE:
+        return f"its kernels take d_state up to {KERNEL_MAX_D_STATE}, not {d_state}"
+    if batch * d_inner > KERNEL_MAX_STEP_CHANNELS:
+        return f"its step kernel takes batch · d_inner below 2^26, not {batch * d_inner}"
+    if dt_rank is not None and dt_rank > KERNEL_MAX_DT_RANK:
+        return (f"its step kernel folds in a dt_proj of dt_rank up to {KERNEL_MAX_DT_RANK}, "
+                f"not {dt_rank}")
+    return None
+
 
 @dataclass
 class SSMParams:
@@ -84,7 +114,8 @@ def qsscan(u, u_scale, dt, dt_scale, B, B_scale, C, C_scale, z, z_scale, params:
     last_state [batch, d_inner, d_state], int8 ``quantize(h_L, state_scale)`` when state_scale is
     given, else fp32.
     """
-    impl = select_scan("qsscan", u.device, backend_name, discretization, kernel_methods=METHODS)
+    impl = select_scan("qsscan", u.device, backend_name, discretization, kernel_methods=METHODS,
+                       kernel_lacks=kernel_lacks(params.A_log.shape[-1], u.shape[0]))
     return impl(u, u_scale, dt, dt_scale, B, B_scale, C, C_scale, z, z_scale, params,
                 state_scale, out_dtype)
 
@@ -110,8 +141,10 @@ def qsscan_update(state, state_scale, u, u_scale, dt, dt_scale, B, B_scale, C, C
     require_drive(discretization, drive)
     if dt_proj is not None:
         _check_dt_projection(dt, dt_proj, u)
+    lacks = step_kernel_lacks(state.shape[-1], u.shape[0], u.shape[1],
+                              None if dt_proj is None else dt_proj.weight.shape[1])
     impl = select_scan("qsscan_update", u.device, backend_name, discretization,
-                       kernel_methods=METHODS, drive=drive)
+                       kernel_methods=METHODS, kernel_lacks=lacks, drive=drive)
     return impl(state, state_scale, u, u_scale, dt, dt_scale, B, B_scale, C, C_scale, z, z_scale,
                 params, out_dtype, dt_proj=dt_proj)
 

@@ -13,9 +13,10 @@ import torch
 
 from quamba.ops import backend
 from quamba.ops.conv.qconv1d import _qconv1d_torch, _qconv1d_update_torch
+from quamba.ops.conv.qconv1d import kernel_lacks as conv_kernel_lacks
 from quamba.ops.quant import dequantize, quantize
 from quamba.ops.scan.qsscan import SSMParams, as_float
-from quamba.ops.ssd.ssd import ssd_scan, ssd_state_update
+from quamba.ops.ssd.ssd import kernel_lacks, ssd_scan, ssd_state_update, step_kernel_lacks
 
 
 def qconv1d_channelwise(x, x_scale, weight, weight_scale, bias, bias_scale, out_scale=None,
@@ -23,7 +24,8 @@ def qconv1d_channelwise(x, x_scale, weight, weight_scale, bias, bias_scale, out_
     """quamba.ops.qconv1d.qconv1d with fp32 [dim] tensors for ``x_scale`` and ``out_scale`` (one
     scale per channel); x int8 [batch, dim, seqlen]. Same arithmetic per channel; int8 [batch,
     dim, seqlen] out, or fp32 when ``out_scale`` is None."""
-    impl = backend.select("qconv1d_channelwise", x.device, backend_name)
+    impl = backend.select("qconv1d_channelwise", x.device, backend_name,
+                          cuda_lacks=conv_kernel_lacks(x.shape, weight.shape[-1]))
     return impl(x, x_scale, weight, weight_scale, bias, bias_scale, out_scale, activation)
 
 
@@ -31,7 +33,8 @@ def qconv1d_channelwise_update(x, conv_state, x_scale, weight, weight_scale, bia
                                out_scale=None, activation: str | None = "silu", backend_name=None):
     """One decode step of :func:`qconv1d_channelwise`: x int8 [batch, dim], conv_state int8
     [batch, dim, width - 1] rolled in place; int8 [batch, dim] out (fp32 without ``out_scale``)."""
-    impl = backend.select("qconv1d_channelwise_update", x.device, backend_name)
+    impl = backend.select("qconv1d_channelwise_update", x.device, backend_name,
+                          cuda_lacks=conv_kernel_lacks(x.shape, weight.shape[-1]))
     return impl(x, conv_state, x_scale, weight, weight_scale, bias, bias_scale, out_scale,
                 activation)
 
@@ -68,7 +71,7 @@ def qssd_scan(x, x_scale, dt, dt_scale, B, B_scale, C, C_scale, params: SSMParam
     last_state [batch, nheads, headdim, d_state], int8 ``quantize(h_L, state_scale)`` when
     state_scale is given, else fp32.
     """
-    impl = backend.select("qssd_scan", x.device, backend_name)
+    impl = backend.select("qssd_scan", x.device, backend_name, cuda_lacks=kernel_lacks(x, B))
     return impl(x, x_scale, dt, dt_scale, B, B_scale, C, C_scale, params, chunk_size,
                 state_scale, out_dtype)
 
@@ -79,7 +82,8 @@ def qssd_state_update(state, state_scale, x, x_scale, dt, dt_scale, B, B_scale, 
     in place) or fp32 [batch, nheads, headdim, d_state]. x [batch, nheads, headdim], dt [batch,
     nheads], B and C [batch, ngroups, d_state], scales as :func:`qssd_scan`. Returns y [batch,
     nheads, headdim] in out_dtype."""
-    impl = backend.select("qssd_state_update", x.device, backend_name)
+    impl = backend.select("qssd_state_update", x.device, backend_name,
+                          cuda_lacks=step_kernel_lacks(state))
     return impl(state, state_scale, x, x_scale, dt, dt_scale, B, B_scale, C, C_scale, params,
                 out_dtype)
 

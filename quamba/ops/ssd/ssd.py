@@ -10,8 +10,8 @@ h // (nheads / ngroups); D, dt_bias: [nheads]. Per head, with state h_t of [head
 
 :func:`ssd_scan` computes a whole sequence in chunks (the SSD algorithm: inside a chunk a masked
 product of C Bᵀ with the decays, between chunks the carried state), :func:`ssd_state_update` one
-decode step; both in fp32. Neither has a CUDA kernel in quamba yet: on a GPU they run these
-references, and say so (quamba.ops.backend).
+decode step; both in fp32. On a GPU both run quamba's Triton kernels (quamba.ops.ssd.ssd_triton)
+where quamba._C loads, else these references, and say so (quamba.ops.backend).
 """
 from __future__ import annotations
 
@@ -19,6 +19,41 @@ import torch
 import torch.nn.functional as F
 
 from quamba.ops import backend
+
+# The Triton kernels' limits (quamba.ops.ssd.ssd_triton, seen on an H200): a prefill's batch ·
+# nheads programs in the grid's y dimension (CUDA's 65535: past it the launch fails), and 32-bit
+# element offsets into x and y, pass 0's C·B scores [batch · ngroups, chunks, CHUNK, CHUNK], pass
+# 1's chunk states [batch · nheads, chunks, headdim, d_state] and a decode step's state: past 2^31
+# elements a prefill reads an illegal address and a step writes where it should not.
+KERNEL_CHUNK = 256  # steps per chunk of the prefill (ssd_triton.CHUNK)
+KERNEL_MAX_GRID_Y = 65535
+KERNEL_MAX_ELEMENTS = 2**31
+
+
+def kernel_lacks(x, B) -> str | None:
+    """Why the Triton prefill cannot take x [batch, seqlen, nheads, headdim] with B [batch,
+    seqlen, ngroups, d_state] (None: it can)."""
+    batch, seqlen, nheads, headdim = x.shape
+    ngroups, d_state = B.shape[2:]
+    if batch * nheads > KERNEL_MAX_GRID_Y:
+        return (f"its Triton kernels take batch · nheads up to {KERNEL_MAX_GRID_Y}, "
+                f"not {batch * nheads}")
+    chunks = -(-seqlen // KERNEL_CHUNK)
+    sizes = {"x": x.numel(), "C·B scores": batch * ngroups * chunks * KERNEL_CHUNK**2,
+             "chunk states": batch * nheads * chunks * headdim * d_state}
+    for name, size in sizes.items():
+        if size > KERNEL_MAX_ELEMENTS:
+            return _too_large(name, size)
+    return None
+
+
+def step_kernel_lacks(state) -> str | None:
+    """Why the Triton decode step cannot step ``state`` [batch, nheads, headdim, d_state]."""
+    return _too_large("state", state.numel()) if state.numel() > KERNEL_MAX_ELEMENTS else None
+
+
+def _too_large(name: str, size: int) -> str:
+    return f"its Triton kernels index tensors of up to 2^31 elements, not {name} of {size}"
 
 
 def ssd_scan(x, dt, A, B, C, D, dt_bias, chunk_size: int = 256, initial_state=None,
@@ -28,7 +63,7 @@ def ssd_scan(x, dt, A, B, C, D, dt_bias, chunk_size: int = 256, initial_state=No
     ``chunk_size`` beyond fp32 rounding."""
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    impl = backend.select("ssd_scan", x.device, backend_name)
+    impl = backend.select("ssd_scan", x.device, backend_name, cuda_lacks=kernel_lacks(x, B))
     return impl(x, dt, A, B, C, D, dt_bias, chunk_size, initial_state)
 
 
@@ -36,7 +71,8 @@ def ssd_state_update(state, x, dt, A, B, C, D, dt_bias, backend_name=None):
     """One decode step: state fp32 [batch, nheads, headdim, d_state] updated in place; x
     [batch, nheads, headdim], dt [batch, nheads], B and C [batch, ngroups, d_state]. Returns y
     [batch, nheads, headdim] in x's dtype."""
-    impl = backend.select("ssd_state_update", x.device, backend_name)
+    impl = backend.select("ssd_state_update", x.device, backend_name,
+                          cuda_lacks=step_kernel_lacks(state))
     return impl(state, x, dt, A, B, C, D, dt_bias)
 
 

@@ -27,9 +27,10 @@ import triton.language as tl
 from quamba.ops import backend
 from quamba.ops.constants import cached, keeps_constants
 from quamba.ops.quant import fp32_reciprocal, fp32_value, quantize
+from quamba.ops.ssd.ssd import KERNEL_CHUNK
 
 # Tiles, chosen on an H100 at Mamba2-2.7B's heads (80 × 64, d_state 128), L 1024-2048, batch 1-8
-CHUNK = 256  # steps per chunk (mamba-ssm's default)
+CHUNK = KERNEL_CHUNK  # steps per chunk (mamba-ssm's default, 256)
 BLOCK_T = 64  # steps per tile of passes 0 and 3 (pass 3: rows of y)
 BLOCK_S = 32  # earlier steps per inner tile of pass 3
 SCAN_WARPS = 4  # warps per program of pass 3
