@@ -16,6 +16,8 @@ from quamba.errors import QuambaError
 
 SSM_MODES = ("int8", "fp32-ssm-input", "float-sim-asic-int8", "fp32-conv", "fp16")
 FP_MODE = "fp16"
+# Formats of the decode SSM state of the int8 mixers (see QuantConfig.state_cache).
+STATE_CACHE_FORMATS = ("int8", "fp32")
 
 
 def check_mode(mode: str) -> str:

@@ -6,14 +6,12 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 
 from quamba.errors import QuambaError
-
-if TYPE_CHECKING:
-    from quamba.models.mamba import InferenceCache
+from quamba.models.state import InferenceCache
 
 
 # Tokens between the checks for every row having finished, by default when decoding replays CUDA

@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from quamba.models.config import MambaConfig
+from quamba.models.generation import generate
 from quamba.models.mamba2 import Mamba2Mixer, init_mamba2_parameters
-from quamba.models.state import MixerState
+from quamba.models.state import InferenceCache, MixerState
 from quamba.ops import backend
 from quamba.ops.conv.causal_conv1d import (
     causal_conv1d,
@@ -223,18 +223,6 @@ class MambaBackbone(nn.Module):
                               dtype)
 
 
-@dataclass
-class InferenceCache:
-    """Per-layer decode states and the number of tokens already consumed."""
-
-    states: list = field(default_factory=list)
-    seqlen_offset: int = 0
-
-    @property
-    def batch_size(self) -> int:
-        return self.states[0].conv.shape[0] if self.states else 0
-
-
 class MambaLMHeadModel(nn.Module):
     """Mamba LM: embedding → blocks → final RMSNorm → lm_head (tied to the embedding by default);
     the blocks' mixers are Mamba1 or Mamba2 (quamba.models.mamba2) as ``config.layer`` says."""
@@ -310,7 +298,6 @@ class MambaLMHeadModel(nn.Module):
 
     def generate(self, input_ids, **kwargs):
         """See :func:`quamba.models.generation.generate`."""
-        from quamba.models.generation import generate
         return generate(self, input_ids, **kwargs)
 
 

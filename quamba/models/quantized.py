@@ -21,7 +21,8 @@ import torch.nn as nn
 
 from quamba.errors import QuambaError
 from quamba.layers.base import QuantModule
-from quamba.layers.modes import FP_MODE, check_mode, check_weight_only_mode
+from quamba.layers.modes import (FP_MODE, STATE_CACHE_FORMATS, check_mode,
+                                 check_weight_only_mode)
 from quamba.layers.qhead import QEmbedding, empty_lm_head
 from quamba.layers.qlinear import W4A16Linear
 from quamba.layers.qmixer import ACTIVATION_SCALES, QMambaMixer
@@ -30,6 +31,8 @@ from quamba.layers.qmixer2 import QMamba2Mixer
 from quamba.layers.qnorm import QRMSNorm
 from quamba.layers.weight_only import weight_only_mixer
 from quamba.models.config import MambaConfig
+from quamba.models.hub import quantized_format
+from quamba.models.loading import load_model
 from quamba.models.mamba import Block, MambaLMHeadModel, RMSNorm
 from quamba.ops.fused_decode.layer_step import qmamba_layer_step
 from quamba.ops.fused_decode.w4a16_step import w4a16_layer_step
@@ -75,7 +78,6 @@ class QuantizedModel:
     def set_state_cache(self, state_cache: str):
         """Keep the decode SSM state of the int8 mixers as ``state_cache`` says ("int8" or
         "fp32", see QuantConfig.state_cache); applies to caches allocated from now on."""
-        from quamba.quantization.config import STATE_CACHE_FORMATS
         if state_cache not in STATE_CACHE_FORMATS:
             raise QuambaError(f"state_cache must be one of {', '.join(STATE_CACHE_FORMATS)}, got "
                               f"{state_cache!r}")
@@ -121,7 +123,6 @@ class QuantizedModel:
             if not self.base_model:
                 raise QuambaError("ssm mode fp16 needs the unquantized model, and this checkpoint "
                                   "records no base model")
-            from quamba.models.loading import load_model
             device = next(t for t in (*self.parameters(), *self.buffers())).device
             self.__dict__["fp_model"], _ = load_model(self.base_model, dtype=self.dtype,
                                                       device=device, tokenizer=False)
@@ -133,8 +134,8 @@ class QuantizedModel:
 
     def save_pretrained(self, out_dir, tokenizer=None):
         """Write the quantized checkpoint atomically (see quamba.quantization.checkpoint)."""
-        from quamba.quantization.checkpoint import save_quantized
-        return save_quantized(self, out_dir, tokenizer or getattr(self, "tokenizer", None))
+        save = quantized_format["save"]
+        return save(self, out_dir, tokenizer or getattr(self, "tokenizer", None))
 
 
 class QuantizedMambaLM(QuantizedModel, MambaLMHeadModel):

@@ -1,7 +1,7 @@
-"""The decode state of one mixer."""
+"""Decode state: one mixer's (MixerState) and a whole model's (InferenceCache)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,3 +20,15 @@ class MixerState:
         self.ssm.copy_(last_state)
         if self.drive is not None:
             self.drive.copy_(last_drive)
+
+
+@dataclass
+class InferenceCache:
+    """Per-layer decode states and the number of tokens already consumed."""
+
+    states: list = field(default_factory=list)
+    seqlen_offset: int = 0
+
+    @property
+    def batch_size(self) -> int:
+        return self.states[0].conv.shape[0] if self.states else 0

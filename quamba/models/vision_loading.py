@@ -20,6 +20,7 @@ import torch
 
 from quamba.errors import CheckpointError
 from quamba.models.config import ConfigError
+from quamba.models.hub import cast_model, load_state_into
 from quamba.models.vision import VisionMamba, VisionMambaConfig
 
 log = logging.getLogger("quamba")
@@ -89,7 +90,6 @@ def load_vision_model(model_dir: Path, raw_config: dict, dtype: torch.dtype = to
                       device="cpu", name_or_path=None) -> VisionMamba:
     """The FP classifier of ``model_dir`` (config.json already read as ``raw_config``), in eval
     mode, on ``device``, in ``dtype`` (A and D stay fp32)."""
-    from quamba.models.loading import cast_model, load_state_into
     source = str(model_dir)
     config = read_vision_config(raw_config, source)
     state = read_vision_state(model_dir)

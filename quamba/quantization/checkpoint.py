@@ -30,8 +30,8 @@ from quamba.layers.qhead import QEmbedding
 from quamba.layers.qlinear import W4A16Linear, W8A8Linear
 from quamba.layers.qnorm import QRMSNorm
 from quamba.models.config import MambaConfig
-from quamba.models.loading import (is_quamba_checkpoint, load_tokenizer, parse_dtype,
-                                   resolve_model_dir)
+from quamba.models.hub import (is_quamba_checkpoint, load_tokenizer, parse_dtype,
+                               quantized_format, resolve_model_dir)
 from quamba.models.quantized import QuantizedMambaLM
 from quamba.models.quantized_vision import QuantizedVisionMamba
 from quamba.models.vision import VisionMambaConfig
@@ -182,3 +182,7 @@ def _cast_float_parts(model, dtype: torch.dtype) -> None:
         else:
             block.mixer.out_dtype = dtype
             block.mixer.out_proj.out_dtype = dtype
+
+
+# load_model and QuantizedModel.save_pretrained reach this format here (models/ never imports it)
+quantized_format.update(load=from_pretrained, save=save_quantized)

@@ -5,7 +5,8 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from quamba.errors import QuambaError
-from quamba.layers.modes import FP_MODE, check_mode, check_weight_only_mode
+from quamba.layers.modes import (FP_MODE, STATE_CACHE_FORMATS, check_mode,
+                                 check_weight_only_mode)
 
 # Tensor kinds observed per layer during calibration (see quamba.calibrate.calibrate).
 PERCENTILE_KINDS = ("x_proj.input", "ssm_state")
@@ -13,8 +14,6 @@ SUPPORTED_BITS = {(8, 8), (4, 8), (4, 16)}
 
 # Fields that change how a run executes but not what the quantized model holds.
 _RUNTIME_FIELDS = ("ssm_mode", "backend", "calib_batch_size", "state_cache")
-# Formats of the decode SSM state of the int8 mixers (see QuantConfig.state_cache).
-STATE_CACHE_FORMATS = ("int8", "fp32")
 # Fields of the activation calibration, which weight-only recipes do not run.
 _CALIBRATION_FIELDS = ("percentile_alpha", "observers", "calib_source", "calib_num_samples",
                        "calib_seqlen", "learn_scales", "learn_steps", "learn_lr",

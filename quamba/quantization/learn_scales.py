@@ -56,6 +56,7 @@ from quamba.ops.quant import INT8_MAX, SCALE_FLOOR, dequantize
 from quamba.ops.quant4 import INT4_MAX, W4A8_MAX_MULTIPLIER
 from quamba.ops.scan.discretization import input_drive
 from quamba.ops.scan.selective_scan import selective_scan
+from quamba.quantization.blocks import quantized_block
 
 LEARNED_KINDS = ("in_proj.input", "in_proj.output", "x_proj.input", "x_proj.output",
                  "dt_proj.output", "ssm_state", "out_proj.input")
@@ -70,7 +71,6 @@ def learn_ranges(fp_model, ranges: dict, tokens: torch.Tensor, config, progress:
     the calibration ``tokens``. ``ranges`` itself is not modified; with
     ``config.learn_weight_clipping`` the 4-bit weights of ``fp_model`` are clamped in place to
     their learned bounds (quantize() passes its own copy)."""
-    from quamba.quantization.quantize import quantized_block
     check_learnable(fp_model)
     samples = tokens[:config.learn_num_samples]
     batch = config.calib_batch_size

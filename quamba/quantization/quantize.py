@@ -13,34 +13,14 @@ import logging
 import torch
 
 from quamba.errors import QuambaError
-from quamba.layers.qmixer import QMambaMixer
-from quamba.layers.qmixer2 import QMamba2Mixer
-from quamba.layers.qnorm import QRMSNorm
-from quamba.layers.weight_only import WeightOnlyMambaMixer, weight_only_mixer_from_float
-from quamba.models.mamba import Block, MambaLMHeadModel
-from quamba.models.mamba2 import Mamba2Mixer
-from quamba.models.quantized import QuantizedMambaLM, WeightOnlyBlock
+from quamba.models.mamba import MambaLMHeadModel
+from quamba.models.quantized import QuantizedMambaLM
 from quamba.models.vision import VisionMamba
 from quamba.ops.quant import scale_from_range
-from quamba.quantization.cluster import sort_and_cluster
+from quamba.quantization.blocks import quantize_block_, quantized_norm
 from quamba.quantization.config import QuantConfig
 
 log = logging.getLogger("quamba")
-
-# Per-tensor scales of a Mamba2 mixer (QMamba2Mixer) by the calibrated kind that sets them.
-_MAMBA2_SCALE_OF_KIND = {"z": "z_scale", "dt": "dt_scale", "ssm_state": "state_scale",
-                         "out_proj.input": "y_scale"}
-
-# Calibrated tensor kind → the mixer scale it sets.
-_SCALE_OF_KIND = {
-    "in_proj.output": "xz_scale",
-    "x_proj.input": "u_scale",
-    "x_proj.output": "xdbl_scale",
-    "dt_proj.output": "dt_scale",
-    "ssm_state": "state_scale",
-    "out_proj.input": "y_scale",
-}
-
 
 @torch.inference_mode(False)  # the quantized model's tensors stay ordinary ones (see below)
 def quantize(model: MambaLMHeadModel, tokenizer=None, config: QuantConfig | None = None,
@@ -134,8 +114,8 @@ def _mixed_precision_(qmodel: QuantizedMambaLM, fp_model, ranges: dict, config: 
                                                                       config.mixed_precision))
     w4a16 = [i for i, bits in enumerate(config.layer_bits) if bits[1] == 16]
     for i in w4a16:
-        _quantize_block_(qmodel.backbone.layers[i], fp_model.backbone.layers[i], i, ranges, config,
-                         qmodel.config)
+        quantize_block_(qmodel.backbone.layers[i], fp_model.backbone.layers[i], i, ranges, config,
+                        qmodel.config)
     qmodel.quant_config = config
     log.info("mixed precision: W4A16 layers %s", w4a16)
     return config, sensitivity
@@ -150,7 +130,7 @@ def build_quantized_model(fp_model: MambaLMHeadModel, ranges: dict, config: Quan
                               device=weight.device)
     _quantize_ends_(qmodel, fp_model, ranges, config)
     for i, (block, fp_block) in enumerate(zip(qmodel.backbone.layers, fp_model.backbone.layers)):
-        _quantize_block_(block, fp_block, i, ranges, config, qmodel.config)
+        quantize_block_(block, fp_block, i, ranges, config, qmodel.config)
     return qmodel
 
 
@@ -178,53 +158,6 @@ def _quantize_ends_(qmodel: QuantizedMambaLM, fp_model: MambaLMHeadModel, ranges
         qmodel.lm_head.weight.data.copy_(fp_model.lm_head.weight)
 
 
-def quantized_block(fp_block, layer: int, ranges: dict, config: QuantConfig, model_config) -> Block:
-    """A new Block: ``fp_block`` quantized at layer ``layer``'s bits with ``ranges``."""
-    block = Block(None, None)
-    _quantize_block_(block, fp_block, layer, ranges, config, model_config)
-    return block
-
-
-def _quantize_block_(block, fp_block, layer: int, ranges: dict, config: QuantConfig,
-                     model_config) -> None:
-    """Set ``block``'s norm and mixer to ``fp_block``'s, quantized at the layer's bits (a W4A16
-    Mamba1 block becomes a WeightOnlyBlock)."""
-    w_bits, a_bits = config.bits_of(layer)
-    if a_bits == 16:
-        block.norm = copy.deepcopy(fp_block.norm)
-        block.mixer = weight_only_mixer_from_float(fp_block.mixer, config.group_size)
-        if isinstance(block.mixer, WeightOnlyMambaMixer):
-            block.__class__ = WeightOnlyBlock  # a Block that adds no state, only the decode step
-        return
-    layer_ranges = ranges[layer]
-    h_scale = scale_from_range(layer_ranges["in_proj.input"])
-    block.norm = quantized_norm(fp_block.norm, h_scale, keep_weight=not config.hadamard)
-    if isinstance(fp_block.mixer, Mamba2Mixer):
-        block.mixer = _quantized_mamba2_mixer(fp_block.mixer, model_config, layer_ranges, h_scale,
-                                              w_bits, config)
-        return
-    scales = {name: scale_from_range(layer_ranges[kind]) for kind, name in _SCALE_OF_KIND.items()}
-    block.mixer = QMambaMixer.from_float(fp_block.mixer, h_scale, scales, config.hadamard, w_bits,
-                                         config.group_size)
-
-
-def _quantized_mamba2_mixer(mixer: Mamba2Mixer, model_config, layer_ranges: dict, h_scale: float,
-                            w_bits: int, config: QuantConfig) -> QMamba2Mixer:
-    """Quamba2's scales from a Mamba2 layer's clipping ranges: in_proj's output per segment (z,
-    x, B, C, dt), the conv output's x per sort-and-clustered channel and B, C per state group."""
-    scales = {name: scale_from_range(layer_ranges[kind]) for kind, name in _MAMBA2_SCALE_OF_KIND.items()}
-    d_inner, group_width = mixer.d_inner, mixer.ngroups * mixer.d_state
-    xbc_in_range = torch.cat([torch.full((d_inner,), layer_ranges["x_in"]),
-                              torch.full((group_width,), layer_ranges["B_in"]),
-                              torch.full((group_width,), layer_ranges["C_in"])])
-    x_range = sort_and_cluster(layer_ranges["x"], mixer.nheads, mixer.ngroups).flatten()
-    xbc_range = torch.cat([x_range, layer_ranges["B"].repeat_interleave(mixer.d_state),
-                           layer_ranges["C"].repeat_interleave(mixer.d_state)])
-    return QMamba2Mixer.from_float(mixer, model_config, h_scale, scales,
-                                   scale_from_range(xbc_in_range), scale_from_range(xbc_range),
-                                   config.hadamard, w_bits, config.group_size)
-
-
 def _apply_gptq(qmodel: QuantizedMambaLM, fp_model: MambaLMHeadModel, tokenizer,
                 config: QuantConfig, progress: bool) -> None:
     """GPTQ's codes for ``config.gptq_layers`` of every block, sequentially on the quantized model
@@ -237,15 +170,6 @@ def _apply_gptq(qmodel: QuantizedMambaLM, fp_model: MambaLMHeadModel, tokenizer,
     gptq_sequential_(qmodel, fp_model, tokens, config.gptq_layers, damp=config.gptq_damp,
                      block_size=config.gptq_block_size, act_order=config.gptq_act_order,
                      batch_size=config.calib_batch_size, progress=progress)
-
-
-def quantized_norm(fp_norm, out_scale: float, keep_weight: bool) -> QRMSNorm:
-    weight = fp_norm.weight
-    norm = QRMSNorm(weight.shape[0], fp_norm.eps, fp_norm.residual_in_fp32, out_scale,
-                    has_weight=keep_weight, device=weight.device)
-    if keep_weight:
-        norm.weight.copy_(weight.float())
-    return norm
 
 
 def _calibration_record(calib, config: QuantConfig) -> dict:

@@ -23,9 +23,9 @@ from quamba.layers.qmixer import suffixed
 from quamba.models.quantized_vision import QuantizedVisionMamba
 from quamba.models.vision import VisionMamba
 from quamba.ops.quant import scale_from_range
+from quamba.quantization.blocks import SCALE_OF_KIND as LM_SCALE_OF_KIND
+from quamba.quantization.blocks import quantized_norm
 from quamba.quantization.config import QuantConfig
-from quamba.quantization.quantize import _SCALE_OF_KIND as LM_SCALE_OF_KIND
-from quamba.quantization.quantize import quantized_norm
 from quamba.quantization.rotation import rotate_vision_model_
 
 log = logging.getLogger("quamba")

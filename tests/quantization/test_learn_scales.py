@@ -13,9 +13,9 @@ import quamba
 from quamba.calibrate import calibrate, load_calibration_set
 from quamba.errors import QuambaError
 from quamba.ops.quant4 import dequantize_int4, effective_scales, quantize_weight_w4a8
+from quamba.quantization.blocks import quantized_block
 from quamba.quantization.learn_scales import (LEARNED_KINDS, _BlockWeights, _full_loss, _learn_block,
                                               clip_weights_, fake_quantize_w4a8_weight, learn_ranges)
-from quamba.quantization.quantize import quantized_block
 from quamba.quantization.rotation import quantization_basis_
 
 REPO = Path(__file__).resolve().parents[2]
