@@ -84,9 +84,10 @@ build_extension() {
 
 # The GPU tests: the test_cuda_* files, and the Triton kernels' files whose small cases also run
 # on CPU under Triton's interpreter. (`pytest -m gpu tests/` needs every test module's imports,
-# datasets and lm_eval included, which this offline --no-deps install does not bring.)
+# datasets and lm_eval included, which this offline --no-deps install does not bring.) The
+# sweeps, left out of the default run (pyproject.toml), run here too.
 run_tests() {
-  "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/*/test_cuda_*.py \
+  "$PYTHON" -m pytest -q -rs -p no:cacheprovider -m "sweep or not sweep" tests/*/test_cuda_*.py \
     tests/ops/test_trainable_scan.py tests/ops/test_full_scan_kernel.py tests/ops/test_qssd.py \
     tests/ops/test_gated_norm.py
 }
