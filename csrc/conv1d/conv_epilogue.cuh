@@ -1,6 +1,6 @@
 // The int8 conv's fp32 epilogue on one channel's int32 sum (qconv1d.cu and the fused mixer step,
 // csrc/fused_decode/): (acc · multiplier + bias), then SiLU, each operation rounded on its own in
-// the reference's order (quamba/ops/qconv1d.py).
+// the reference's order (quamba/ops/conv/qconv1d.py).
 #pragma once
 
 #include "../ssm_common/ssm_common.cuh"

@@ -1,5 +1,5 @@
 // Quantized depthwise causal conv1d (+ bias, SiLU): int8 codes in, int8 codes or fp32 out.
-// Specification: quamba/ops/qconv1d.py. The int32 accumulation is exact; the fp32 epilogue
+// Specification: quamba/ops/conv/qconv1d.py. The int32 accumulation is exact; the fp32 epilogue
 // rounds every operation on its own, in the reference's order.
 #include <torch/library.h>
 

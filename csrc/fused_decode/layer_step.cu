@@ -1,5 +1,5 @@
 // A whole W8A8 or W4A8 Mamba1 block's decode step at batch 1 in one persistent kernel (qmamba_layer_step;
-// specification: quamba/ops/fused_layer.py, the chain rmsnorm_quant → in_proj → qconv1d_update →
+// specification: quamba/ops/fused_decode/layer_step.py, the chain rmsnorm_quant → in_proj → qconv1d_update →
 // x_proj → dt_proj folded into qsscan_update → hadamard_quant → out_proj). Mamba-2.8B's sizes:
 // d_model 2560, d_inner 5120 = 20 · 256, d_state 16, dt_rank 160, conv width 4.
 //
@@ -471,7 +471,7 @@ const float* multipliers_or_null(const c10::optional<at::Tensor>& t, const at::T
 // [d_inner, 4], conv_bias int8 [d_inner] or None; conv_state int8 [d_inner, 3] and ssm_state int8
 // [d_inner, 16], stepped in place; workspace: int32 [qmamba_layer_workspace_words()], zero when
 // first used. Scales and multipliers are fp32 values as the chain's ops compute them
-// (quamba/ops/cuda_backend/layer_step.py). Returns (out fp16 [d_model], residual_out fp32 [d_model]).
+// (quamba/ops/fused_decode/layer_step_cuda.py). Returns (out fp16 [d_model], residual_out fp32 [d_model]).
 std::tuple<at::Tensor, at::Tensor> qmamba_layer_step(
     const at::Tensor& hidden, const c10::optional<at::Tensor>& residual, const at::Tensor& in_proj,
     double in_multiplier, const at::Tensor& small, const at::Tensor& out_proj, double out_multiplier,

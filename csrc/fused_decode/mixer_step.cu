@@ -1,5 +1,5 @@
 // One decode step of a quantized Mamba1 mixer's SSM side in one kernel (qmixer_ssm_step's cluster
-// kernel; specification: quamba/ops/fused_decode.py, the chain of qconv1d_update, w8a8_linear
+// kernel; specification: quamba/ops/fused_decode/mixer_step.py, the chain of qconv1d_update, w8a8_linear
 // (x_proj), w8a8_linear (dt_proj) and qsscan_update on in_proj's int8 codes x and z).
 //
 // The step has one reduction over all d_inner channels, x_proj (its dt_low, B and C feed every

@@ -1,5 +1,5 @@
 // A whole W4A16 Mamba1 block's decode step at batch 1 in one persistent kernel (w4a16_layer_step;
-// specification: quamba/ops/w4a16_decode.py, the chain rms_norm → in_proj (w4a16_linear) →
+// specification: quamba/ops/fused_decode/w4a16_step.py, the chain rms_norm → in_proj (w4a16_linear) →
 // w4a16_ssm_step's chain (conv update + SiLU, x_proj, dt_proj, the scan step) → out_proj), for
 // Mamba-2.8B's sizes.
 //
@@ -413,7 +413,7 @@ const T* data_or_null(const c10::optional<at::Tensor>& t) {
 // [d_inner] or None; conv_state fp16 [d_inner, 3] and ssm_state fp32 [d_inner, 16], stepped in
 // place; dt_bias fp16 [d_inner]; A = -exp(A_log) fp32 [d_inner, 16]; D fp32 [d_inner] or None;
 // workspace: int32 [w4a16_layer_workspace_words()], zero when first used
-// (quamba/ops/cuda_backend/w4a16_layer.py). Returns (out fp16 [d_model], residual_out fp32
+// (quamba/ops/fused_decode/w4a16_layer_cuda.py). Returns (out fp16 [d_model], residual_out fp32
 // [d_model]).
 std::tuple<at::Tensor, at::Tensor> w4a16_layer_step(
     const at::Tensor& hidden, const c10::optional<at::Tensor>& residual, const at::Tensor& norm_weight, double eps,

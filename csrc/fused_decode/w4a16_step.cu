@@ -1,5 +1,5 @@
 // One decode step of a weight-only (W4A16) Mamba1 mixer's SSM side in one kernel (w4a16_ssm_step;
-// specification: quamba/ops/w4a16_decode.py, the chain of causal_conv1d_update + SiLU, w4a16_linear
+// specification: quamba/ops/fused_decode/w4a16_step.py, the chain of causal_conv1d_update + SiLU, w4a16_linear
 // (x_proj), dt_proj's float linear and selective_state_update on in_proj's float x and z).
 //
 // The plan is qmixer_ssm_step's cluster kernel (mixer_step.cu) with float activations: one

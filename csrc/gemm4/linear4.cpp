@@ -34,7 +34,7 @@
 // the GEMM's blocks launch while the expansion's last blocks finish (W4A8 out_proj at M = 1024 on
 // the H100: 32.5 -> 30.1 us). That expansion is exact only while every |code * multiplier| fits
 // int8 (multipliers in 1..18 for codes in -7..7): this op does not check it (that needs a host
-// sync); the Python cuda backend (quamba/ops/cuda_backend/gemm4.py) checks each weight once with
+// sync); the Python cuda backend (quamba/ops/linear/cuda4.py) checks each weight once with
 // w4a8_expand_out's overflow flag and refuses weights that overflow. Expanding the codes in
 // registers instead, in CUTLASS's sm90 mixed-input mainloop (int4 codes, int8 group multipliers),
 // was exact but 2.3x slower on the H100 (benchmarks/RESULTS.md, fb57a14): its conversion alone

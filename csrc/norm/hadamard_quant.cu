@@ -1,5 +1,5 @@
 // Online Hadamard transform fused with int8 quantization. Specification:
-// quamba/ops/qhadamard.py, with the factor order of quamba/ops/hadamard.py: n = m · p,
+// quamba/ops/norm/qhadamard.py, with the factor order of quamba/ops/norm/hadamard.py: n = m · p,
 // (x @ H_n).view(m, p) = S_mᵀ @ (x.view(m, p) @ W_p) / sqrt(n). The Walsh–Hadamard butterflies
 // run in the reference's order (bit-identical); the m × m signed sums then run in an order of
 // their own, as BLAS does: int8 outputs agree to one step.
@@ -27,7 +27,7 @@ namespace {
 
 constexpr int kSegmentValues = 8;  // values per lane in the register stages: segments of 256
 
-// S_m of quamba/ops/hadamard.py (Paley I for m = 12 and 20, Paley II for 28; S_1 = [[1]]) as
+// S_m of quamba/ops/norm/hadamard.py (Paley I for m = 12 and 20, Paley II for 28; S_1 = [[1]]) as
 // column masks: bit c of entry a is set where S_m[c, a] = -1. Compile-time, so that no sign costs
 // an instruction and the signed sums can share partial sums between outputs; the op checks that
 // the masks it is given are these.
@@ -54,7 +54,7 @@ __host__ __device__ constexpr uint32_t base_column(int a) {
   }
 }
 
-// Mamba2's gated RMSNorm before the transform (quamba/ops/gated_norm.py, one kernel instead of two
+// Mamba2's gated RMSNorm before the transform (quamba/ops/norm/gated_norm.py, one kernel instead of two
 // at every decode step): the transform's input is then weight · g / rms(g), g = x · SiLU(z ·
 // z_scale), the RMS taken over each group of group_size channels.
 struct Gate {
@@ -489,7 +489,7 @@ Gate make_gate(const at::Tensor& x, const c10::optional<at::Tensor>& z, double z
   return gate;
 }
 
-// x: contiguous [..., n] float with n = m · p (quamba.ops.hadamard.hadamard_factors);
+// x: contiguous [..., n] float with n = m · p (quamba.ops.norm.hadamard.hadamard_factors);
 // sign_columns: the m column masks of S_m (bit c of entry a set where S_m[c, a] = -1), which
 // must be base_column<m>'s;
 // norm: fp32(1 / sqrt(n)). With z (int8 [..., n], rows of contiguous codes), the transform's
@@ -513,7 +513,7 @@ at::Tensor hadamard_quant(const at::Tensor& x, int64_t m, int64_t p, at::IntArra
   TORCH_CHECK(static_cast<int64_t>(sign_columns.size()) == m, "sign_columns must have m = ",
               text(m), " entries, got ", text(sign_columns.size()));
   TORCH_CHECK(are_base_columns(m, sign_columns), "sign_columns must be the column masks of S_m, the "
-              "m = ", text(m), " base matrix of quamba.ops.hadamard (the kernel has them built in)");
+              "m = ", text(m), " base matrix of quamba.ops.norm.hadamard (the kernel has them built in)");
   check_positive_scale(norm, "norm");
   check_positive_scale(out_inv_scale, "out_inv_scale");
   const Gate gate = make_gate(x, z, z_scale, weight, group_size, eps);

@@ -1,4 +1,4 @@
-// Fused residual add + RMSNorm → int8. Specification: quamba/ops/qnorm.py.
+// Fused residual add + RMSNorm → int8. Specification: quamba/ops/norm/qnorm.py.
 #include <torch/library.h>
 
 #include <algorithm>

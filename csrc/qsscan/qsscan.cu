@@ -1,5 +1,5 @@
 // QSScan: the selective scan of Mamba on int8 (or float) inputs, fp32 inside.
-// Specification: quamba/ops/qsscan.py (and quamba/ops/selective_scan.py for the recurrence).
+// Specification: quamba/ops/scan/qsscan.py (and quamba/ops/scan/selective_scan.py for the recurrence).
 //
 // Prefill layout of the work. A block owns kChannels channels of one sequence and walks the
 // sequence in chunks of kLanes·kItems time steps. A small first kernel dequantizes B and C (shared
@@ -669,7 +669,7 @@ ChunkPlan chunk_plan(const ScanArgs& args, int64_t batch, const at::Tensor& B,
 // with its scale or float16/bfloat16/float32 values. y keeps u's layout family (channel-last
 // when u.stride(1) == 1, else contiguous); the last state is contiguous [batch, dim, dstate],
 // int8 when state_inv_scale is given, else fp32. discretization: a method of
-// quamba.ops.discretization (foh starts from v_{-1} = 0, as the reference's prefill does).
+// quamba.ops.scan.discretization (foh starts from v_{-1} = 0, as the reference's prefill does).
 std::tuple<at::Tensor, at::Tensor> qsscan(
     const at::Tensor& u, double u_scale, const at::Tensor& dt, double dt_scale,
     const at::Tensor& B, double B_scale, const at::Tensor& C, double C_scale,
@@ -1171,7 +1171,7 @@ void fill_step_input(const at::Tensor& t, double scale, const char* name, const 
 
 // state: contiguous [batch, dim, dstate], int8 (stepped through state_scale) or fp32, updated in
 // place; u, dt, z: [batch, dim]; B, C: [batch, dstate]; any strides. Returns contiguous y.
-// discretization: a method of quamba.ops.discretization; foh reads the previous step's drive
+// discretization: a method of quamba.ops.scan.discretization; foh reads the previous step's drive
 // v = u ⊗ B from ``drive`` (contiguous fp32 [batch, dim, dstate]) and overwrites it with this
 // step's; the other methods take none. lanes: lanes per channel (step_lanes; 0 chooses).
 // dt_proj (int8 [dim, dt_rank]), where given, is folded in: dt is then dt_low's int8 codes

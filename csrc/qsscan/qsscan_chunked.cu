@@ -1,5 +1,5 @@
 // QSScan prefill chunked over time: launch configuration 2 of torch.ops.quamba.qsscan (the
-// specification is quamba/ops/qsscan.py).
+// specification is quamba/ops/scan/qsscan.py).
 //
 // A warp owns 32 channels of one sequence over one chunk of time steps, a lane one channel with
 // every state of it in registers. The lane walks its chunk step by step; the dstate states of a

@@ -1,6 +1,6 @@
 // The QSScan decode step's arithmetic for one channel (qsscan.cu's step kernels and the fused
 // mixer step, csrc/fused_decode/): Δ, the state update of a lane's states with their terms of y
-// summed in state_readout's order, and the gated output. Specification: quamba.ops.qsscan.
+// summed in state_readout's order, and the gated output. Specification: quamba.ops.scan.qsscan.
 #pragma once
 
 #include "../ssm_common/ssm_common.cuh"
@@ -174,7 +174,7 @@ __device__ __forceinline__ float state_code_value(const int8_t (&codes)[kStates]
 // Steps ``count`` (at most kStates) states of one (b, d) at ``offset`` in the state from their
 // old values, given their A, B and C (B and C in registers or shared memory): their new values,
 // and the sum of their terms of y as a pairwise tree, adjacent states first
-// (quamba.ops.selective_scan.state_readout's order), zero past count. The tree is built as the
+// (quamba.ops.scan.selective_scan.state_readout's order), zero past count. The tree is built as the
 // terms come: pending[k] holds the sum of the last whole block of 2^k terms, so that at most
 // log2(kStates) + 1 partial sums are live. State is int8 codes or fp32.
 template <Discretization kMethod, int kStates, typename State>

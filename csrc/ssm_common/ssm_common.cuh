@@ -86,7 +86,7 @@ __device__ __forceinline__ float softplus(float x) {
   return x > 20.f ? x : log1pf(expf(x));
 }
 
-// ---- discretizations (quamba/ops/discretization.py) ----------------------------------------
+// ---- discretizations (quamba/ops/scan/discretization.py) ----------------------------------------
 
 // How the scan discretizes h' = a h + v over a step Δ (z = Δ a); a kernel template parameter, so
 // zoh's code is the kernel it always was.
@@ -154,7 +154,7 @@ __device__ __forceinline__ float rk4_gain(float z) {
 }
 
 // The coefficients of ``kMethod`` (not zoh) for step Δ and z = Δ a, operation by operation as
-// quamba.ops.discretization computes them: φ1 = expm1(z) / z (1 at 0), φ2 by its series below
+// quamba.ops.scan.discretization computes them: φ1 = expm1(z) / z (1 at 0), φ2 by its series below
 // |z| = 0.5 and (expm1(z) - z) / z² above, IEEE divisions. The decode step's arithmetic.
 template <Discretization kMethod>
 __device__ __forceinline__ StepCoefficients exact_coefficients(float delta, float z) {
@@ -369,7 +369,7 @@ inline InKind in_kind(const at::Tensor& t, const char* name) {
   }
 }
 
-// The method a kernel's ``discretization`` argument names (quamba.ops.discretization.METHODS).
+// The method a kernel's ``discretization`` argument names (quamba.ops.scan.discretization.METHODS).
 inline Discretization discretization_of(c10::string_view name) {
   if (name == "zoh") return Discretization::kZoh;
   if (name == "zoh-exact") return Discretization::kZohExact;
