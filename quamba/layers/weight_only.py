@@ -72,9 +72,10 @@ class WeightOnlyMambaMixer(MambaMixer):
 
     def fuses_step(self, state: MixerState) -> bool:
         """Whether the decode step runs its SSM side as one w4a16_ssm_step: ``fused_ssm_step``
-        set, zoh, a 4-bit x_proj and a float dt_proj with its bias, at most ``fused_max_batch``
-        rows."""
+        set, zoh, no norms of dt, B and C (Falcon-Mamba), a 4-bit x_proj and a float dt_proj with
+        its bias, at most ``fused_max_batch`` rows."""
         return (self.fused_ssm_step and self.discretization == DEFAULT_DISCRETIZATION
+                and self.mixer_rms_eps is None
                 and state.ssm.shape[0] <= self.fused_max_batch
                 and state.drive is None and isinstance(self.x_proj, W4A16Linear)
                 and self.dt_proj.bias is not None)

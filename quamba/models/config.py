@@ -13,6 +13,11 @@ class ConfigError(ValueError):
     """A model configuration that quamba cannot build."""
 
 
+# The transformers model types of Mamba1 LMs; falcon_mamba adds the norms of dt, B and C.
+TRANSFORMERS_MAMBA1_TYPES = ("mamba", "falcon_mamba")
+FALCON_MAMBA_MIXER_RMS_EPS = 1e-6  # transformers' FalconMambaConfig default
+
+
 @dataclass
 class MambaConfig:
     """Shape and numerics of a Mamba language model (names follow mamba_ssm).
@@ -21,7 +26,9 @@ class MambaConfig:
     channels per head, ``ngroups`` groups of B and C shared by heads, scan in chunks of
     ``chunk_size`` tokens; its gated RMSNorm normalizes each group of d_inner / ngroups channels).
     ``discretization``: how the Mamba1 selective scan discretizes its ODE ("zoh", mamba_ssm's, by
-    default; see quamba.ops.scan.discretization); Mamba2 runs zoh only.
+    default; see quamba.ops.scan.discretization); Mamba2 runs zoh only. ``mixer_rms_eps``
+    (Falcon-Mamba, Mamba1 only): the eps of the weightless RMS norms of dt_low, B and C after
+    x_proj (quamba.ops.norm.mixer_norm); None: no such norms.
     """
 
     d_model: int = 768
@@ -45,6 +52,7 @@ class MambaConfig:
     ngroups: int = 1  # Mamba2
     chunk_size: int = 256  # Mamba2
     discretization: str = DEFAULT_DISCRETIZATION
+    mixer_rms_eps: float | None = None
 
     def __post_init__(self):
         if self.dt_rank in (0, "auto", None):
@@ -62,11 +70,21 @@ class MambaConfig:
         if self.layer == "Mamba2" and self.discretization != DEFAULT_DISCRETIZATION:
             raise ConfigError(f"Mamba2's SSD scan implements only the {DEFAULT_DISCRETIZATION!r} "
                               f"discretization, not {self.discretization!r}")
+        self._check_mixer_rms_eps()
         if self.layer == "Mamba2":
             if self.d_inner % self.headdim:
                 raise ConfigError(f"d_inner {self.d_inner} is not a multiple of headdim {self.headdim}")
             if self.nheads % self.ngroups:
                 raise ConfigError(f"{self.nheads} heads do not split into ngroups {self.ngroups}")
+
+    def _check_mixer_rms_eps(self) -> None:
+        eps = self.mixer_rms_eps
+        if eps is None:
+            return
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+            raise ConfigError(f"mixer_rms_eps must be a positive number, got {eps!r}")
+        if self.layer != "Mamba1":
+            raise ConfigError("mixer_rms_eps (norms of dt, B and C) applies to Mamba1 layers only")
 
     @property
     def nheads(self) -> int:
@@ -130,17 +148,22 @@ class MambaConfig:
 
     @classmethod
     def from_transformers(cls, cfg: dict) -> "MambaConfig":
-        """From a transformers MambaConfig or Mamba2Config config.json (state-spaces/mamba-130m-hf)."""
-        if cfg.get("model_type", "mamba") == "mamba2":
+        """From a transformers MambaConfig, FalconMambaConfig or Mamba2Config config.json
+        (state-spaces/mamba-130m-hf, tiiuae/falcon-mamba-7b)."""
+        model_type = cfg.get("model_type", "mamba")
+        if model_type == "mamba2":
             return cls._from_transformers_mamba2(cfg)
-        if cfg.get("model_type", "mamba") != "mamba":
-            raise ConfigError(f"model_type is {cfg.get('model_type')!r}; only 'mamba' and 'mamba2' "
-                              "are supported")
+        if model_type not in TRANSFORMERS_MAMBA1_TYPES:
+            raise ConfigError(f"model_type is {model_type!r}; supported: "
+                              f"{', '.join(TRANSFORMERS_MAMBA1_TYPES)}, mamba2")
         hidden = cfg["hidden_size"]
-        expand = cfg.get("expand", 2)
-        intermediate = cfg.get("intermediate_size", expand * hidden)
-        if intermediate != expand * hidden:
-            raise ConfigError(f"intermediate_size {intermediate} is not expand * hidden_size")
+        if model_type == "falcon_mamba":
+            expand, mixer_rms_eps = _falcon_mamba_options(cfg, hidden)
+        else:
+            expand, mixer_rms_eps = cfg.get("expand", 2), None
+            intermediate = cfg.get("intermediate_size", expand * hidden)
+            if intermediate != expand * hidden:
+                raise ConfigError(f"intermediate_size {intermediate} is not expand * hidden_size")
         return cls(
             d_model=hidden,
             n_layer=cfg["num_hidden_layers"],
@@ -159,6 +182,7 @@ class MambaConfig:
             eos_token_id=_first_id(cfg.get("eos_token_id"), 0),
             pad_token_id=_first_id(cfg.get("pad_token_id"), 0),
             discretization=cfg.get("discretization", DEFAULT_DISCRETIZATION),
+            mixer_rms_eps=mixer_rms_eps,
         )
 
     @classmethod
@@ -203,8 +227,7 @@ class MambaConfig:
                 "pad_token_id": self.pad_token_id,
             }
         return {
-            "model_type": "mamba",
-            "architectures": ["MambaForCausalLM"],
+            **self._mamba1_type_entries(),
             "vocab_size": self.padded_vocab_size,
             "hidden_size": self.d_model,
             "intermediate_size": self.d_inner,
@@ -224,6 +247,14 @@ class MambaConfig:
             "pad_token_id": self.pad_token_id,
             **self._discretization_entry(),
         }
+
+    def _mamba1_type_entries(self) -> dict:
+        """A Mamba1 model's transformers type: FalconMamba's (with mixer_rms_eps) where it has the
+        norms of dt, B and C, else Mamba's."""
+        if self.mixer_rms_eps is None:
+            return {"model_type": "mamba", "architectures": ["MambaForCausalLM"]}
+        return {"model_type": "falcon_mamba", "architectures": ["FalconMambaForCausalLM"],
+                "mixer_rms_eps": self.mixer_rms_eps}
 
     def to_mamba_ssm(self) -> dict:
         """The mamba_ssm config.json fields of this model, with quamba's ``discretization`` in
@@ -263,6 +294,23 @@ def _check_mamba2_options(ssm_cfg: dict, d_model: int) -> None:
         raise ConfigError(f"Mamba2 option dt_limit {tuple(limit)} is not supported (only no limit)")
     if ssm_cfg.get("d_ssm") not in (None, ssm_cfg.get("expand", 2) * d_model):
         raise ConfigError("Mamba2 option d_ssm < d_inner (a gated MLP inside in_proj) is not supported")
+
+
+def _falcon_mamba_options(cfg: dict, hidden: int) -> tuple[int, float]:
+    """(expand, mixer_rms_eps) of a transformers FalconMambaConfig; its options that quamba
+    cannot honour are refused by name. As in transformers, intermediate_size (when given) sets
+    d_inner whatever ``expand`` says (tiiuae/falcon-mamba-7b: expand 16, intermediate_size 8192).
+    """
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"hidden_act {cfg['hidden_act']!r} is not supported (only 'silu')")
+    intermediate = cfg.get("intermediate_size", cfg.get("expand", 2) * hidden)
+    if not isinstance(intermediate, int) or intermediate <= 0 or intermediate % hidden:
+        raise ConfigError(f"intermediate_size {intermediate!r} is not a positive multiple of "
+                          f"hidden_size {hidden}")
+    eps = cfg.get("mixer_rms_eps", FALCON_MAMBA_MIXER_RMS_EPS)
+    if eps is None:
+        raise ConfigError("mixer_rms_eps is null; Falcon-Mamba needs the eps of its dt, B, C norms")
+    return intermediate // hidden, eps
 
 
 def _json_float(value) -> float:

@@ -4,6 +4,8 @@
   weights in pytorch_model.bin, keys ``backbone.embedding.weight`` ...
 * ``transformers`` (state-spaces/mamba-130m-hf): MambaConfig config.json, weights in
   model.safetensors (possibly sharded) or pytorch_model.bin, keys ``backbone.embeddings.weight`` ...
+  Falcon-Mamba (tiiuae/falcon-mamba-7b, model_type falcon_mamba) has the same keys; its norms of
+  dt, B and C have no weights.
 
 The layout is detected from config.json, never from the directory name. load_model also loads
 Vision Mamba classifiers (quamba.models.vision_loading) and quantized checkpoints (the format
@@ -19,7 +21,7 @@ from pathlib import Path
 import torch
 
 from quamba.errors import CheckpointError
-from quamba.models.config import ConfigError, MambaConfig
+from quamba.models.config import TRANSFORMERS_MAMBA1_TYPES, ConfigError, MambaConfig
 from quamba.models.hub import (cast_model, is_quamba_checkpoint, load_state_into, load_tokenizer,
                                parse_dtype, quantized_format, read_config_json, resolve_model_dir)
 from quamba.models.mamba import MambaLMHeadModel
@@ -35,7 +37,8 @@ def detect_layout(config: dict) -> str:
     """'mamba_ssm' or 'transformers', from the keys of config.json."""
     if "d_model" in config and "n_layer" in config:
         return "mamba_ssm"
-    if config.get("model_type") == "mamba" or ("hidden_size" in config and "state_size" in config):
+    if (config.get("model_type") in TRANSFORMERS_MAMBA1_TYPES
+            or ("hidden_size" in config and "state_size" in config)):
         return "transformers"
     model_type = config.get("model_type")
     hint = f" (model_type {model_type!r})" if model_type else ""
@@ -148,6 +151,9 @@ def save_model(model: MambaLMHeadModel, out_dir, layout: str = "transformers", t
         raise CheckpointError("a Hadamard-rotated FP model cannot be saved in a Hub layout (the "
                               "online Hadamard would be lost); save the quantized model instead")
     config = model.config
+    if layout == "mamba_ssm" and config.mixer_rms_eps is not None:
+        raise CheckpointError("the mamba_ssm layout has no norms of dt, B and C (mixer_rms_eps, "
+                              "Falcon-Mamba); save it in the transformers layout")
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     if config.tie_embeddings:
         state.pop("lm_head.weight", None)

@@ -27,6 +27,7 @@ from quamba.ops.conv.causal_conv1d import (
     causal_conv1d_update,
     conv_state_from_prefill,
 )
+from quamba.ops.norm.mixer_norm import mixer_rms_norm
 from quamba.ops.norm.rms_norm import rms_norm
 from quamba.ops.scan.discretization import input_drive
 from quamba.ops.scan.selective_scan import selective_scan, selective_state_update
@@ -74,7 +75,8 @@ def ssm_branch(config: MambaConfig, device=None, dtype=None) -> tuple:
 class MambaMixer(nn.Module):
     """The Mamba1 mixer: in_proj → causal conv1d + SiLU → x_proj → dt_proj → selective scan →
     out_proj. ``online_hadamard`` (set by the rotation pass) rotates y before out_proj. The scan
-    discretizes as ``config.discretization`` says (quamba.ops.scan.discretization)."""
+    discretizes as ``config.discretization`` says (quamba.ops.scan.discretization). With
+    ``config.mixer_rms_eps`` (Falcon-Mamba), dt_low, B and C are normalized after x_proj."""
 
     def __init__(self, config: MambaConfig, device=None, dtype=None):
         super().__init__()
@@ -82,6 +84,7 @@ class MambaMixer(nn.Module):
         d_inner, self.d_state, self.d_conv = config.d_inner, config.d_state, config.d_conv
         self.d_inner, self.dt_rank = d_inner, config.dt_rank
         self.discretization = config.discretization
+        self.mixer_rms_eps = config.mixer_rms_eps
         self.in_proj = nn.Linear(config.d_model, 2 * d_inner, bias=config.bias, **kw)
         self.conv1d, self.x_proj, self.dt_proj, self.A_log, self.D = ssm_branch(config, device, dtype)
         self.out_proj = nn.Linear(d_inner, config.d_model, bias=config.bias, **kw)
@@ -98,8 +101,15 @@ class MambaMixer(nn.Module):
                    if self.discretization == "foh" else None),
         )
 
-    def _ssm_params(self, x_dbl):
+    def _split_x_dbl(self, x_dbl) -> tuple:
+        """dt_low, B and C of x_proj's output, normalized where the model has their norms."""
         dt_low, B, C = torch.split(x_dbl, [self.dt_rank, self.d_state, self.d_state], dim=-1)
+        if self.mixer_rms_eps is None:
+            return dt_low, B, C
+        return mixer_rms_norm(dt_low, B, C, self.mixer_rms_eps)
+
+    def _ssm_params(self, x_dbl):
+        dt_low, B, C = self._split_x_dbl(x_dbl)
         dt = F.linear(dt_low, self.dt_proj.weight)  # bias is added inside the scan
         return dt, B, C
 
@@ -109,8 +119,7 @@ class MambaMixer(nn.Module):
         dt_proj.weight · dt_lowᵀ, as mamba_ssm does)."""
         b, _, l = u.shape
         x_dbl = x_proj(u.transpose(1, 2))
-        dt_low, B, C = torch.split(x_dbl.reshape(b * l, -1), [self.dt_rank, self.d_state, self.d_state],
-                                   dim=-1)
+        dt_low, B, C = self._split_x_dbl(x_dbl.reshape(b * l, -1))
         dt = (dt_proj.weight @ dt_low.t()).view(-1, b, l).transpose(0, 1)
         B, C = (t.reshape(b, l, -1).transpose(1, 2).contiguous() for t in (B, C))
         return dt, B, C
