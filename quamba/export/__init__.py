@@ -1,0 +1,191 @@
+"""Export of a quantized LM for the serving engines: a Hub directory in the transformers
+architecture (MambaForCausalLM, Mamba2ForCausalLM) whose config.json carries a compressed-tensors
+``quantization_config`` (what vLLM, SGLang and transformers read; docs/export.md).
+
+Only what the plain architecture computes exactly leaves quantized: in_proj, x_proj (Mamba1)
+and out_proj. Everything else (the int8 conv1d, the scan and its parameters, dt_proj, the norms,
+the embedding and lm_head) is written in float from the FP model, and a Hadamard-rotated model
+is refused (the engines cannot apply the online Hadamard before out_proj)."""
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from quamba.errors import QuambaError
+from quamba.export import compressed
+from quamba.models.hub import TOKENIZER_FILES
+from quamba.models.loading import load_model, to_transformers_names
+from quamba.version import __version__
+
+FORMATS = ("compressed-tensors",)
+EXPORT_RECORD = "quamba_export.json"
+EXPORTED_LINEARS = ("in_proj", "x_proj", "out_proj")
+KEPT_FP = {
+    "embedding": "the engines read a float embedding",
+    "conv1d": "the int8 causal conv1d has no compressed-tensors form (vLLM's Mamba2 builds it "
+              "with quant_config=None)",
+    "scan": "QSScan / the int8 SSD and their int8 A_log, D, dt_bias have no engine form; the "
+            "engines run the float scan",
+    "dt_proj": "Mamba1's dt_proj feeds the scan (vLLM adds its bias inside the scan kernel); kept "
+               "float",
+    "norms": "RMSNorm weights are float in every engine (Mamba2's gated-norm weight is folded "
+             "into out_proj, as quamba does, and written as ones)",
+    "lm_head": "the float head (a quamba int8/int4 head is not exported)",
+}
+
+
+def export(qmodel, out_dir, format: str = "compressed-tensors", fp_model=None,
+           overwrite: bool = False, tokenizer=None) -> dict:
+    """Write ``qmodel`` (a QuantizedMambaLM) to ``out_dir`` in ``format``; returns the export
+    record (also written as quamba_export.json) and prints its summary. ``fp_model``: the FP
+    model it was quantized from (default: the one quantize() kept, else its base_model)."""
+    if format not in FORMATS:
+        raise QuambaError(f"export format must be one of {', '.join(FORMATS)}, got {format!r}")
+    _check_target(Path(out_dir), overwrite)
+    _check_exportable(qmodel)
+    fp_model = _fp_model(qmodel, fp_model)
+    state, groups = export_state(qmodel, fp_model)
+    config = qmodel.config.to_transformers()
+    config["quantization_config"] = compressed.quantization_config(groups, _ignore(qmodel))
+    record = _record(qmodel, fp_model, groups)
+    _write(Path(out_dir), state, config, record, _tokenizer_source(fp_model, tokenizer))
+    print(summary(record, out_dir))
+    return record
+
+
+def _check_target(out_dir: Path, overwrite: bool) -> None:
+    if out_dir.is_file():
+        raise QuambaError(f"export directory {out_dir} is an existing file")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
+        raise QuambaError(f"export directory {out_dir} exists and is not empty (use --overwrite)")
+
+
+def _check_exportable(qmodel) -> None:
+    config = getattr(qmodel, "quant_config", None)
+    if config is None or not hasattr(qmodel, "backbone"):
+        raise QuambaError("export needs a quantized Mamba LM (QuantizedMambaLM)")
+    if config.hadamard:
+        raise QuambaError("a Hadamard-rotated model cannot be exported: the engines run the plain "
+                          "architecture, which cannot rotate y online before out_proj; quantize "
+                          "with hadamard off (--no_hadamard) to export")
+    for i in range(qmodel.config.n_layer):
+        for _, linear in _exported_linears(qmodel, i):
+            compressed.linear_scheme(linear)  # refuses W4A8 with its reason
+
+
+def _exported_linears(qmodel, layer: int):
+    mixer = qmodel.backbone.layers[layer].mixer
+    return [(name, getattr(mixer, name)) for name in EXPORTED_LINEARS if hasattr(mixer, name)]
+
+
+def _fp_model(qmodel, fp_model):
+    """The FP model in the basis ``qmodel`` was built in (Mamba2: gated norm folded)."""
+    from quamba.quantization.rotation import quantization_basis_
+    fp_model = fp_model or qmodel.__dict__.get("fp_model")
+    if fp_model is None:
+        if not qmodel.base_model:
+            raise QuambaError("the FP model this checkpoint was quantized from is unknown; give "
+                              "it (--pretrained_dir)")
+        fp_model, _ = load_model(qmodel.base_model, dtype="fp16", tokenizer=False)
+    if fp_model.config.to_transformers() != qmodel.config.to_transformers():
+        raise QuambaError("the FP model's config differs from the quantized model's")
+    basis = quantization_basis_(copy.deepcopy(fp_model), hadamard=False)
+    basis.source = getattr(fp_model, "source", {})
+    return basis
+
+
+def export_state(qmodel, fp_model) -> tuple[dict, dict]:
+    """(the transformers-named state dict, {target regex: scheme} of the exported linears)."""
+    state = {k: v.detach().contiguous().cpu() for k, v in fp_model.state_dict().items()}
+    if fp_model.config.tie_embeddings:
+        state.pop("lm_head.weight", None)
+    groups = {}
+    for i in range(qmodel.config.n_layer):
+        for name, linear in _exported_linears(qmodel, i):
+            prefix = f"backbone.layers.{i}.mixer.{name}"
+            del state[prefix + ".weight"]
+            state.update({f"{prefix}.{k}": v
+                          for k, v in compressed.linear_tensors(linear).items()})
+            groups[rf"re:.*mixer\.{name}$"] = compressed.linear_scheme(linear)
+    return to_transformers_names(state), groups
+
+
+def _ignore(qmodel) -> list[str]:
+    """Float Linear-like modules an engine must not quantize: lm_head, conv1d (a linear in
+    vLLM), Mamba1's dt_proj."""
+    ignore = ["lm_head", r"re:.*mixer\.conv1d$"]
+    if qmodel.config.layer != "Mamba2":
+        ignore.append(r"re:.*mixer\.dt_proj$")
+    return ignore
+
+
+def _record(qmodel, fp_model, groups: dict) -> dict:
+    kept = dict(KEPT_FP)
+    if qmodel.config.layer == "Mamba2":
+        del kept["dt_proj"]
+    return {"format": "compressed-tensors", "quamba_version": __version__,
+            "architecture": qmodel.config.to_transformers()["architectures"][0],
+            "recipe": qmodel.quant_config.recipe(),
+            "base_model": getattr(fp_model, "source", {}).get("name_or_path"),
+            "quantized": {target: scheme for target, scheme in sorted(groups.items())},
+            "kept_fp": kept}
+
+
+def _tokenizer_source(fp_model, tokenizer):
+    """A tokenizer object to save, or the FP model's directory to copy tokenizer files from."""
+    if tokenizer is not None:
+        return tokenizer
+    source = getattr(fp_model, "source", {}).get("name_or_path")
+    return Path(source) if source and Path(source).is_dir() else None
+
+
+def _write(out_dir: Path, state: dict, config: dict, record: dict, tokenizer) -> None:
+    from safetensors.torch import save_file
+
+    from quamba.utils.io import atomic_directory
+    with atomic_directory(out_dir) as tmp:
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        (tmp / EXPORT_RECORD).write_text(json.dumps(record, indent=2))
+        if isinstance(tokenizer, Path):
+            for name in TOKENIZER_FILES:
+                if (tokenizer / name).is_file():
+                    shutil.copy2(tokenizer / name, tmp / name)
+        elif tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+
+
+def summary(record: dict, out_dir) -> str:
+    lines = [f"exported {record['architecture']} ({record['format']}) to {out_dir}",
+             "quantized: " + ", ".join(f"{target[3:]} ({_scheme_name(scheme)})"
+                                       for target, scheme in record["quantized"].items()),
+             "kept in float:"]
+    lines += [f"  {part}: {why}" for part, why in record["kept_fp"].items()]
+    return "\n".join(lines)
+
+
+def _scheme_name(scheme: dict) -> str:
+    weights = scheme["weights"]
+    activations = "A8 static per-tensor" if scheme["input_activations"] else "A16"
+    group = f", group {weights['group_size']}" if weights["group_size"] else ""
+    return f"W{weights['num_bits']}{activations}{group}"
+
+
+def reference_model(qmodel, fp_model=None):
+    """quamba's model in the export's configuration: the FP model (in the quantized model's
+    basis) with only the exported linears quantized, as quamba computes them (dequantized
+    weights; W8A8 inputs fake-quantized with their static scale by quamba.ops.quant)."""
+    from quamba.export.reference import ExportedLinear
+    _check_exportable(qmodel)
+    model = _fp_model(qmodel, fp_model)
+    for i, layer in enumerate(model.backbone.layers):
+        for name, linear in _exported_linears(qmodel, i):
+            setattr(layer.mixer, name, ExportedLinear.of(linear))
+    return model.eval()
+
+
+__all__ = ["export", "reference_model", "summary", "FORMATS", "EXPORT_RECORD"]
