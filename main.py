@@ -60,6 +60,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, _Flags]:
                     "with lm-eval tasks and perplexity. Dashes and underscores are interchangeable "
                     "in flag names.")
     flags = add_model_arguments(parser)
+    flags.add(parser.add_argument_group("export"), "--export", metavar="DIR",
+              help="write the quantized model to DIR for the serving engines (compressed-tensors, "
+                   "quamba.export; W8A8 or W4A16 quantized with --no_hadamard); single process")
 
     group = parser.add_argument_group("evaluation")
     flags.add(group, "--eval_zero_shot", action="store_true", help="run the lm-eval tasks zero-shot")
@@ -205,11 +208,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     check_model_arguments(parser, args)
     if args.fewshot is not None and not args.eval_few_shot:
         parser.error("--fewshot needs --eval_few_shot")
-    evaluates = args.eval_zero_shot or args.eval_few_shot or args.eval_ppl or args.eval_image
-    if not evaluates and not (args.quantize and args.pretrained_dir):
+    if args.export and os.environ.get("WORLD_SIZE", "1") != "1":
+        parser.error("--export runs in one process; start it without torchrun")
+    if not evaluates(args) and not (args.export or (args.quantize and args.pretrained_dir)):
         parser.error("nothing to do: give --eval_zero_shot, --eval_few_shot, --eval_ppl or "
-                     "--eval_image, or --quantize with --pretrained_dir to quantize and save")
+                     "--eval_image, --export DIR, or --quantize with --pretrained_dir to quantize and "
+                     "save")
     return args
+
+
+def evaluates(args: argparse.Namespace) -> bool:
+    return bool(args.eval_zero_shot or args.eval_few_shot or args.eval_ppl or args.eval_image)
+
+
+def export_model(args: argparse.Namespace) -> None:
+    """--export: the (freshly quantized or saved) model written by quamba.export. With
+    evaluation flags and no --pretrained_dir, the run then quantizes again (same seed: the same
+    model)."""
+    from quamba.cli_support import prepare_model
+    from quamba.export import export
+    prepared = prepare_model(model_request(args))
+    export(prepared.model, args.export, tokenizer=prepared.tokenizer)
 
 
 def model_request(args: argparse.Namespace) -> ModelRequest:
@@ -243,6 +262,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
+        if args.export:
+            export_model(args)
+            if not evaluates(args):
+                return 0
         record, path = execute_run(model_request(args), eval_plan(args),
                                    {"argv": sys.argv if argv is None else argv})
     except QuambaError as exc:
