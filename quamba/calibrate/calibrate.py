@@ -172,13 +172,13 @@ def _observing(model, recorder: _Recorder):
                 continue
             handles += [
                 mixer.in_proj.register_forward_hook(_in_proj_hook(recorder, layer)),
-                mixer.x_proj.register_forward_hook(_x_proj_hook(recorder, layer, mixer.dt_rank,
+                mixer.x_proj.register_forward_hook(_x_proj_hook(recorder, layer, mixer,
                                                                 mixer.dt_proj)),
                 mixer.out_proj.register_forward_hook(_out_proj_hook(recorder, layer)),
             ]
             if hasattr(mixer, "x_proj_b"):  # the backward branch of a bidirectional mixer
                 handles.append(mixer.x_proj_b.register_forward_hook(
-                    _x_proj_hook(recorder, layer, mixer.dt_rank, mixer.dt_proj_b, "_b")))
+                    _x_proj_hook(recorder, layer, mixer, mixer.dt_proj_b, "_b")))
         yield
     finally:
         for handle in handles:
@@ -229,14 +229,20 @@ def _mamba2_in_proj_hook(recorder: _Recorder, layer: int, mixer: Mamba2Mixer):
     return hook
 
 
-def _x_proj_hook(recorder: _Recorder, layer: int, dt_rank: int, dt_proj, suffix: str = ""):
+def _x_proj_hook(recorder: _Recorder, layer: int, mixer, dt_proj, suffix: str = ""):
     """Observes x_proj's input and output, and dt: the mixer computes dt = dt_low @ dt_proj.weight.T
     with F.linear (no module call, the bias is added in the scan), so it is recomputed here the
-    same way. ``suffix`` "_b" names a backward branch's kinds."""
+    same way. x_proj's output is observed as the mixer's SSM reads it: dt_low, B and C normalized
+    where the model has their norms (Falcon-Mamba). ``suffix`` "_b" names a backward branch's
+    kinds."""
     def hook(module, inputs, output):
         recorder.observe(layer, f"x_proj{suffix}.input", inputs[0])
-        recorder.observe(layer, f"x_proj{suffix}.output", output)
-        dt_low = output[..., :dt_rank]
+        if mixer.mixer_rms_eps is None:
+            x_dbl = output
+        else:
+            x_dbl = torch.cat(mixer.split_x_dbl(output), dim=-1)
+        recorder.observe(layer, f"x_proj{suffix}.output", x_dbl)
+        dt_low = x_dbl[..., :mixer.dt_rank]
         recorder.observe(layer, f"dt_proj{suffix}.output", F.linear(dt_low, dt_proj.weight))
     return hook
 

@@ -8,6 +8,11 @@ Data flow of the int8 mode (prefill; shapes [batch, seqlen, ·] unless noted):
     QSScan(u, dt, B, C, z; A_log, D, dt_bias int8) → y fp16    ssm state ← int8 (percentile)
     y ─ Hadamard + quantize → int8 ─ out_proj W8A8 → fp16 out
 
+With the norms of dt, B and C (Falcon-Mamba, ``mixer_rms_eps``), x_proj's output is float, not
+int8: dt_low, B and C are normalized (quamba.ops.norm.mixer_norm, torch ops on every device),
+then quantized with the one scale calibrated on the normalized tensors (xdbl_scale), so dt_proj and
+the scan get int8 codes as before. The fused decode ops take no such mixer: its step runs op by op.
+
 A decode step (one token) runs conv update → x_proj → scan step op by op, dt_proj folded into
 the scan step up to batch 8 where the scan takes dt as int8 codes (qsscan_update's ``dt_proj``:
 the same dt codes, one kernel fewer on a GPU; above, dt_proj runs between them), or with
@@ -36,6 +41,7 @@ from quamba.ops.fused_decode.layer_step import LayerWeights
 from quamba.ops.fused_decode.mixer_step import qmixer_ssm_step
 from quamba.ops.fused_decode.weights import ConvWeights, StepScales, W4A8Weight, W8A8Weight
 from quamba.ops.norm.hadamard import hadamard_transform
+from quamba.ops.norm.mixer_norm import mixer_rms_norm
 from quamba.ops.norm.qhadamard import hadamard_quant
 from quamba.ops.quant import dequantize, fake_quantize, fp32_multiplier, quantize, quantize_weight
 from quamba.ops.scan.discretization import DEFAULT as DEFAULT_DISCRETIZATION
@@ -61,15 +67,17 @@ class QMambaMixer(QuantModule):
     """Quantized mixer with the FP mixer's interface: ``forward(h, state=None, step=False)`` and
     ``allocate_state(batch, device)``. Its input h is what QRMSNorm returns (int8 codes, or
     fake-quantized floats in float-sim mode). Its scan discretizes as ``discretization`` says
-    (quamba.ops.scan.discretization), in every SSM mode."""
+    (quamba.ops.scan.discretization), in every SSM mode; ``mixer_rms_eps`` adds Falcon-Mamba's
+    norms of dt, B and C (see the module's docstring)."""
 
     def __init__(self, d_model: int, d_inner: int, d_state: int, d_conv: int, dt_rank: int,
                  scales: dict[str, float], h_scale: float, hadamard: bool, out_dtype,
                  device=None, weight_bits: int = 8, group_size: int = 128,
-                 discretization: str = DEFAULT_DISCRETIZATION):
+                 discretization: str = DEFAULT_DISCRETIZATION, mixer_rms_eps: float | None = None):
         super().__init__()
         self.d_inner, self.d_state, self.d_conv, self.dt_rank = d_inner, d_state, d_conv, dt_rank
         self.discretization = check_discretization(discretization)
+        self.mixer_rms_eps = mixer_rms_eps
         self.hadamard = hadamard
         self.out_dtype = out_dtype
         self.weight_bits, self.group_size = weight_bits, group_size
@@ -105,7 +113,9 @@ class QMambaMixer(QuantModule):
         ACTIVATION_SCALES (or their suffixed names)."""
         d_inner, d_state, dt_rank = self.d_inner, self.d_state, self.dt_rank
         u, xdbl, dt = (scales[suffixed(name, suffix)] for name in ("u_scale", "xdbl_scale", "dt_scale"))
-        setattr(self, "x_proj" + suffix, self._linear(d_inner, dt_rank + 2 * d_state, u, xdbl, device))
+        x_dbl_scale = None if self.mixer_rms_eps is not None else xdbl  # float out for the norms
+        setattr(self, "x_proj" + suffix, self._linear(d_inner, dt_rank + 2 * d_state, u,
+                                                      x_dbl_scale, device, self.out_dtype))
         # dt_proj stays W8A8 in every recipe: its K (dt_rank) is too small for 4-bit groups
         setattr(self, "dt_proj" + suffix, W8A8Linear(dt_rank, d_inner, xdbl, dt, device=device))
         int8 = dict(dtype=torch.int8, device=device)
@@ -124,7 +134,7 @@ class QMambaMixer(QuantModule):
         weight = mixer.in_proj.weight
         q = cls(weight.shape[1], mixer.d_inner, mixer.d_state, mixer.d_conv, mixer.dt_rank,
                 scales, h_scale, hadamard, weight.dtype, weight.device, weight_bits, group_size,
-                discretization=mixer.discretization)
+                discretization=mixer.discretization, mixer_rms_eps=mixer.mixer_rms_eps)
         for name in ("in_proj", "out_proj"):
             getattr(q, name).load_float_weight(getattr(mixer, name).weight)
         q._load_branch("", mixer.conv1d, mixer.x_proj, mixer.dt_proj, mixer.A_log, mixer.D)
@@ -188,8 +198,16 @@ class QMambaMixer(QuantModule):
         """The scale ``name`` (e.g. "u_scale") of the branch named by ``suffix``."""
         return self.scales[suffixed(name, suffix)]
 
-    def _split_xdbl(self, x_dbl):
-        return torch.split(x_dbl, [self.dt_rank, self.d_state, self.d_state], dim=-1)
+    def _split_xdbl(self, x_dbl, suffix: str = ""):
+        """dt_low, B and C of x_proj's output (branch ``suffix``). With the norms of dt, B and C,
+        x_proj's float output normalized, then quantized with the branch's xdbl_scale
+        (fake-quantized in float-sim mode)."""
+        parts = torch.split(x_dbl, [self.dt_rank, self.d_state, self.d_state], dim=-1)
+        if self.mixer_rms_eps is None:
+            return parts
+        normed = mixer_rms_norm(*parts, self.mixer_rms_eps, backend_name=self.backend)
+        to_int8 = fake_quantize if self.simulate else quantize
+        return tuple(to_int8(part, self._scale("xdbl_scale", suffix)) for part in normed)
 
     def _out(self, y):
         """Gated scan output y [..., d_inner] → (Hadamard) → int8 → out_proj."""
@@ -230,7 +248,8 @@ class QMambaMixer(QuantModule):
                     out_scale=None if fp32_conv else u_scale, backend_name=self.backend)
         self._tap("u" + suffix, u, u_scale)
         u_codes = quantize(u, u_scale) if fp32_conv else u
-        dt_low, B, C = self._split_xdbl(getattr(self, "x_proj" + suffix)(u_codes.transpose(1, 2)))
+        dt_low, B, C = self._split_xdbl(getattr(self, "x_proj" + suffix)(u_codes.transpose(1, 2)),
+                                        suffix)
         dt = getattr(self, "dt_proj" + suffix)(dt_low)
         dt_scale, xdbl_scale = self._scale("dt_scale", suffix), self._scale("xdbl_scale", suffix)
         self._tap("dt" + suffix, dt, dt_scale)
@@ -370,7 +389,7 @@ class QMambaMixer(QuantModule):
                                         dequantize(conv_bias, bias_scale)),
                           self._scale("u_scale", suffix))
         self._tap("u" + suffix, u)
-        dt_low, B, C = self._split_xdbl(getattr(self, "x_proj" + suffix)(u.transpose(1, 2)))
+        dt_low, B, C = self._split_xdbl(getattr(self, "x_proj" + suffix)(u.transpose(1, 2)), suffix)
         dt = getattr(self, "dt_proj" + suffix)(dt_low)
         self._tap("dt" + suffix, dt)
         A, D, dt_bias = self.branch_ssm_params(suffix).dequantized()

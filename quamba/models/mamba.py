@@ -101,7 +101,7 @@ class MambaMixer(nn.Module):
                    if self.discretization == "foh" else None),
         )
 
-    def _split_x_dbl(self, x_dbl) -> tuple:
+    def split_x_dbl(self, x_dbl) -> tuple:
         """dt_low, B and C of x_proj's output, normalized where the model has their norms."""
         dt_low, B, C = torch.split(x_dbl, [self.dt_rank, self.d_state, self.d_state], dim=-1)
         if self.mixer_rms_eps is None:
@@ -109,7 +109,7 @@ class MambaMixer(nn.Module):
         return mixer_rms_norm(dt_low, B, C, self.mixer_rms_eps)
 
     def _ssm_params(self, x_dbl):
-        dt_low, B, C = self._split_x_dbl(x_dbl)
+        dt_low, B, C = self.split_x_dbl(x_dbl)
         dt = F.linear(dt_low, self.dt_proj.weight)  # bias is added inside the scan
         return dt, B, C
 
@@ -119,7 +119,7 @@ class MambaMixer(nn.Module):
         dt_proj.weight · dt_lowᵀ, as mamba_ssm does)."""
         b, _, l = u.shape
         x_dbl = x_proj(u.transpose(1, 2))
-        dt_low, B, C = self._split_x_dbl(x_dbl.reshape(b * l, -1))
+        dt_low, B, C = self.split_x_dbl(x_dbl.reshape(b * l, -1))
         dt = (dt_proj.weight @ dt_low.t()).view(-1, b, l).transpose(0, 1)
         B, C = (t.reshape(b, l, -1).transpose(1, 2).contiguous() for t in (B, C))
         return dt, B, C

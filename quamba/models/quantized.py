@@ -222,7 +222,8 @@ def _int8_block(config: MambaConfig, quant_config, w_bits: int, dtype, device) -
         mixer = QMambaMixer(config.d_model, config.d_inner, config.d_state, config.d_conv,
                             config.dt_rank, {name: 1.0 for name in ACTIVATION_SCALES}, 1.0,
                             hadamard, dtype, device, w_bits, quant_config.group_size,
-                            discretization=config.discretization)
+                            discretization=config.discretization,
+                            mixer_rms_eps=config.mixer_rms_eps)
         return QMambaBlock(norm, mixer)
     return Block(norm, mixer)
 

@@ -182,6 +182,8 @@ def _cast_float_parts(model, dtype: torch.dtype) -> None:
         else:
             block.mixer.out_dtype = dtype
             block.mixer.out_proj.out_dtype = dtype
+            if getattr(block.mixer, "mixer_rms_eps", None) is not None:  # a float x_proj output
+                block.mixer.x_proj.out_dtype = dtype
 
 
 # load_model and QuantizedModel.save_pretrained reach this format here (models/ never imports it)

@@ -94,11 +94,15 @@ def learn_ranges(fp_model, ranges: dict, tokens: torch.Tensor, config, progress:
 
 
 def check_learnable(model) -> None:
-    """A one-line QuambaError unless every block of ``model`` is a Mamba1 block."""
+    """A one-line QuambaError unless every block of ``model`` is a Mamba1 block without the
+    norms of dt, B and C."""
     for layer, mixer in enumerate(model.mixers()):
         if type(mixer) is not MambaMixer:
             raise QuambaError(f"--learn_scales supports Mamba1 blocks; layer {layer} is a "
                               f"{type(mixer).__name__}")
+    if model.config.mixer_rms_eps is not None:
+        raise QuambaError("--learn_scales does not support the norms of dt, B and C "
+                          "(mixer_rms_eps: Falcon-Mamba) yet")
 
 
 def _run_batched(fn, *tensors, batch: int):
