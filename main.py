@@ -212,8 +212,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--export runs in one process; start it without torchrun")
     if not evaluates(args) and not (args.export or (args.quantize and args.pretrained_dir)):
         parser.error("nothing to do: give --eval_zero_shot, --eval_few_shot, --eval_ppl or "
-                     "--eval_image, --export DIR, or --quantize with --pretrained_dir to quantize and "
-                     "save")
+                     "--eval_image, --export DIR, or --quantize with --pretrained_dir to "
+                     "quantize and save")
     return args
 
 

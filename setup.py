@@ -215,6 +215,9 @@ setup(
         # its interpreter runs the Triton kernels' small tests on CPU (TRITON_INTERPRET, set by
         # tests/conftest.py); on a GPU the triton that torch's CUDA wheels pin satisfies it
         "triton; platform_system == 'Linux'",
-    ]},
+    ],
+        # loading an export (quamba.export) in transformers and its tests: 0.20.1 is the version
+        # tested with transformers 5.24 (which needs >= 0.15); writing an export needs neither
+        "export": ["compressed-tensors==0.20.1"]},
     **extension_kwargs(),
 )

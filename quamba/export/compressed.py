@@ -6,7 +6,8 @@ schema vLLM and transformers read; docs/export.md lists the facts used and their
 * W4A16Linear → format ``pack-quantized``: ``weight_packed`` int32 [out, in / 8] (code + 8 in
   each 4-bit field, element k in bits 4·(k mod 8) of word k // 8), ``weight_scale`` fp32
   [out, in / group] holding quamba's fp16 scales exactly (strategy ``group``; fp32 so that
-  compressed-tensors, which dequantizes in the scale's dtype, gives quamba's fp32 products), ``weight_shape`` int64 [2].
+  compressed-tensors, which dequantizes in the scale's dtype, gives quamba's fp32 products),
+  ``weight_shape`` int64 [2].
 """
 from __future__ import annotations
 
