@@ -43,7 +43,11 @@ FORMAT_NAME = "quamba"
 # 2: 4-bit weights (W4A8); 3: weight-only W4A16; 4: Mamba2 (Quamba2) layers and per-layer mixed
 # precision (quantization_config's layer_bits); 5: quantized lm_head and embedding
 # (quantization_config's lm_head, quantize_embedding). Versions 1 (W8A8) to 4 load unchanged.
+# A checkpoint is written as FORMAT_VERSION, or as NEWEST_FORMAT_VERSION, 6, where the model has
+# the norms of dt, B and C (the model config's mixer_rms_eps: Falcon-Mamba), so that a quamba
+# that knows no such norms refuses it rather than loads it without them.
 FORMAT_VERSION = 5
+NEWEST_FORMAT_VERSION = 6
 WEIGHTS_FILE = "model.safetensors"
 
 
@@ -55,7 +59,8 @@ def save_quantized(model: QuantizedMambaLM, out_dir, tokenizer=None):
         state.pop("lm_head.weight", None)
     quant = {
         "format": FORMAT_NAME,
-        "format_version": FORMAT_VERSION,
+        "format_version": (FORMAT_VERSION if getattr(model.config, "mixer_rms_eps", None) is None
+                           else NEWEST_FORMAT_VERSION),
         "quamba_version": __version__,
         **model.quant_config.to_dict(),
         "ssm_mode": model.ssm_mode if model.ssm_mode != "fp16" else model.quant_config.ssm_mode,
@@ -89,9 +94,9 @@ def from_pretrained(name_or_path, device="cpu", dtype=None, backend: str | None 
                               "(config.json has no quantization_config)")
     quant = raw["quantization_config"]
     version = quant.get("format_version")
-    if not isinstance(version, int) or version > FORMAT_VERSION:
+    if not isinstance(version, int) or version > NEWEST_FORMAT_VERSION:
         raise CheckpointError(f"{model_dir}: checkpoint format version {version!r} is newer than "
-                              f"this quamba supports ({FORMAT_VERSION}); upgrade quamba")
+                              f"this quamba supports ({NEWEST_FORMAT_VERSION}); upgrade quamba")
     vision = isinstance(raw.get("model"), dict) and raw["model"].get("model_type") == "vision_mamba"
     try:
         config = (VisionMambaConfig if vision else MambaConfig).from_dict(raw["model"])
