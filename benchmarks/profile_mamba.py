@@ -487,6 +487,10 @@ def _baseline_row(fp_model, prompt, args, bandwidth, notes) -> dict:
         theirs = runner.prefill(prompt).float()
         notes["fp16_logits_rel_error_vs_mamba_ssm"] = float((ours - theirs).norm() / theirs.norm())
         notes["fp16_top1_agreement_vs_mamba_ssm"] = float((ours.argmax(-1) == theirs.argmax(-1)).float().mean())
+    if fp_model.config.mixer_rms_eps is not None:
+        notes["baseline_without_mixer_norms"] = (
+            "mamba-ssm's Mamba has no norms of dt, B and C (Falcon-Mamba): the baseline runs the "
+            "same weights without them, so its logits differ")
     fp_model.to("cpu")
     release()
     with torch.inference_mode():

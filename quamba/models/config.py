@@ -326,7 +326,9 @@ def _first_id(value, default: int) -> int:
 
 # Shapes of the published state-spaces/mamba-* and mamba2-* models, for benchmarks and tests with
 # random weights (vocab_size is the unpadded GPT-NeoX size; the embedding has 50280 rows, 50288
-# for Mamba2, whose vocabulary is padded to a multiple of 16).
+# for Mamba2, whose vocabulary is padded to a multiple of 16), and of tiiuae/falcon-mamba-7b
+# (its config.json: hidden 4096, intermediate 8192, 64 layers, state 16, time_step_rank 256,
+# vocab 65024, untied lm_head; no mixer_rms_eps, so transformers' default 1e-6).
 _MAMBA2 = dict(layer="Mamba2", d_state=128, headdim=64, ngroups=1, chunk_size=256,
                pad_vocab_size_multiple=16)
 PRESETS = {
@@ -340,10 +342,12 @@ PRESETS = {
     "mamba2-780m": dict(d_model=1536, n_layer=48, **_MAMBA2),
     "mamba2-1.3b": dict(d_model=2048, n_layer=48, **_MAMBA2),
     "mamba2-2.7b": dict(d_model=2560, n_layer=64, **_MAMBA2),
+    "falcon-mamba-7b": dict(d_model=4096, n_layer=64, dt_rank=256, vocab_size=65024,
+                            tie_embeddings=False, mixer_rms_eps=1e-6),
 }
 
 
 def preset_config(name: str) -> MambaConfig:
     if name not in PRESETS:
         raise ConfigError(f"unknown model size {name!r}; choose one of {', '.join(PRESETS)}")
-    return MambaConfig(vocab_size=50277, **PRESETS[name])
+    return MambaConfig(**{"vocab_size": 50277, **PRESETS[name]})
