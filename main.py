@@ -271,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     except QuambaError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if record is None:  # a rank other than 0 of a data-parallel run: rank 0 reports
+        return 0
     for key in ("zero_shot", "few_shot"):
         if key in record:
             print("\n".join(summary_lines(record[key]["results"])))

@@ -9,9 +9,15 @@ command line through ``python -m quamba.eval``::
 model_args: ``pretrained`` and the fields of :class:`quamba.cli_support.ModelRequest` (tokenizer,
 dtype, device, quantize, w_bits, a_bits, hadamard, ssm_mode, calib_source, pretrained_dir,
 backend, ...), plus ``max_length`` (default 2048) and ``max_gen_toks`` (default 256).
+
+Data-parallel runs (torchrun) follow lm-eval's convention for LM subclasses: the adapter reports
+``rank`` and ``world_size`` of the process group (quamba.eval.distributed), lm-eval's evaluator
+deals each task's documents by them, and gathers through ``all_gather``, ``gather_object`` and
+``barrier``, as lm-eval's HFLM.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 
 import torch
@@ -20,6 +26,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.utils import Collator, handle_stop_sequences, normalize_gen_kwargs
 from tqdm import tqdm
 
+from quamba.eval import distributed
 from quamba.eval.scoring import model_device, rolling_windows, score_continuations
 
 log = logging.getLogger("quamba")
@@ -56,6 +63,17 @@ class QuambaLM(TemplateLM):
         self.max_length = _positive_int(max_length, "max_length")
         self.max_gen_toks = _positive_int(max_gen_toks, "max_gen_toks")
         self._device = model_device(model)
+        self._rank, self._world_size = distributed.rank(), distributed.world_size()
+
+    def all_gather(self, tensor):
+        return distributed.all_gather_tensor(tensor)
+
+    def gather_object(self, obj, dst: int = 0):
+        gathered = distributed.gather_objects(obj, dst)
+        return None if gathered is None else [_in_document_order(gathered)]
+
+    def barrier(self) -> None:
+        distributed.barrier()
 
     @property
     def eot_token_id(self) -> int:
@@ -72,7 +90,8 @@ class QuambaLM(TemplateLM):
         """``requests``: ``(request strings or None, context tokens, continuation tokens)``."""
         collator = Collator(requests, sort_fn=lambda req: -(len(req[1]) + len(req[2])))
         scores = []
-        with tqdm(total=len(requests), disable=disable_tqdm, desc="quamba loglikelihood") as bar:
+        with tqdm(total=len(requests), disable=disable_tqdm or self.rank != 0,
+                  desc="quamba loglikelihood") as bar:
             for chunk in collator.get_batched(n=self.batch_size):
                 chunk_scores = score_continuations(self.model, [(ctx, cont) for _, ctx, cont in chunk],
                                                    self.max_length, pad_id=self.eot_token_id)
@@ -100,7 +119,8 @@ class QuambaLM(TemplateLM):
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         outputs = []
-        for request in tqdm(requests, disable=disable_tqdm, desc="quamba generate_until"):
+        for request in tqdm(requests, disable=disable_tqdm or self.rank != 0,
+                            desc="quamba generate_until"):
             context, gen_kwargs = request.args
             text = self._generate_one(context, gen_kwargs)
             self.cache_hook.add_partial("generate_until", request.args, text)
@@ -129,6 +149,37 @@ class QuambaLM(TemplateLM):
             if stop:
                 text = text.split(stop, 1)[0]
         return text
+
+
+def _in_document_order(per_rank: list[dict]) -> dict:
+    """The ranks' payloads of lm-eval's evaluate() as one, in the single-process order.
+
+    evaluate() gathers, per task, the logged samples (a list: per filter, one per document) and
+    the raw metrics (``(metric, filter)`` to one value per document), and chains the ranks'
+    lists. Its documents were dealt round-robin, so dealing the lists back restores the order of
+    a single-process run, in which order-dependent aggregates (float sums, bootstrap standard
+    errors) come out the same."""
+    merged = {}
+    for task in per_rank[0]:
+        parts = [payload[task] for payload in per_rank]
+        if isinstance(parts[0], dict):
+            keys = dict.fromkeys(key for part in parts for key in part)
+            merged[task] = {key: _undeal([part.get(key, []) for part in parts]) for key in keys}
+        else:
+            filters = list(dict.fromkeys(sample["filter"] for part in parts for sample in part))
+            merged[task] = sorted(itertools.chain(*parts),
+                                  key=lambda sample: (filters.index(sample["filter"]),
+                                                      sample["doc_id"]))
+    return merged
+
+
+_NONE = object()
+
+
+def _undeal(lists: list[list]) -> list:
+    """The inverse of dealing one list round-robin into ``lists``."""
+    rounds = itertools.zip_longest(*lists, fillvalue=_NONE)
+    return [item for row in rounds for item in row if item is not _NONE]
 
 
 def _prepare(pretrained: str, tokenizer, model_args: dict):

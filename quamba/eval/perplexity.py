@@ -4,6 +4,7 @@ The text is tokenized whole and every token is predicted exactly once, the first
 token, exactly as lm-eval's ``loglikelihood_rolling`` does (:func:`quamba.eval.scoring.rolling_windows`):
 the model reads ``window`` tokens per window, windows do not overlap, and the last, partial
 window takes its context from the tokens before it instead of being dropped.
+In a data-parallel run (torchrun) each rank scores every world_size-th batch of windows.
 
 Texts: ``wikitext2`` (the wikitext-2-raw-v1 test split; from the task-data directory's
 wikitext2_test_docs.jsonl when one is given, else from the Hub), or a .txt / .jsonl file.
@@ -18,6 +19,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from quamba.errors import QuambaError
+from quamba.eval import distributed
 from quamba.eval.scoring import rolling_windows, score_continuations
 
 WIKITEXT2 = "wikitext2"
@@ -82,15 +84,29 @@ def perplexity(model, tokenizer, text: str, window: int = DEFAULT_WINDOW, batch_
         raise QuambaError("the text holds no tokens")
     eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else model.config.eos_token_id
     windows = rolling_windows(tokens, eos, window)
-    logprob = 0.0
-    for start in tqdm(range(0, len(windows), batch_size), disable=not progress, desc="perplexity"):
+    starts = distributed.shard(list(range(0, len(windows), batch_size)))
+    mine = {}
+    for start in tqdm(starts, disable=not progress or distributed.rank() != 0, desc="perplexity"):
         batch = windows[start:start + batch_size]
-        logprob += sum(score for score, _ in score_continuations(model, batch, window, pad_id=eos))
-    nll = -logprob
+        scores = score_continuations(model, batch, window, pad_id=eos)
+        mine[start] = sum(score for score, _ in scores)
+    nll = -_sum_in_order(distributed.all_gather_objects(mine))
     n_bytes = len(text.encode("utf-8"))
     return {"perplexity": math.exp(nll / len(tokens)), "bits_per_byte": nll / (n_bytes * math.log(2)),
             "nll": nll, "tokens": len(tokens), "bytes": n_bytes, "windows": len(windows),
             "window": window}
+
+
+def _sum_in_order(per_rank: list[dict]) -> float:
+    """The batches' log-probabilities, summed in batch order whichever rank scored them.
+
+    Each rank scores whole batches, the same as a single process would, and the sum is taken in
+    the single-process order, so the perplexity is that run's to the last bit (all-reducing each
+    rank's partial sum would round differently)."""
+    total = 0.0
+    for _, logprob in sorted(item for part in per_rank for item in part.items()):
+        total += logprob
+    return total
 
 
 def evaluate_perplexity(model, tokenizer, source: str = WIKITEXT2, task_data=None,

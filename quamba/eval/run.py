@@ -16,7 +16,7 @@ import re
 import subprocess
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -53,6 +53,8 @@ def evaluate_zero_shot(model, tokenizer, tasks, task_data=None, limit: int | Non
         model=adapter, tasks=names, num_fewshot=num_fewshot, limit=limit,
         task_manager=task_manager(task_data), log_samples=True, bootstrap_iters=bootstrap_iters,
         random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed)
+    if output is None:  # a data-parallel run's rank other than 0
+        return None
     return {
         "results": output["results"],
         "n_samples": output["n-samples"],
@@ -226,23 +228,61 @@ def check_model_fits(model, plan: EvalPlan) -> None:
         raise QuambaError("--eval_image needs a Vision Mamba classifier; this is a language model")
 
 
-def execute_run(request, plan: EvalPlan, config: dict | None = None) -> tuple[dict, Path | None]:
+def execute_run(request, plan: EvalPlan,
+                config: dict | None = None) -> tuple[dict | None, Path | None]:
     """Prepare the model ``request`` asks for (:mod:`quamba.cli_support`), run ``plan``, and
-    write the run file when anything was evaluated. Returns ``(record, path or None)``."""
-    from quamba.cli_support import check_request, image_calibration_default, prepare_model
-    from quamba.eval.perplexity import evaluate_perplexity
+    write the run file when anything was evaluated. Returns ``(record, path or None)``.
+
+    Launched by torchrun, every rank evaluates its share (:mod:`quamba.eval.distributed`) and
+    rank 0 alone writes the record; the other ranks return ``(None, None)``."""
+    from quamba.cli_support import check_request, image_calibration_default
+    from quamba.eval import distributed
 
     plan.check()
     check_request(request)
+    request = replace(request, device=distributed.local_device(request.device))
     request = image_calibration_default(request, plan.image_set)
+    with distributed.process_group(request.device):
+        record, name = _evaluate(request, plan, config)
+        if distributed.rank() != 0:
+            return None, None
+    if not plan.runs_anything:
+        return record, None
+    return record, write_run_json(run_json_path(plan.log_dir, name), record)
+
+
+def _check_data_parallel(request, plan: EvalPlan, world_size: int) -> None:
+    if world_size == 1:
+        return
+    if request.quantize and not request.pretrained_dir:
+        raise QuambaError("a data-parallel --quantize needs --pretrained_dir: rank 0 calibrates "
+                          "once and saves the model there, the other ranks load it")
+    if plan.image_set is not None:
+        raise QuambaError("--eval_image runs in one process; start it without torchrun")
+    if plan.few_shot is not None:
+        log.warning("lm-eval samples each rank's few-shot examples in its own order, so the "
+                    "prompts of a data-parallel few-shot run differ from a single process's")
+
+
+def _evaluate(request, plan: EvalPlan, config: dict | None) -> tuple[dict, str]:
+    """The run record of ``plan`` on the model of ``request``, and the model's name."""
+    from quamba.cli_support import prepare_model
+    from quamba.eval import distributed
+    from quamba.eval.perplexity import evaluate_perplexity
+
+    _check_data_parallel(request, plan, distributed.world_size())
     torch.manual_seed(plan.seed)
     started = time.perf_counter()
-    prepared = prepare_model(request)
+    if request.quantize:
+        prepared = distributed.rank0_first(lambda: prepare_model(request))
+    else:
+        prepared = prepare_model(request)
     check_model_fits(prepared.model, plan)
     log.info("%s", prepared.summary())
     timings = {"prepare_model_s": time.perf_counter() - started}
     record = {"config": {"model_request": asdict(request), "plan": asdict(plan), **(config or {})},
-              "model": prepared.to_dict(), "timings": timings}
+              "world_size": distributed.world_size(), "model": prepared.to_dict(),
+              "timings": timings}
     if plan.limit is not None:
         log.warning("each task is limited to %d documents: standard errors are large (about 5 "
                     "points at 100), so small differences mean nothing", plan.limit)
@@ -266,6 +306,4 @@ def execute_run(request, plan: EvalPlan, config: dict | None = None) -> tuple[di
         record["image_classification"] = evaluate_images(prepared.model, images, plan.batch_size)
         timings["image_classification_s"] = time.perf_counter() - began
     timings["total_s"] = time.perf_counter() - started
-    if not plan.runs_anything:
-        return record, None
-    return record, write_run_json(run_json_path(plan.log_dir, prepared.name), record)
+    return record, prepared.name
