@@ -16,6 +16,14 @@ class ConfigError(ValueError):
 # The transformers model types of Mamba1 LMs; falcon_mamba adds the norms of dt, B and C.
 TRANSFORMERS_MAMBA1_TYPES = ("mamba", "falcon_mamba")
 FALCON_MAMBA_MIXER_RMS_EPS = 1e-6  # transformers' FalconMambaConfig default
+# transformers' Mamba2Config defaults (Mamba-Codestral-7B's shape), for the fields a config.json
+# omits. transformers has no norm_before_gate or rms_norm field: its gated norm is always
+# RMSNorm(y * SiLU(z)) over groups, whatever a config.json says about them.
+MAMBA2_TRANSFORMERS_DEFAULTS = dict(
+    hidden_size=4096, num_hidden_layers=64, vocab_size=32768, state_size=128, expand=2,
+    num_heads=128, head_dim=64, n_groups=8, conv_kernel=4, chunk_size=256, use_bias=False,
+    use_conv_bias=True, layer_norm_epsilon=1e-5, residual_in_fp32=True, hidden_act="silu",
+    tie_word_embeddings=False, bos_token_id=0, eos_token_id=2, pad_token_id=1)
 
 
 @dataclass
@@ -186,12 +194,17 @@ class MambaConfig:
         )
 
     @classmethod
-    def _from_transformers_mamba2(cls, cfg: dict) -> "MambaConfig":
-        hidden, expand = cfg["hidden_size"], cfg.get("expand", 2)
-        heads, headdim = cfg.get("num_heads", 128), cfg.get("head_dim", 64)
+    def _from_transformers_mamba2(cls, raw: dict) -> "MambaConfig":
+        """A transformers Mamba2Config; a field it omits takes transformers' default (those are
+        Mamba-Codestral-7B's shape, not mamba2-130m's)."""
+        cfg = {**MAMBA2_TRANSFORMERS_DEFAULTS, **raw}
+        hidden, expand = cfg["hidden_size"], cfg["expand"]
+        heads, headdim = cfg["num_heads"], cfg["head_dim"]
         if heads * headdim != expand * hidden:
             raise ConfigError(f"num_heads {heads} x head_dim {headdim} is not expand x hidden_size "
                               f"{expand * hidden}")
+        if cfg["hidden_act"] != "silu":
+            raise ConfigError(f"hidden_act {cfg['hidden_act']!r} is not supported (only 'silu')")
         limit = [_json_float(v) for v in cfg.get("time_step_limit") or (0.0, float("inf"))]
         if limit[0] > 0 or limit[1] != float("inf"):
             raise ConfigError(f"time_step_limit {tuple(limit)} is not supported (only no limit)")
@@ -199,16 +212,14 @@ class MambaConfig:
             raise ConfigError("hybrid models with attention layers (layer_types) are not supported")
         return cls(
             d_model=hidden, n_layer=cfg["num_hidden_layers"], vocab_size=cfg["vocab_size"],
-            d_state=cfg.get("state_size", 128), d_conv=cfg.get("conv_kernel", 4), expand=expand,
-            conv_bias=cfg.get("use_conv_bias", True), bias=cfg.get("use_bias", False),
-            norm_epsilon=cfg.get("layer_norm_epsilon", 1e-5),
-            residual_in_fp32=cfg.get("residual_in_fp32", True), pad_vocab_size_multiple=1,
-            tie_embeddings=cfg.get("tie_word_embeddings", True),
-            bos_token_id=_first_id(cfg.get("bos_token_id"), 0),
-            eos_token_id=_first_id(cfg.get("eos_token_id"), 0),
-            pad_token_id=_first_id(cfg.get("pad_token_id"), 0),
-            layer="Mamba2", headdim=headdim, ngroups=cfg.get("n_groups", 1),
-            chunk_size=cfg.get("chunk_size", 256))
+            d_state=cfg["state_size"], d_conv=cfg["conv_kernel"], expand=expand,
+            conv_bias=cfg["use_conv_bias"], bias=cfg["use_bias"],
+            norm_epsilon=cfg["layer_norm_epsilon"], residual_in_fp32=cfg["residual_in_fp32"],
+            pad_vocab_size_multiple=1, tie_embeddings=cfg["tie_word_embeddings"],
+            bos_token_id=_first_id(cfg["bos_token_id"], 0),
+            eos_token_id=_first_id(cfg["eos_token_id"], 0),
+            pad_token_id=_first_id(cfg["pad_token_id"], 0),
+            layer="Mamba2", headdim=headdim, ngroups=cfg["n_groups"], chunk_size=cfg["chunk_size"])
 
     def to_transformers(self) -> dict:
         """The transformers MambaConfig (Mamba2Config) fields of this model (vocabulary padded),

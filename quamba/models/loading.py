@@ -6,10 +6,13 @@
   model.safetensors (possibly sharded) or pytorch_model.bin, keys ``backbone.embeddings.weight`` ...
   Falcon-Mamba (tiiuae/falcon-mamba-7b, model_type falcon_mamba) has the same keys; its norms of
   dt, B and C have no weights.
+* ``mistral`` (mistralai/Mamba-Codestral-7B-v0.1): params.json and consolidated.safetensors, no
+  config.json (quamba.models.mistral).
 
-The layout is detected from config.json, never from the directory name. load_model also loads
-Vision Mamba classifiers (quamba.models.vision_loading) and quantized checkpoints (the format
-that quamba.quantization.checkpoint registers in quamba.models.hub.quantized_format).
+The layout is detected from config.json (params.json), never from the directory name.
+load_model also loads Vision Mamba classifiers (quamba.models.vision_loading) and quantized
+checkpoints (the format that quamba.quantization.checkpoint registers in
+quamba.models.hub.quantized_format).
 """
 from __future__ import annotations
 
@@ -25,10 +28,13 @@ from quamba.models.config import TRANSFORMERS_MAMBA1_TYPES, ConfigError, MambaCo
 from quamba.models.hub import (cast_model, is_quamba_checkpoint, load_state_into, load_tokenizer,
                                parse_dtype, quantized_format, read_config_json, resolve_model_dir)
 from quamba.models.mamba import MambaLMHeadModel
+from quamba.models.mistral import (check_tokenizer, from_mistral_names, is_mistral_dir,
+                                   read_params, weight_file)
 from quamba.models.vision_loading import is_vision_config, load_vision_model
 
 log = logging.getLogger("quamba")
 
+MEGATRON_MARKERS = ("latest_checkpointed_iteration.txt", "release/mp_rank_00/model_optim_rng.pt")
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
 
@@ -37,7 +43,7 @@ def detect_layout(config: dict) -> str:
     """'mamba_ssm' or 'transformers', from the keys of config.json."""
     if "d_model" in config and "n_layer" in config:
         return "mamba_ssm"
-    if (config.get("model_type") in TRANSFORMERS_MAMBA1_TYPES
+    if (config.get("model_type") in (*TRANSFORMERS_MAMBA1_TYPES, "mamba2")
             or ("hidden_size" in config and "state_size" in config)):
         return "transformers"
     model_type = config.get("model_type")
@@ -119,11 +125,12 @@ def load_model(name_or_path, dtype="fp32", device="cpu", tokenizer=None):
     model_dir = resolve_model_dir(name_or_path)
     if _is_quantized(model_dir):
         return quantized_format["load"](model_dir, device=device, dtype=dtype, tokenizer=tokenizer)
-    raw = read_config_json(model_dir)
-    if is_vision_config(raw):
-        return load_vision_model(model_dir, raw, parse_dtype(dtype), device, name_or_path), None
-    _, layout, config = read_config(model_dir)
-    state = to_internal_names(read_state_dict(model_dir), layout)
+    if not is_mistral_dir(model_dir):
+        _refuse_megatron(model_dir)
+        raw = read_config_json(model_dir)
+        if is_vision_config(raw):
+            return load_vision_model(model_dir, raw, parse_dtype(dtype), device, name_or_path), None
+    layout, config, state = _read_lm_checkpoint(model_dir, tokenizer)
     model = MambaLMHeadModel(config)
     load_state_into(model, state, str(model_dir))
     model = cast_model(model, parse_dtype(dtype)).to(device).eval()
@@ -135,6 +142,28 @@ def load_model(name_or_path, dtype="fp32", device="cpu", tokenizer=None):
              config.n_layer, config.d_model, dtype, device)
     tok = None if tokenizer is False else load_tokenizer(model_dir, tokenizer)
     return model, tok
+
+
+def _refuse_megatron(model_dir: Path) -> None:
+    """NVIDIA's Mamba2-8B (nvidia/mamba2-8b-3t-4k) ships as a Megatron-LM training checkpoint (a
+    pickle, release/mp_rank_00/model_optim_rng.pt): refused by name, pointing to its mapping."""
+    if (model_dir / "config.json").is_file():
+        return
+    if any((model_dir / marker).exists() for marker in MEGATRON_MARKERS):
+        raise CheckpointError(
+            f"{model_dir} is a Megatron-LM checkpoint (the layout of nvidia/mamba2-8b-3t-4k), "
+            "which quamba does not read; convert it to the mamba_ssm layout as "
+            "docs/checkpoints.md#nvidias-mamba2-8b describes")
+
+
+def _read_lm_checkpoint(model_dir: Path, tokenizer) -> tuple[str, MambaConfig, dict]:
+    """(layout, config, tensors under quamba's names) of an FP language model's directory."""
+    if is_mistral_dir(model_dir):
+        config = read_params(model_dir)
+        check_tokenizer(model_dir, tokenizer)
+        return "mistral", config, from_mistral_names(_read_weight_file(weight_file(model_dir)))
+    _, layout, config = read_config(model_dir)
+    return layout, config, to_internal_names(read_state_dict(model_dir), layout)
 
 
 def _is_quantized(model_dir: Path) -> bool:
