@@ -355,6 +355,15 @@ PRESETS = {
     "mamba2-2.7b": dict(d_model=2560, n_layer=64, **_MAMBA2),
     "falcon-mamba-7b": dict(d_model=4096, n_layer=64, dt_rank=256, vocab_size=65024,
                             tie_embeddings=False, mixer_rms_eps=1e-6),
+    # mistralai/Mamba-Codestral-7B-v0.1's params.json: dim 4096, 64 layers, n_groups 8, vocab
+    # 32768 unpadded, untied head (7,285,403,648 parameters, the count Mistral publishes)
+    "codestral-mamba-7b": dict(d_model=4096, n_layer=64, vocab_size=32768, tie_embeddings=False,
+                               **{**_MAMBA2, "ngroups": 8, "pad_vocab_size_multiple": 1}),
+    # nvidia/mamba2-8b-3t-4k (Megatron-LM: hidden 4096, 56 Mamba2 layers, ngroups 8, chunk 128,
+    # SentencePiece vocabulary 256000 padded to 128, untied output layer)
+    "mamba2-8b": dict(d_model=4096, n_layer=56, vocab_size=256000, tie_embeddings=False,
+                      **{**_MAMBA2, "ngroups": 8, "chunk_size": 128,
+                         "pad_vocab_size_multiple": 128}),
 }
 
 

@@ -10,7 +10,7 @@ from transformers import Mamba2Config, Mamba2ForCausalLM
 
 import quamba
 from quamba.errors import CheckpointError
-from quamba.models.config import MambaConfig
+from quamba.models.config import MambaConfig, preset_config
 from quamba.models.mamba import MambaLMHeadModel
 
 # Mistral's layout fixes mamba_ssm's Mamba2 defaults (d_state 128, headdim 64, expand 2, chunk
@@ -80,7 +80,8 @@ def test_logits_equal_transformers(layout, reference, mistral_dir, tmp_path):
     model, _ = quamba.load_model(mistral_dir if layout == "mistral" else tmp_path / "hf",
                                  tokenizer=False)
     assert model.source["layout"] == layout and not model.config.tie_embeddings
-    assert (model.config.nheads, model.config.ngroups, model.config.padded_vocab_size) == (3, 3, 104)
+    shape = (model.config.nheads, model.config.ngroups, model.config.padded_vocab_size)
+    assert shape == (3, 3, 104)
     ids = tokens()
     with torch.no_grad():
         assert rel(model(ids), reference(ids).logits) < 1e-4
@@ -96,10 +97,22 @@ def test_codestral_params_give_its_published_size():
     assert (config.nheads, config.headdim, config.ngroups, config.d_state) == (128, 64, 8, 128)
 
 
+def test_presets_have_the_published_shapes():
+    """profile_mamba.py's codestral-mamba-7b is Codestral's params.json; mamba2-8b is NVIDIA's
+    Megatron-LM model (56 layers, 256000-token vocabulary, untied)."""
+    from quamba.models.mistral import _to_config
+    assert preset_config("codestral-mamba-7b") == _to_config(dict(CODESTRAL_PARAMS))
+    config = preset_config("mamba2-8b")
+    assert (config.d_model, config.n_layer, config.nheads, config.ngroups) == (4096, 56, 128, 8)
+    assert (config.padded_vocab_size, config.chunk_size) == (256000, 128)
+    assert not config.tie_embeddings
+
+
 def test_transformers_defaults_are_codestral():
     """A Mamba2 config.json that omits a field gets transformers' default, Codestral's shape."""
     config = MambaConfig.from_transformers({"model_type": "mamba2"})
-    assert (config.d_model, config.n_layer, config.vocab_size, config.ngroups) == (4096, 64, 32768, 8)
+    assert (config.d_model, config.n_layer, config.ngroups) == (4096, 64, 8)
+    assert config.vocab_size == 32768
     assert (config.nheads, config.d_state, config.tie_embeddings) == (128, 128, False)
 
 
