@@ -140,8 +140,12 @@ def load_tokenizer(model_dir: Path | None, tokenizer=None):
 
 
 def cast_model(model, dtype: torch.dtype):
-    """Cast to ``dtype`` keeping the SSM parameters (A_log, D) in fp32."""
+    """Cast to ``dtype`` keeping the SSM parameters (A_log, D) in fp32, and every module that
+    says ``keeps_fp32`` (an MoE router)."""
     model.to(dtype)
+    for module in model.modules():
+        if getattr(module, "keeps_fp32", False):
+            module.float()
     for mixer in model.mixers():
         for name in ("A_log", "D", "A_b_log", "D_b", "dt_bias"):
             param = getattr(mixer, name, None)

@@ -28,6 +28,7 @@ from quamba.models.config import TRANSFORMERS_MAMBA1_TYPES, ConfigError, MambaCo
 from quamba.models.hub import (cast_model, is_quamba_checkpoint, load_state_into, load_tokenizer,
                                parse_dtype, quantized_format, read_config_json, resolve_model_dir)
 from quamba.models.mamba import MambaLMHeadModel
+from quamba.models.nemotron_h import UNSUPPORTED_HYBRIDS, NemotronHConfig, NemotronHLM
 from quamba.models.mistral import (check_tokenizer, from_mistral_names, is_mistral_dir,
                                    read_params, weight_file)
 from quamba.models.vision_loading import is_vision_config, load_vision_model
@@ -35,6 +36,8 @@ from quamba.models.vision_loading import is_vision_config, load_vision_model
 log = logging.getLogger("quamba")
 
 MEGATRON_MARKERS = ("latest_checkpointed_iteration.txt", "release/mp_rank_00/model_optim_rng.pt")
+# transformers model types that load_model reads
+SUPPORTED_MODEL_TYPES = (*TRANSFORMERS_MAMBA1_TYPES, "mamba2", "nemotron_h")
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
 
@@ -43,21 +46,28 @@ def detect_layout(config: dict) -> str:
     """'mamba_ssm' or 'transformers', from the keys of config.json."""
     if "d_model" in config and "n_layer" in config:
         return "mamba_ssm"
-    if (config.get("model_type") in (*TRANSFORMERS_MAMBA1_TYPES, "mamba2")
+    if (config.get("model_type") in SUPPORTED_MODEL_TYPES
             or ("hidden_size" in config and "state_size" in config)):
         return "transformers"
     model_type = config.get("model_type")
+    if model_type in UNSUPPORTED_HYBRIDS:
+        raise CheckpointError(f"model_type {model_type!r} (a hybrid model) is not supported; "
+                              f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
     hint = f" (model_type {model_type!r})" if model_type else ""
     raise CheckpointError(f"config.json is not a Mamba1 config in the mamba_ssm or transformers layout{hint}")
 
 
-def read_config(model_dir: Path) -> tuple[dict, str, MambaConfig]:
+def read_config(model_dir: Path) -> tuple[dict, str, MambaConfig | NemotronHConfig]:
     raw = read_config_json(model_dir)
     config_path = model_dir / "config.json"
     layout = detect_layout(raw)
     try:
-        config = (MambaConfig.from_mamba_ssm(raw) if layout == "mamba_ssm"
-                  else MambaConfig.from_transformers(raw))
+        if layout == "mamba_ssm":
+            config = MambaConfig.from_mamba_ssm(raw)
+        elif raw.get("model_type") == "nemotron_h":
+            config = NemotronHConfig.from_transformers(raw)
+        else:
+            config = MambaConfig.from_transformers(raw)
     except KeyError as exc:
         raise CheckpointError(f"{config_path} ({layout} layout) lacks the field {exc.args[0]!r}") from None
     except ConfigError as exc:
@@ -102,11 +112,14 @@ def _read_weight_file(path: Path) -> dict[str, torch.Tensor]:
 
 
 def to_internal_names(state: dict, layout: str) -> dict:
-    """Rename a checkpoint's tensors to this package's (mamba_ssm) names."""
+    """Rename a checkpoint's tensors to this package's (mamba_ssm) names. Nemotron-H's
+    multi-token prediction layers (mtp.*) are left out, as transformers leaves them."""
     if layout == "mamba_ssm":
         return dict(state)
     renamed = {}
     for key, value in state.items():
+        if key.startswith("mtp."):
+            continue
         if key.startswith("backbone.embeddings."):
             key = "backbone.embedding." + key[len("backbone.embeddings."):]
         renamed[key] = value
@@ -131,7 +144,7 @@ def load_model(name_or_path, dtype="fp32", device="cpu", tokenizer=None):
         if is_vision_config(raw):
             return load_vision_model(model_dir, raw, parse_dtype(dtype), device, name_or_path), None
     layout, config, state = _read_lm_checkpoint(model_dir, tokenizer)
-    model = MambaLMHeadModel(config)
+    model = NemotronHLM(config) if isinstance(config, NemotronHConfig) else MambaLMHeadModel(config)
     load_state_into(model, state, str(model_dir))
     model = cast_model(model, parse_dtype(dtype)).to(device).eval()
     is_local = Path(os.path.expanduser(str(name_or_path))).is_dir()
@@ -180,6 +193,9 @@ def save_model(model: MambaLMHeadModel, out_dir, layout: str = "transformers", t
         raise CheckpointError("a Hadamard-rotated FP model cannot be saved in a Hub layout (the "
                               "online Hadamard would be lost); save the quantized model instead")
     config = model.config
+    if not isinstance(config, MambaConfig):
+        raise CheckpointError(f"saving a {type(model).__name__} in a Hub layout is not "
+                              "supported yet")
     if layout == "mamba_ssm" and config.mixer_rms_eps is not None:
         raise CheckpointError("the mamba_ssm layout has no norms of dt, B and C (mixer_rms_eps, "
                               "Falcon-Mamba); save it in the transformers layout")

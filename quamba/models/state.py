@@ -1,4 +1,5 @@
-"""Decode state: one mixer's (MixerState) and a whole model's (InferenceCache)."""
+"""Decode state: one mixer's (MixerState), one attention layer's (AttentionState) and a whole
+model's (InferenceCache)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -23,8 +24,19 @@ class MixerState:
 
 
 @dataclass
+class AttentionState:
+    """Decode state of one attention layer: the keys and values of the tokens seen so far
+    [batch, kv heads, tokens, head_dim], in the model dtype; each step replaces them by longer
+    ones (quamba.models.transformer_layers.Attention)."""
+
+    key: torch.Tensor
+    value: torch.Tensor
+
+
+@dataclass
 class InferenceCache:
-    """Per-layer decode states and the number of tokens already consumed."""
+    """Per-layer decode states (None for a layer without one: MLP, MoE) and the number of tokens
+    already consumed."""
 
     states: list = field(default_factory=list)
     seqlen_offset: int = 0

@@ -1,0 +1,132 @@
+"""The attention, MLP and MoE layers of hybrid models (Nemotron-H), as plain nn.Linear modules so
+that quantization can later swap each linear for a quantized one.
+
+Each honours the mixer interface of quamba.models.mamba's Block: ``forward(h, state=None,
+step=False)`` with h [batch, seqlen, d_model], and ``allocate_state(batch, device)``: attention's
+decode state is its KV cache (AttentionState, in the model dtype); the MLP and MoE keep none.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from quamba.models.state import AttentionState
+
+
+def relu2(x: torch.Tensor) -> torch.Tensor:
+    """ReLU squared (transformers' "relu2"), Nemotron-H's MLP activation."""
+    return torch.square(F.relu(x))
+
+
+class Attention(nn.Module):
+    """Causal multi-head attention with grouped KV heads and no positional encoding (Nemotron-H's:
+    its position comes from the Mamba layers). Scale 1/sqrt(head_dim); no biases."""
+
+    def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 device=None, dtype=None):
+        super().__init__()
+        kw = dict(bias=False, device=device, dtype=dtype)
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.q_proj = nn.Linear(d_model, num_heads * head_dim, **kw)
+        self.k_proj = nn.Linear(d_model, num_kv_heads * head_dim, **kw)
+        self.v_proj = nn.Linear(d_model, num_kv_heads * head_dim, **kw)
+        self.o_proj = nn.Linear(num_heads * head_dim, d_model, **kw)
+
+    def allocate_state(self, batch_size: int, device=None) -> AttentionState:
+        weight = self.k_proj.weight
+        empty = torch.zeros(batch_size, self.num_kv_heads, 0, self.head_dim,
+                            device=device or weight.device, dtype=weight.dtype)
+        return AttentionState(key=empty, value=empty.clone())
+
+    def _heads(self, projected: torch.Tensor) -> torch.Tensor:
+        """[batch, seqlen, heads · head_dim] → [batch, heads, seqlen, head_dim]."""
+        return projected.unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
+
+    def forward(self, h, state: AttentionState | None = None, step: bool = False):
+        """A prefill attends causally and, with ``state``, replaces its keys and values; a step
+        appends the new token's to them and attends to all."""
+        q, k, v = (self._heads(proj(h)) for proj in (self.q_proj, self.k_proj, self.v_proj))
+        if step:
+            k, v = torch.cat([state.key, k], dim=2), torch.cat([state.value, v], dim=2)
+        if state is not None:
+            state.key, state.value = k, v
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=not step, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).flatten(-2))
+
+
+class MLP(nn.Module):
+    """down_proj(relu2(up_proj(h))): Nemotron-H's MLP, without a gate."""
+
+    def __init__(self, d_model: int, intermediate_size: int, bias: bool = False, device=None,
+                 dtype=None):
+        super().__init__()
+        kw = dict(bias=bias, device=device, dtype=dtype)
+        self.up_proj = nn.Linear(d_model, intermediate_size, **kw)
+        self.down_proj = nn.Linear(intermediate_size, d_model, **kw)
+
+    def allocate_state(self, batch_size: int, device=None) -> None:
+        return None
+
+    def forward(self, h, state=None, step: bool = False):
+        return self.down_proj(relu2(self.up_proj(h)))
+
+
+class TopkRouter(nn.Module):
+    """DeepSeek-V3's router as Nemotron-H uses it, in fp32 whatever the model dtype
+    (``keeps_fp32``, honoured by quamba.models.hub.cast_model): sigmoid scores, the
+    ``e_score_correction_bias`` added for the choice only, the best ``topk_group`` of ``n_group``
+    expert groups (a group ranked by its two best scores), then the top ``top_k`` experts; their
+    weights are their scores, normalized to sum 1 if ``norm_topk_prob``, times
+    ``routed_scaling_factor``."""
+
+    keeps_fp32 = True
+
+    def __init__(self, d_model: int, num_experts: int, top_k: int, n_group: int, topk_group: int,
+                 norm_topk_prob: bool, routed_scaling_factor: float, device=None):
+        super().__init__()
+        self.top_k, self.n_group, self.topk_group = top_k, n_group, topk_group
+        self.norm_topk_prob, self.routed_scaling_factor = norm_topk_prob, routed_scaling_factor
+        self.weight = nn.Parameter(torch.zeros(num_experts, d_model, device=device))
+        self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, device=device))
+
+    def forward(self, h):
+        """(weights [tokens, top_k] fp32, expert indices [tokens, top_k]) of h [tokens, d_model]."""
+        scores = F.linear(h.float(), self.weight.float()).sigmoid()
+        choice = scores + self.e_score_correction_bias
+        grouped = choice.unflatten(-1, (self.n_group, -1))
+        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+        best_groups = group_scores.topk(self.topk_group, dim=-1, sorted=False).indices
+        kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
+        choice = grouped.masked_fill(~kept[..., None], float("-inf")).flatten(-2)
+        experts = choice.topk(self.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, experts)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.routed_scaling_factor, experts
+
+
+class MoE(nn.Module):
+    """Routed experts (MLPs without bias; each token to the router's top_k, weighted) plus one
+    shared expert MLP that every token takes: Nemotron-H's MoE layer."""
+
+    def __init__(self, d_model: int, num_experts: int, expert_size: int, shared_size: int,
+                 router: TopkRouter, bias: bool = False, device=None, dtype=None):
+        super().__init__()
+        kw = dict(device=device, dtype=dtype)
+        self.gate = router
+        self.experts = nn.ModuleList(MLP(d_model, expert_size, **kw) for _ in range(num_experts))
+        self.shared_experts = MLP(d_model, shared_size, bias=bias, **kw)
+
+    def allocate_state(self, batch_size: int, device=None) -> None:
+        return None
+
+    def forward(self, h, state=None, step: bool = False):
+        tokens = h.reshape(-1, h.shape[-1])
+        weights, experts = self.gate(tokens)
+        routed = torch.zeros_like(tokens, dtype=weights.dtype)
+        for expert in experts.unique().tolist():  # ascending, as transformers sums them
+            token, slot = torch.where(experts == expert)
+            out = self.experts[expert](tokens[token]) * weights[token, slot, None]
+            routed.index_add_(0, token, out.to(routed.dtype))
+        return routed.to(h.dtype).view_as(h) + self.shared_experts(h)
