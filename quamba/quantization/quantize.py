@@ -14,6 +14,7 @@ import torch
 
 from quamba.errors import QuambaError
 from quamba.models.mamba import MambaLMHeadModel
+from quamba.models.nemotron_h import NemotronHLM
 from quamba.models.quantized import QuantizedMambaLM
 from quamba.models.vision import VisionMamba
 from quamba.ops.quant import scale_from_range
@@ -72,6 +73,8 @@ def quantize(model: MambaLMHeadModel, tokenizer=None, config: QuantConfig | None
 
 
 def _check_quantizable(model, config: QuantConfig) -> None:
+    if isinstance(model, NemotronHLM):
+        raise QuambaError("quantizing nemotron_h is not supported yet")
     if isinstance(model, QuantizedMambaLM) or type(model) is not MambaLMHeadModel:
         raise QuambaError(f"quantize needs an FP MambaLMHeadModel, got {type(model).__name__}")
     if not model.config.conv_bias and not config.weight_only:
