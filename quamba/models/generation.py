@@ -230,6 +230,7 @@ def _decoder_graphs(model, batch_size: int, device) -> _DecoderGraphs:
     not fit the other's prefill (QuantizedModel.set_state_cache), and whether the decode step is
     fused (QuantizedModel.set_fused_decode, set_fused_layer, set_fused_ssm_step), which a captured
     graph keeps."""
+    _check_graphable(model)
     device = _cuda_device(device)
     graphs = _graph_cache(model)
     key = (batch_size, str(device), getattr(model, "ssm_mode", None),
@@ -247,6 +248,14 @@ def _decoder_graphs(model, batch_size: int, device) -> _DecoderGraphs:
         graphs[key] = _DecoderGraphs(cache, GraphedStep(step_fn, batch_size, device, graphs.pool),
                                      LRUCache(PREFILL_GRAPHS_PER_BATCH))
     return graphs[key]
+
+
+def _check_graphable(model) -> None:
+    """A QuambaError for a model with a layer whose decode state grows every step (attention's KV
+    cache, ``cache_grows``): a replayed graph would keep the shapes of its capture."""
+    if any(getattr(module, "cache_grows", False) for module in model.modules()):
+        raise QuambaError(f"{type(model).__name__} cannot decode from CUDA graphs yet: its "
+                          "attention layers' KV cache grows every step")
 
 
 def _check_prompt(input_ids: torch.Tensor) -> None:

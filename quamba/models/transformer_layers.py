@@ -21,7 +21,10 @@ def relu2(x: torch.Tensor) -> torch.Tensor:
 
 class Attention(nn.Module):
     """Causal multi-head attention with grouped KV heads and no positional encoding (Nemotron-H's:
-    its position comes from the Mamba layers). Scale 1/sqrt(head_dim); no biases."""
+    its position comes from the Mamba layers). Scale 1/sqrt(head_dim); no biases. Its KV cache
+    grows every step, so decoding cannot replay a CUDA graph (quamba.models.generation)."""
+
+    cache_grows = True
 
     def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  device=None, dtype=None):

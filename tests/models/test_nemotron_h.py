@@ -159,3 +159,8 @@ def test_saving_in_a_hub_layout_is_refused(model, tmp_path):
     with pytest.raises(CheckpointError, match="saving a NemotronHLM in a Hub layout"):
         quamba.save_model(model, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_decoding_from_cuda_graphs_is_refused(model):
+    with pytest.raises(quamba.QuambaError, match="NemotronHLM cannot decode from CUDA graphs yet"):
+        model.generate(ids(1, 4), max_new_tokens=2, cache_graph=True)
