@@ -27,6 +27,7 @@ from quamba.errors import CheckpointError
 from quamba.models.config import TRANSFORMERS_MAMBA1_TYPES, ConfigError, MambaConfig
 from quamba.models.hub import (cast_model, is_quamba_checkpoint, load_state_into, load_tokenizer,
                                parse_dtype, quantized_format, read_config_json, resolve_model_dir)
+from quamba.models.bamba import BAMBA_TYPES, BambaConfig, BambaLM, from_transformers_names
 from quamba.models.mamba import MambaLMHeadModel
 from quamba.models.nemotron_h import UNSUPPORTED_HYBRIDS, NemotronHConfig, NemotronHLM
 from quamba.models.mistral import (check_tokenizer, from_mistral_names, is_mistral_dir,
@@ -37,7 +38,7 @@ log = logging.getLogger("quamba")
 
 MEGATRON_MARKERS = ("latest_checkpointed_iteration.txt", "release/mp_rank_00/model_optim_rng.pt")
 # transformers model types that load_model reads
-SUPPORTED_MODEL_TYPES = (*TRANSFORMERS_MAMBA1_TYPES, "mamba2", "nemotron_h")
+SUPPORTED_MODEL_TYPES = (*TRANSFORMERS_MAMBA1_TYPES, "mamba2", "nemotron_h", *BAMBA_TYPES)
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
 
@@ -66,6 +67,8 @@ def read_config(model_dir: Path) -> tuple[dict, str, MambaConfig | NemotronHConf
             config = MambaConfig.from_mamba_ssm(raw)
         elif raw.get("model_type") == "nemotron_h":
             config = NemotronHConfig.from_transformers(raw)
+        elif raw.get("model_type") in BAMBA_TYPES:
+            config = BambaConfig.from_transformers(raw)
         else:
             config = MambaConfig.from_transformers(raw)
     except KeyError as exc:
@@ -144,7 +147,7 @@ def load_model(name_or_path, dtype="fp32", device="cpu", tokenizer=None):
         if is_vision_config(raw):
             return load_vision_model(model_dir, raw, parse_dtype(dtype), device, name_or_path), None
     layout, config, state = _read_lm_checkpoint(model_dir, tokenizer)
-    model = NemotronHLM(config) if isinstance(config, NemotronHConfig) else MambaLMHeadModel(config)
+    model = _lm_class(config)(config)
     load_state_into(model, state, str(model_dir))
     model = cast_model(model, parse_dtype(dtype)).to(device).eval()
     is_local = Path(os.path.expanduser(str(name_or_path))).is_dir()
@@ -155,6 +158,12 @@ def load_model(name_or_path, dtype="fp32", device="cpu", tokenizer=None):
              config.n_layer, config.d_model, dtype, device)
     tok = None if tokenizer is False else load_tokenizer(model_dir, tokenizer)
     return model, tok
+
+
+def _lm_class(config) -> type:
+    if isinstance(config, NemotronHConfig):
+        return NemotronHLM
+    return BambaLM if isinstance(config, BambaConfig) else MambaLMHeadModel
 
 
 def _refuse_megatron(model_dir: Path) -> None:
@@ -176,6 +185,8 @@ def _read_lm_checkpoint(model_dir: Path, tokenizer) -> tuple[str, MambaConfig, d
         check_tokenizer(model_dir, tokenizer)
         return "mistral", config, from_mistral_names(_read_weight_file(weight_file(model_dir)))
     _, layout, config = read_config(model_dir)
+    if isinstance(config, BambaConfig):
+        return layout, config, from_transformers_names(read_state_dict(model_dir))
     return layout, config, to_internal_names(read_state_dict(model_dir), layout)
 
 

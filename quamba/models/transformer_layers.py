@@ -1,5 +1,5 @@
-"""The attention, MLP and MoE layers of hybrid models (Nemotron-H), as plain nn.Linear modules so
-that quantization can later swap each linear for a quantized one.
+"""The attention, MLP and MoE layers of hybrid models (Nemotron-H, Bamba), as plain nn.Linear
+modules so that quantization can later swap each linear for a quantized one.
 
 Each honours the mixer interface of quamba.models.mamba's Block: ``forward(h, state=None,
 step=False)`` with h [batch, seqlen, d_model], and ``allocate_state(batch, device)``: attention's
@@ -19,18 +19,47 @@ def relu2(x: torch.Tensor) -> torch.Tensor:
     return torch.square(F.relu(x))
 
 
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """transformers' "default" RoPE on the first ``rotary_dim`` channels of each head (partial
+    rotary: the others pass unchanged): cos and sin computed in fp32 from the positions, applied
+    in the input's dtype. No buffers: the frequencies are recomputed, so no cast rounds them."""
+
+    def __init__(self, rotary_dim: int, theta: float):
+        super().__init__()
+        self.rotary_dim, self.theta = rotary_dim, theta
+
+    def forward(self, x: torch.Tensor, offset: int) -> torch.Tensor:
+        """x [batch, heads, seqlen, head_dim] at positions offset, offset + 1, ..."""
+        dim = self.rotary_dim
+        inv_freq = 1.0 / self.theta ** (torch.arange(0, dim, 2, device=x.device).float() / dim)
+        positions = torch.arange(offset, offset + x.shape[2], device=x.device).float()
+        freqs = positions[:, None] * inv_freq
+        angles = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        rotated, passed = x[..., :dim], x[..., dim:]
+        return torch.cat((rotated * cos + rotate_half(rotated) * sin, passed), dim=-1)
+
+
 class Attention(nn.Module):
-    """Causal multi-head attention with grouped KV heads and no positional encoding (Nemotron-H's:
-    its position comes from the Mamba layers). Scale 1/sqrt(head_dim); no biases. Its KV cache
-    grows every step, so decoding cannot replay a CUDA graph (quamba.models.generation)."""
+    """Causal multi-head attention with grouped KV heads: without ``rotary``, no positional
+    encoding (Nemotron-H's: its position comes from the Mamba layers); with it, RoPE on q and k
+    (Bamba's). Scale ``scale``, by default 1/sqrt(head_dim). Its KV cache grows every step, so
+    decoding cannot replay a CUDA graph (quamba.models.generation)."""
 
     cache_grows = True
 
     def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                 device=None, dtype=None):
+                 bias: bool = False, rotary: RotaryEmbedding | None = None,
+                 scale: float | None = None, device=None, dtype=None):
         super().__init__()
-        kw = dict(bias=False, device=device, dtype=dtype)
+        kw = dict(bias=bias, device=device, dtype=dtype)
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.rotary, self.scale = rotary, scale
         self.q_proj = nn.Linear(d_model, num_heads * head_dim, **kw)
         self.k_proj = nn.Linear(d_model, num_kv_heads * head_dim, **kw)
         self.v_proj = nn.Linear(d_model, num_kv_heads * head_dim, **kw)
@@ -50,11 +79,15 @@ class Attention(nn.Module):
         """A prefill attends causally and, with ``state``, replaces its keys and values; a step
         appends the new token's to them and attends to all."""
         q, k, v = (self._heads(proj(h)) for proj in (self.q_proj, self.k_proj, self.v_proj))
+        if self.rotary is not None:
+            offset = state.key.shape[2] if step else 0
+            q, k = self.rotary(q, offset), self.rotary(k, offset)
         if step:
             k, v = torch.cat([state.key, k], dim=2), torch.cat([state.value, v], dim=2)
         if state is not None:
             state.key, state.value = k, v
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=not step, enable_gqa=True)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=not step, scale=self.scale,
+                                             enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).flatten(-2))
 
 
@@ -73,6 +106,24 @@ class MLP(nn.Module):
 
     def forward(self, h, state=None, step: bool = False):
         return self.down_proj(relu2(self.up_proj(h)))
+
+
+class GatedMLP(nn.Module):
+    """down_proj(SiLU(gate_proj(h)) · up_proj(h)): the SwiGLU feed-forward of Bamba."""
+
+    def __init__(self, d_model: int, intermediate_size: int, bias: bool = False, device=None,
+                 dtype=None):
+        super().__init__()
+        kw = dict(bias=bias, device=device, dtype=dtype)
+        self.gate_proj = nn.Linear(d_model, intermediate_size, **kw)
+        self.up_proj = nn.Linear(d_model, intermediate_size, **kw)
+        self.down_proj = nn.Linear(intermediate_size, d_model, **kw)
+
+    def allocate_state(self, batch_size: int, device=None) -> None:
+        return None
+
+    def forward(self, h, state=None, step: bool = False):
+        return self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
 
 
 class TopkRouter(nn.Module):

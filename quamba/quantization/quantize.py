@@ -13,6 +13,7 @@ import logging
 import torch
 
 from quamba.errors import QuambaError
+from quamba.models.bamba import BambaLM
 from quamba.models.mamba import MambaLMHeadModel
 from quamba.models.nemotron_h import NemotronHLM
 from quamba.models.quantized import QuantizedMambaLM
@@ -73,6 +74,8 @@ def quantize(model: MambaLMHeadModel, tokenizer=None, config: QuantConfig | None
 
 
 def _check_quantizable(model, config: QuantConfig) -> None:
+    if isinstance(model, BambaLM):
+        raise QuambaError(f"quantizing {model.model_type} is not supported yet")
     if isinstance(model, NemotronHLM):
         raise QuambaError("quantizing nemotron_h is not supported yet")
     if isinstance(model, QuantizedMambaLM) or type(model) is not MambaLMHeadModel:
