@@ -160,17 +160,36 @@ class TopkRouter(nn.Module):
         return weights * self.routed_scaling_factor, experts
 
 
+class SoftmaxTopkRouter(nn.Module):
+    """Jamba's router (Mixtral's without renormalization): softmax over all experts' logits in
+    fp32, the top ``top_k`` experts, their probabilities as weights, in the input's dtype."""
+
+    def __init__(self, d_model: int, num_experts: int, top_k: int, device=None, dtype=None):
+        super().__init__()
+        self.top_k = top_k
+        self.weight = nn.Parameter(torch.zeros(num_experts, d_model, device=device, dtype=dtype))
+
+    def forward(self, h):
+        """(weights [tokens, top_k] in h's dtype, expert indices [tokens, top_k]) of h."""
+        probs = F.linear(h, self.weight).softmax(dim=-1, dtype=torch.float32)
+        weights, experts = probs.topk(self.top_k, dim=-1)
+        return weights.to(h.dtype), experts
+
+
 class MoE(nn.Module):
-    """Routed experts (MLPs without bias; each token to the router's top_k, weighted) plus one
-    shared expert MLP that every token takes: Nemotron-H's MoE layer."""
+    """Routed experts (``expert`` modules without bias, MLPs by default; each token to the
+    router's top_k, weighted) plus, where ``shared_size`` is not 0, one shared expert MLP that
+    every token takes: Nemotron-H's MoE layer (Jamba's: GatedMLP experts, no shared expert)."""
 
     def __init__(self, d_model: int, num_experts: int, expert_size: int, shared_size: int,
-                 router: TopkRouter, bias: bool = False, device=None, dtype=None):
+                 router: nn.Module, bias: bool = False, device=None, dtype=None,
+                 expert: type = MLP):
         super().__init__()
         kw = dict(device=device, dtype=dtype)
         self.gate = router
-        self.experts = nn.ModuleList(MLP(d_model, expert_size, **kw) for _ in range(num_experts))
-        self.shared_experts = MLP(d_model, shared_size, bias=bias, **kw)
+        self.experts = nn.ModuleList(expert(d_model, expert_size, **kw)
+                                     for _ in range(num_experts))
+        self.shared_experts = MLP(d_model, shared_size, bias=bias, **kw) if shared_size else None
 
     def allocate_state(self, batch_size: int, device=None) -> None:
         return None
@@ -183,4 +202,34 @@ class MoE(nn.Module):
             token, slot = torch.where(experts == expert)
             out = self.experts[expert](tokens[token]) * weights[token, slot, None]
             routed.index_add_(0, token, out.to(routed.dtype))
-        return routed.to(h.dtype).view_as(h) + self.shared_experts(h)
+        routed = routed.to(h.dtype).view_as(h)
+        return routed if self.shared_experts is None else routed + self.shared_experts(h)
+
+
+class GraniteMoE(nn.Module):
+    """Granite-4.0-H's MoE layer: the router's top_k logits softmaxed (in fp32) into the weights
+    of GatedMLP experts, plus the shared GatedMLP that every token takes."""
+
+    def __init__(self, d_model: int, num_experts: int, top_k: int, expert_size: int,
+                 shared_size: int, device=None, dtype=None):
+        super().__init__()
+        kw = dict(device=device, dtype=dtype)
+        self.top_k = top_k
+        self.router = nn.Linear(d_model, num_experts, bias=False, **kw)
+        self.experts = nn.ModuleList(GatedMLP(d_model, expert_size, **kw)
+                                     for _ in range(num_experts))
+        self.shared_mlp = GatedMLP(d_model, shared_size, **kw)
+
+    def allocate_state(self, batch_size: int, device=None) -> None:
+        return None
+
+    def forward(self, h, state=None, step: bool = False):
+        tokens = h.reshape(-1, h.shape[-1])
+        logits, experts = self.router(tokens).float().topk(self.top_k, dim=-1)
+        weights = logits.softmax(dim=-1).to(h.dtype)
+        routed = torch.zeros_like(tokens)
+        for expert in experts.unique().tolist():  # ascending, as transformers sums them
+            token, slot = torch.where(experts == expert)
+            out = self.experts[expert](tokens[token]) * weights[token, slot, None]
+            routed.index_add_(0, token, out)
+        return routed.view_as(h) + self.shared_mlp(h)

@@ -14,6 +14,7 @@ import torch
 
 from quamba.errors import QuambaError
 from quamba.models.bamba import BambaLM
+from quamba.models.jamba import JambaLM
 from quamba.models.mamba import MambaLMHeadModel
 from quamba.models.nemotron_h import NemotronHLM
 from quamba.models.quantized import QuantizedMambaLM
@@ -74,6 +75,8 @@ def quantize(model: MambaLMHeadModel, tokenizer=None, config: QuantConfig | None
 
 
 def _check_quantizable(model, config: QuantConfig) -> None:
+    if isinstance(model, JambaLM):
+        raise QuambaError("quantizing jamba is not supported yet")
     if isinstance(model, BambaLM):
         raise QuambaError(f"quantizing {model.model_type} is not supported yet")
     if isinstance(model, NemotronHLM):
