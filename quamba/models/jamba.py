@@ -27,10 +27,11 @@ from quamba.ops.norm.mixer_norm import mixer_rms_norm
 
 @dataclass
 class JambaConfig:
-    """Shape of a Jamba model; ``n_layer`` counts Jamba's layers (each two quamba Blocks)."""
+    """Shape of a Jamba model: ``num_hidden_layers`` Jamba layers, ``n_layer`` quamba Blocks
+    (two a layer)."""
 
     d_model: int
-    n_layer: int
+    num_hidden_layers: int
     vocab_size: int
     rms_norm_eps: float = 1e-6
     tie_embeddings: bool = False
@@ -70,6 +71,10 @@ class JambaConfig:
             raise ConfigError(f"num_experts_per_tok {self.num_experts_per_tok} is not in "
                               f"[1, num_experts {self.num_experts}]")
 
+    @property
+    def n_layer(self) -> int:
+        return 2 * self.num_hidden_layers
+
     def is_attention(self, layer: int) -> bool:
         return layer % self.attn_layer_period == self.attn_layer_offset
 
@@ -95,8 +100,8 @@ class JambaConfig:
         heads = get("num_attention_heads", 32)
         dt_rank = get("mamba_dt_rank", "auto")
         return cls(
-            d_model=hidden, n_layer=cfg["num_hidden_layers"], vocab_size=cfg["vocab_size"],
-            rms_norm_eps=get("rms_norm_eps", 1e-6),
+            d_model=hidden, num_hidden_layers=cfg["num_hidden_layers"],
+            vocab_size=cfg["vocab_size"], rms_norm_eps=get("rms_norm_eps", 1e-6),
             tie_embeddings=get("tie_word_embeddings", False),
             bos_token_id=_first_id(get("bos_token_id"), 1),
             eos_token_id=_first_id(get("eos_token_id"), 2),
@@ -167,7 +172,7 @@ class JambaBackbone(nn.Module):
         kw = dict(device=device, dtype=dtype)
         self.embedding = nn.Embedding(config.vocab_size, config.d_model, **kw)
         blocks = []
-        for layer in range(config.n_layer):
+        for layer in range(config.num_hidden_layers):
             for make in (jamba_mixer, jamba_feed_forward):
                 norm = RMSNorm(config.d_model, config.rms_norm_eps, False, **kw)
                 blocks.append(Block(norm, make(layer, config, **kw)))

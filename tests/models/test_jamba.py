@@ -65,6 +65,7 @@ def rel(a, b) -> float:
 def test_each_layer_is_two_blocks_of_the_right_kinds(hf_dir, model):
     assert json.loads((hf_dir / "config.json").read_text())["model_type"] == "jamba"
     assert isinstance(model, JambaLM) and model.source["layout"] == "transformers"
+    assert model.config.num_hidden_layers == 5 and model.config.n_layer == 10
     kinds = [type(block.mixer) for block in model.backbone.layers]
     assert kinds == [JambaMambaMixer, GatedMLP, Attention, MoE, JambaMambaMixer, GatedMLP,
                      Attention, GatedMLP, JambaMambaMixer, MoE]
