@@ -6,13 +6,16 @@ from contextlib import contextmanager
 from types import MappingProxyType
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from quamba.calibrate.data import CalibrationSet
 from quamba.calibrate.errors import CalibrationError
 from quamba.calibrate.observers import ChannelAbsMaxObserver, ObserverSpec, make_observer
+from quamba.layers.qtransformer import TRANSFORMER_LAYERS
 from quamba.models.mamba2 import Mamba2Mixer
+from quamba.models.state import MixerState
 from quamba.ops.conv.causal_conv1d import causal_conv1d
 
 _ABSMAX = ObserverSpec("absmax")
@@ -80,7 +83,8 @@ def calibrate(model, calib: CalibrationSet | torch.Tensor,
             cache = model.allocate_cache(ids.shape[0], device)
             model(ids, cache=cache, num_last_tokens=1)
             for layer, state in enumerate(cache.states):
-                recorder.observe(layer, "ssm_state", state.ssm)
+                if isinstance(state, MixerState):  # not a hybrid's attention or MLP layer
+                    recorder.observe(layer, "ssm_state", state.ssm)
     return recorder.results()
 
 
@@ -144,16 +148,18 @@ class _Recorder:
             self.observers.setdefault(key, ChannelAbsMaxObserver(f"layer {layer} {kind}"))
         elif key not in self.observers:
             per_sample = tensor.numel() // tensor.shape[0]
-            self.observers[key] = make_observer(self.specs[base_kind(kind)], f"layer {layer} {kind}",
+            spec = self.specs.get(base_kind(kind), _ABSMAX)  # a hybrid's linears: absmax
+            self.observers[key] = make_observer(spec, f"layer {layer} {kind}",
                                                 expected_numel=per_sample * self.num_samples)
         self.observers[key].update(tensor)
 
     def results(self) -> dict[int, dict[str, float]]:
         layers = sorted({layer for layer, _ in self.observers},
                         key=lambda layer: (layer == HEAD_LAYER, 0 if layer == HEAD_LAYER else layer))
-        kinds = TENSOR_KINDS + MAMBA2_KINDS + BACKWARD_KINDS + CHANNEL_KINDS + (HEAD_KIND,)
+        known = TENSOR_KINDS + MAMBA2_KINDS + BACKWARD_KINDS + CHANNEL_KINDS + (HEAD_KIND,)
+        others = sorted({kind for _, kind in self.observers} - set(known))  # hybrids' linears
         return {layer: {kind: self.observers[layer, kind].result()
-                        for kind in kinds if (layer, kind) in self.observers}
+                        for kind in known + tuple(others) if (layer, kind) in self.observers}
                 for layer in layers}
 
 
@@ -164,6 +170,9 @@ def _observing(model, recorder: _Recorder):
     handles = []
     try:
         for layer, mixer in enumerate(model.mixers()):
+            if isinstance(mixer, TRANSFORMER_LAYERS):
+                handles += _linear_input_hooks(recorder, layer, mixer)
+                continue
             if isinstance(mixer, Mamba2Mixer):
                 handles += [
                     mixer.in_proj.register_forward_hook(_mamba2_in_proj_hook(recorder, layer, mixer)),
@@ -200,6 +209,19 @@ def _observing_head(model, recorder: _Recorder, enabled: bool):
         yield
     finally:
         handle.remove()
+
+
+def _linear_input_hooks(recorder: _Recorder, layer: int, mixer) -> list:
+    """Forward pre-hooks on a hybrid's attention, MLP or MoE layer: its normed input as
+    "in_proj.input" and each nn.Linear's input as "<name>.input" (an expert's, over the tokens
+    routed to it)."""
+    def observer(kind):
+        return lambda module, inputs: recorder.observe(layer, kind, inputs[0])
+    handles = [mixer.register_forward_pre_hook(observer("in_proj.input"))]
+    for name, module in mixer.named_modules():
+        if isinstance(module, nn.Linear):
+            handles.append(module.register_forward_pre_hook(observer(f"{name}.input")))
+    return handles
 
 
 def _in_proj_hook(recorder: _Recorder, layer: int):

@@ -26,7 +26,7 @@ from quamba.ops.conv.causal_conv1d import (
     conv_state_from_prefill,
 )
 from quamba.ops.norm.qhadamard import gated_norm_hadamard_quant
-from quamba.ops.quant import dequantize, fake_quantize, quantize_weight
+from quamba.ops.quant import dequantize, fake_quantize, quantize, quantize_weight
 from quamba.ops.scan.qsscan import SSMParams
 from quamba.ops.ssd.qssd import (
     qconv1d_channelwise,
@@ -47,11 +47,13 @@ class QMamba2Mixer(QuantModule):
 
     scales: ACTIVATION_SCALES as floats. xbc_in_scale: fp32 [conv_dim], the scales of xBC as
     in_proj writes it (x, B, C one each); xbc_scale: fp32 [conv_dim], after the conv (x per
-    channel, B and C per state group)."""
+    channel, B and C per state group). ``dt_floor`` (Nemotron-H): dt is floored at dt_floor -
+    dt_bias before the SSD, as NemotronHMamba2Mixer does, on its int8 codes (round is monotone,
+    so the codes of the floored dt are the floored codes) in every mode."""
 
     def __init__(self, config: MambaConfig, scales: dict[str, float], xbc_in_scale: torch.Tensor,
                  xbc_scale: torch.Tensor, h_scale: float, hadamard: bool, out_dtype, device=None,
-                 weight_bits: int = 8, group_size: int = 128):
+                 weight_bits: int = 8, group_size: int = 128, dt_floor: float | None = None):
         super().__init__()
         self.d_inner, self.d_state, self.d_conv = config.d_inner, config.d_state, config.d_conv
         self.nheads, self.headdim, self.ngroups = config.nheads, config.headdim, config.ngroups
@@ -77,6 +79,7 @@ class QMamba2Mixer(QuantModule):
         for name in SSM_PARAMETERS:
             self.register_buffer(name, torch.zeros(self.nheads, **int8))
             self.register_scale(name + "_scale", 1.0)
+        self.dt_floor = dt_floor  # Δ's floor on dt (NemotronHMamba2Mixer.dt_floor) or None
         self.taps: dict | None = None
         self.state_cache = "int8"  # or "fp32": QuantConfig.state_cache
 
@@ -104,7 +107,7 @@ class QMamba2Mixer(QuantModule):
                              "(quamba.quantization.rotation.fold_gated_norm_)")
         weight = mixer.in_proj.weight
         q = cls(config, scales, xbc_in_scale, xbc_scale, h_scale, hadamard, weight.dtype,
-                weight.device, weight_bits, group_size)
+                weight.device, weight_bits, group_size, getattr(mixer, "dt_floor", None))
         q.in_proj.load_float_weight(weight)
         q.out_proj.load_float_weight(mixer.out_proj.weight)
         for name, tensor in (("conv_weight", mixer.conv1d.weight.squeeze(1)),
@@ -132,7 +135,18 @@ class QMamba2Mixer(QuantModule):
             self.taps[name] = dequantize(tensor, scale) if tensor.dtype == torch.int8 else tensor.float()
 
     def _split_in_proj(self, projected):
-        return torch.split(projected, [self.d_inner, self.conv_dim, self.nheads], dim=-1)
+        z, xbc, dt = torch.split(projected, [self.d_inner, self.conv_dim, self.nheads], dim=-1)
+        return z, xbc, dt if self.dt_floor is None else self._floored(dt)
+
+    def _floored(self, dt):
+        """dt (int8 codes, or fake-quantized fp32 in float-sim) floored at the codes of
+        dt_floor - dt_bias (the quantized bias the SSD adds)."""
+        s = self.scales
+        floor = quantize(self.dt_floor - dequantize(self.dt_bias, s["dt_bias_scale"]),
+                         s["dt_scale"])
+        if dt.dtype == torch.int8:
+            return torch.maximum(dt, floor)
+        return torch.maximum(dt, dequantize(floor, s["dt_scale"]))
 
     def _ssd_inputs(self, xbc, xbc_scale):
         """(x [..., nheads, headdim], its scale [nheads, headdim], B [..., ngroups, d_state], its

@@ -12,6 +12,7 @@ routed experts as ``experts.{j}.up_proj``), with ``backbone.embedding`` for
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -96,6 +97,22 @@ class NemotronHConfig:
         return len(self.pattern)
 
     @property
+    def padded_vocab_size(self) -> int:
+        return self.vocab_size
+
+    @property
+    def residual_in_fp32(self) -> bool:
+        return False
+
+    def to_dict(self) -> dict:
+        return {"model_type": "nemotron_h", **dataclasses.asdict(self)}
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "NemotronHConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in values.items() if k in known})
+
+    @property
     def d_inner(self) -> int:
         return self.nheads * self.headdim
 
@@ -162,6 +179,11 @@ def _pattern(cfg: dict) -> str:
     return "".join(letters[kind] for kind in kinds)
 
 
+def dt_floor(config: NemotronHConfig) -> float | None:
+    """softplus⁻¹(time_step_min): the floor of dt + dt_bias (None without a floor)."""
+    return math.log(math.expm1(config.dt_min)) if config.dt_min > 0 else None
+
+
 class NemotronHMamba2Mixer(Mamba2Mixer):
     """Mamba2Mixer with Δ = softplus(dt + dt_bias) floored at ``config.dt_min``, as transformers'
     NemotronHMamba2Mixer clamps it in a prefill (its decode step does not; quamba floors both, so
@@ -171,7 +193,7 @@ class NemotronHMamba2Mixer(Mamba2Mixer):
 
     def __init__(self, config: NemotronHConfig, device=None, dtype=None):
         super().__init__(config, device, dtype)
-        self.dt_floor = math.log(math.expm1(config.dt_min)) if config.dt_min > 0 else None
+        self.dt_floor = dt_floor(config)
 
     def split_in_proj(self, projected):
         z, xbc, dt = super().split_in_proj(projected)

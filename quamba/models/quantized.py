@@ -155,7 +155,7 @@ class QuantizedMambaLM(QuantizedModel, MambaLMHeadModel):
         self.backbone.embedding = (
             QEmbedding(vocab, config.d_model, dtype, device) if quant_config.quantize_embedding
             else nn.Embedding(vocab, config.d_model, device=device, dtype=dtype))
-        self.backbone.layers = nn.ModuleList(_empty_block(config, quant_config, i, dtype, device)
+        self.backbone.layers = nn.ModuleList(self._empty_block(i, dtype, device)
                                              for i in range(config.n_layer))
         self.backbone.norm_f = _empty_final_norm(config, quant_config, dtype, device)
         self.lm_head = empty_lm_head(quant_config.lm_head, config.d_model, vocab,
@@ -167,6 +167,9 @@ class QuantizedMambaLM(QuantizedModel, MambaLMHeadModel):
         # quantize / from_pretrained then set the recorded mode
         self.ssm_mode = FP_MODE if quant_config.weight_only else "int8"
         self.state_cache = "int8"
+
+    def _empty_block(self, layer: int, dtype, device) -> Block:
+        return _empty_block(self.config, self.quant_config, layer, dtype, device)
 
     @property
     def ties_lm_head(self) -> bool:

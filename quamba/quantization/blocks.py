@@ -11,6 +11,7 @@ import torch
 from quamba.layers.qmixer import QMambaMixer
 from quamba.layers.qmixer2 import QMamba2Mixer
 from quamba.layers.qnorm import QRMSNorm
+from quamba.layers.qtransformer import TRANSFORMER_LAYERS, quantize_linears_
 from quamba.layers.weight_only import WeightOnlyMambaMixer, weight_only_mixer_from_float
 from quamba.models.mamba import Block
 from quamba.models.mamba2 import Mamba2Mixer
@@ -44,8 +45,14 @@ def quantized_block(fp_block, layer: int, ranges: dict, config: QuantConfig, mod
 def quantize_block_(block, fp_block, layer: int, ranges: dict, config: QuantConfig,
                     model_config) -> None:
     """Set ``block``'s norm and mixer to ``fp_block``'s, quantized at the layer's bits (a W4A16
-    Mamba1 block becomes a WeightOnlyBlock)."""
+    Mamba1 block becomes a WeightOnlyBlock; a hybrid's attention, MLP or MoE block keeps its
+    float norm and gets quantized linears)."""
     w_bits, a_bits = config.bits_of(layer)
+    if isinstance(fp_block.mixer, TRANSFORMER_LAYERS):
+        block.norm = copy.deepcopy(fp_block.norm)
+        block.mixer = quantize_linears_(copy.deepcopy(fp_block.mixer), w_bits, a_bits,
+                                        config.group_size, ranges and ranges[layer])
+        return
     if a_bits == 16:
         block.norm = copy.deepcopy(fp_block.norm)
         block.mixer = weight_only_mixer_from_float(fp_block.mixer, config.group_size)

@@ -32,7 +32,9 @@ from quamba.layers.qnorm import QRMSNorm
 from quamba.models.config import MambaConfig
 from quamba.models.hub import (is_quamba_checkpoint, load_tokenizer, parse_dtype,
                                quantized_format, resolve_model_dir)
+from quamba.models.nemotron_h import NemotronHConfig
 from quamba.models.quantized import QuantizedMambaLM
+from quamba.models.quantized_hybrid import QuantizedNemotronHLM
 from quamba.models.quantized_vision import QuantizedVisionMamba
 from quamba.models.vision import VisionMambaConfig
 from quamba.quantization.config import QuantConfig
@@ -45,9 +47,15 @@ FORMAT_NAME = "quamba"
 # (quantization_config's lm_head, quantize_embedding). Versions 1 (W8A8) to 4 load unchanged.
 # A checkpoint is written as FORMAT_VERSION, or as NEWEST_FORMAT_VERSION, 6, where the model has
 # the norms of dt, B and C (the model config's mixer_rms_eps: Falcon-Mamba), so that a quamba
-# that knows no such norms refuses it rather than loads it without them.
+# that knows no such norms refuses it rather than loads it without them. A Nemotron-H hybrid
+# (the model config's "model_type": "nemotron_h"; its attention, MLP and MoE linears as
+# quamba.layers.qtransformer stores them) is written as 7, which older quambas refuse.
 FORMAT_VERSION = 5
-NEWEST_FORMAT_VERSION = 6
+MIXER_NORMS_FORMAT_VERSION = 6
+NEWEST_FORMAT_VERSION = 7
+# model_type in the model config → (config class, quantized model class); absent: Mamba1/Mamba2
+MODEL_TYPES = {"vision_mamba": (VisionMambaConfig, QuantizedVisionMamba),
+               "nemotron_h": (NemotronHConfig, QuantizedNemotronHLM)}
 WEIGHTS_FILE = "model.safetensors"
 
 
@@ -59,8 +67,7 @@ def save_quantized(model: QuantizedMambaLM, out_dir, tokenizer=None):
         state.pop("lm_head.weight", None)
     quant = {
         "format": FORMAT_NAME,
-        "format_version": (FORMAT_VERSION if getattr(model.config, "mixer_rms_eps", None) is None
-                           else NEWEST_FORMAT_VERSION),
+        "format_version": _format_version(model),
         "quamba_version": __version__,
         **model.quant_config.to_dict(),
         "ssm_mode": model.ssm_mode if model.ssm_mode != "fp16" else model.quant_config.ssm_mode,
@@ -76,6 +83,14 @@ def save_quantized(model: QuantizedMambaLM, out_dir, tokenizer=None):
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
     return out_dir
+
+
+def _format_version(model) -> int:
+    if isinstance(model, QuantizedNemotronHLM):
+        return NEWEST_FORMAT_VERSION
+    if getattr(model.config, "mixer_rms_eps", None) is not None:
+        return MIXER_NORMS_FORMAT_VERSION
+    return FORMAT_VERSION
 
 
 @torch.inference_mode(False)  # ordinary tensors under inference_mode too, as quantize() makes
@@ -97,14 +112,16 @@ def from_pretrained(name_or_path, device="cpu", dtype=None, backend: str | None 
     if not isinstance(version, int) or version > NEWEST_FORMAT_VERSION:
         raise CheckpointError(f"{model_dir}: checkpoint format version {version!r} is newer than "
                               f"this quamba supports ({NEWEST_FORMAT_VERSION}); upgrade quamba")
-    vision = isinstance(raw.get("model"), dict) and raw["model"].get("model_type") == "vision_mamba"
+    model_type = raw["model"].get("model_type") if isinstance(raw.get("model"), dict) else None
+    config_class, model_class = MODEL_TYPES.get(model_type, (MambaConfig, QuantizedMambaLM))
+    vision = model_class is QuantizedVisionMamba
     try:
-        config = (VisionMambaConfig if vision else MambaConfig).from_dict(raw["model"])
+        config = config_class.from_dict(raw["model"])
         quant_config = QuantConfig.from_dict(quant)
     except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointError(f"{model_dir}/config.json is malformed: {exc}") from None
     float_dtype = parse_dtype(quant.get("float_dtype", "float16"))
-    model = (QuantizedVisionMamba if vision else QuantizedMambaLM)(config, quant_config, dtype=float_dtype)
+    model = model_class(config, quant_config, dtype=float_dtype)
     load_checked(model, model_dir / WEIGHTS_FILE)
     model.calibration = quant.get("calibration", {})
     model.base_model = quant.get("base_model")
@@ -178,6 +195,9 @@ def _cast_float_parts(model, dtype: torch.dtype) -> None:
             module.out_dtype = dtype
         elif not isinstance(module, (QRMSNorm, W4A16Linear)):  # W4A16: y in its input's dtype
             module.to(dtype)
+    for module in model.modules():
+        if hasattr(module, "kv_dtype"):  # a hybrid's quantized attention: its KV cache
+            module.kv_dtype = dtype
     for block in model.backbone.layers:
         if not isinstance(block.mixer, QuantModule):  # W4A16: the FP parts of its mixer
             block.norm.to(dtype)

@@ -18,6 +18,7 @@ from quamba.models.jamba import JambaLM
 from quamba.models.mamba import MambaLMHeadModel
 from quamba.models.nemotron_h import NemotronHLM
 from quamba.models.quantized import QuantizedMambaLM
+from quamba.models.quantized_hybrid import QuantizedNemotronHLM
 from quamba.models.vision import VisionMamba
 from quamba.ops.quant import scale_from_range
 from quamba.quantization.blocks import quantize_block_, quantized_norm
@@ -50,6 +51,7 @@ def quantize(model: MambaLMHeadModel, tokenizer=None, config: QuantConfig | None
         from quamba.quantization.quantize_vision import quantize_vision
         return quantize_vision(model, config, calib_data, progress)
     _check_quantizable(model, config)
+    config = _hybrid_config(model, config)
     work = quantization_basis_(copy.deepcopy(model), config.hadamard)
     if config.weight_only:
         ranges, record, tokens = None, {}, None
@@ -74,14 +76,32 @@ def quantize(model: MambaLMHeadModel, tokenizer=None, config: QuantConfig | None
     return qmodel
 
 
+def _hybrid_config(model, config: QuantConfig) -> QuantConfig:
+    """Nemotron-H is quantized without Hadamard rotation (it is not exact across its attention
+    and MLP blocks yet): ``hadamard`` is switched off, with a warning."""
+    if not isinstance(model, NemotronHLM) or not config.hadamard:
+        return config
+    log.warning("nemotron_h: no Hadamard rotation for hybrid models yet; quantizing without it")
+    return dataclasses.replace(config, hadamard=False)
+
+
+def _check_hybrid(model: NemotronHLM, config: QuantConfig) -> None:
+    """The recipes that a Nemotron-H model cannot take yet, refused in one line."""
+    for field in ("mixed_precision", "layer_bits", "apply_gptq", "learn_scales"):
+        if getattr(config, field) not in (None, False):
+            raise QuambaError(f"{field} is not supported for nemotron_h yet")
+    if model.config.mlp_bias:
+        raise QuambaError("nemotron_h with mlp_bias is not supported by the quantized linears")
+
+
 def _check_quantizable(model, config: QuantConfig) -> None:
     if isinstance(model, JambaLM):
         raise QuambaError("quantizing jamba is not supported yet")
     if isinstance(model, BambaLM):
         raise QuambaError(f"quantizing {model.model_type} is not supported yet")
     if isinstance(model, NemotronHLM):
-        raise QuambaError("quantizing nemotron_h is not supported yet")
-    if isinstance(model, QuantizedMambaLM) or type(model) is not MambaLMHeadModel:
+        _check_hybrid(model, config)
+    elif isinstance(model, QuantizedMambaLM) or type(model) is not MambaLMHeadModel:
         raise QuambaError(f"quantize needs an FP MambaLMHeadModel, got {type(model).__name__}")
     if not model.config.conv_bias and not config.weight_only:
         raise QuambaError("models without a conv1d bias are not supported by the W8A8 and W4A8 "
@@ -135,8 +155,9 @@ def build_quantized_model(fp_model: MambaLMHeadModel, ranges: dict, config: Quan
     """QuantizedMambaLM from an FP model (rotated when ``config.hadamard``) and its calibrated
     clipping ranges ``ranges[layer][kind]`` (None for W4A16); 4-bit weights round to nearest."""
     weight = fp_model.backbone.embedding.weight
-    qmodel = QuantizedMambaLM(copy.deepcopy(fp_model.config), config, dtype=weight.dtype,
-                              device=weight.device)
+    model_class = QuantizedNemotronHLM if isinstance(fp_model, NemotronHLM) else QuantizedMambaLM
+    qmodel = model_class(copy.deepcopy(fp_model.config), config, dtype=weight.dtype,
+                         device=weight.device)
     _quantize_ends_(qmodel, fp_model, ranges, config)
     for i, (block, fp_block) in enumerate(zip(qmodel.backbone.layers, fp_model.backbone.layers)):
         quantize_block_(block, fp_block, i, ranges, config, qmodel.config)

@@ -150,11 +150,6 @@ def test_other_hybrids_are_refused_naming_the_supported_types(tmp_path, model_ty
         quamba.load_model(tmp_path, tokenizer=False)
 
 
-def test_quantizing_is_refused_in_one_line(model):
-    with pytest.raises(quamba.QuambaError, match="^quantizing nemotron_h is not supported yet$"):
-        quamba.quantize(model, None, quamba.QuantConfig(), calib_data=ids(2, 16))
-
-
 def test_saving_in_a_hub_layout_is_refused(model, tmp_path):
     with pytest.raises(CheckpointError, match="saving a NemotronHLM in a Hub layout"):
         quamba.save_model(model, tmp_path / "out")

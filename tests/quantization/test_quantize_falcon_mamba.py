@@ -10,7 +10,7 @@ import torch
 import quamba
 from quamba.errors import QuambaError
 from quamba.ops import backend
-from quamba.quantization.checkpoint import NEWEST_FORMAT_VERSION
+from quamba.quantization.checkpoint import MIXER_NORMS_FORMAT_VERSION
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
 from test_falcon_mamba import max_relative_error, random_falcon_mamba  # noqa: E402
@@ -87,7 +87,7 @@ def test_save_and_reload_are_bit_identical(recipe, held_out, tmp_path):
     assert reloaded.config.mixer_rms_eps == qmodel.config.mixer_rms_eps == 1e-5
     # version 6: a quamba that knows no norms of dt, B and C refuses it (newer than its 5)
     recorded = json.loads((tmp_path / name / "config.json").read_text())
-    assert recorded["quantization_config"]["format_version"] == NEWEST_FORMAT_VERSION == 6
+    assert recorded["quantization_config"]["format_version"] == MIXER_NORMS_FORMAT_VERSION == 6
     for mode in modes_of(name):
         if mode != "fp16" or name == "w4a16":  # fp16 of an A8 model runs the FP model
             assert torch.equal(logits(qmodel, mode, held_out), logits(reloaded, mode, held_out))
