@@ -38,7 +38,8 @@ def input_kind(name: str) -> str:
 
 class QInputLinear(QuantModule):
     """int8 quantizer of a float input (static: the inner linear's in_scale; ``dynamic``: absmax
-    per token) → W8A8Linear or W4A8Linear with an fp32 output → the input's dtype."""
+    per token) → W8A8Linear or W4A8Linear (float output: the model dtype, fp32 if ``dynamic``)
+    → the input's dtype."""
 
     def __init__(self, linear: QuantModule, dynamic: bool):
         super().__init__()
@@ -65,15 +66,17 @@ def empty_linear(fp_linear: nn.Linear, name: str, w_bits: int, a_bits: int, grou
                  in_scale: float = 1.0) -> nn.Module:
     """The quantized form of ``fp_linear`` (named ``name`` in its layer), weights still zero."""
     shape = (fp_linear.in_features, fp_linear.out_features)
-    device = fp_linear.weight.device
+    device, dynamic = fp_linear.weight.device, is_dynamic(name)
     if a_bits == 16:
         return W4A16Linear(*shape, group_size, device)
-    in_scale = 1.0 if is_dynamic(name) else in_scale
+    # a dynamic input's GEMM writes fp32 (then times each token's scale), a static one the
+    # model dtype
+    in_scale, out_dtype = (1.0, torch.float32) if dynamic else (in_scale, fp_linear.weight.dtype)
     if w_bits == 4:
-        linear = W4A8Linear(*shape, in_scale, None, torch.float32, group_size, device)
+        linear = W4A8Linear(*shape, in_scale, None, out_dtype, group_size, device)
     else:
-        linear = W8A8Linear(*shape, in_scale, None, torch.float32, device)
-    return QInputLinear(linear, is_dynamic(name))
+        linear = W8A8Linear(*shape, in_scale, None, out_dtype, device)
+    return QInputLinear(linear, dynamic)
 
 
 class QAttention(Attention):

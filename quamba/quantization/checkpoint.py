@@ -29,6 +29,7 @@ from quamba.layers.base import QuantModule
 from quamba.layers.qhead import QEmbedding
 from quamba.layers.qlinear import W4A16Linear, W8A8Linear
 from quamba.layers.qnorm import QRMSNorm
+from quamba.layers.qtransformer import QInputLinear
 from quamba.models.config import MambaConfig
 from quamba.models.hub import (is_quamba_checkpoint, load_tokenizer, parse_dtype,
                                quantized_format, resolve_model_dir)
@@ -198,6 +199,8 @@ def _cast_float_parts(model, dtype: torch.dtype) -> None:
     for module in model.modules():
         if hasattr(module, "kv_dtype"):  # a hybrid's quantized attention: its KV cache
             module.kv_dtype = dtype
+        elif isinstance(module, QInputLinear) and not module.dynamic:  # a hybrid's GEMM output
+            module.linear.out_dtype = dtype
     for block in model.backbone.layers:
         if not isinstance(block.mixer, QuantModule):  # W4A16: the FP parts of its mixer
             block.norm.to(dtype)
