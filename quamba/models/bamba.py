@@ -1,13 +1,16 @@
-"""Bamba (transformers ``BambaForCausalLM``, model_type ``bamba``): a hybrid whose layers are Mamba2
-mixers, or attention at ``attn_layer_indices``, each followed by a SwiGLU feed-forward:
+"""Bamba (transformers ``BambaForCausalLM``, model_type ``bamba``) and Granite-4.0-H
+(``GraniteMoeHybridForCausalLM``, model_type ``granitemoehybrid``): hybrids whose layers are
+Mamba2 mixers or attention, each followed by a feed-forward:
 ``h += mixer(RMSNorm(h)); h += feed_forward(RMSNorm(h))``.
 
 quamba builds each transformers layer as two of its Blocks (the mixer's, then the
 feed-forward's), so the model is a MambaLMHeadModel over 2 × num_hidden_layers blocks: the same
 forward, cache, decode and ``generate``. The Mamba2 layers are Nemotron-H's mixer (Δ floored at
-``time_step_limit[0]``, as transformers' prefill clamps it); attention has RoPE on part of each
-head (``partial_rotary_factor``); the feed-forward is GatedMLP. Tensor names are quamba's, read
-from the checkpoint's by from_transformers_names.
+``time_step_limit[0]``, as transformers' prefill clamps it); attention has RoPE on all or part of
+each head (``partial_rotary_factor``; Granite's may have none); the feed-forward is GatedMLP, or
+Granite's MoE. Granite's µP multipliers: the embedding's and the logits' at run time, the
+residual one folded into the output linear of every block on load. Tensor names are quamba's,
+read from the checkpoint's by from_transformers_names.
 """
 from __future__ import annotations
 
@@ -21,15 +24,17 @@ from quamba.models.config import ConfigError, _first_id
 from quamba.models.mamba import Block, MambaLMHeadModel, RMSNorm
 from quamba.models.mamba2 import Mamba2Mixer, init_mamba2_parameters
 from quamba.models.nemotron_h import NemotronHMamba2Mixer
-from quamba.models.transformer_layers import Attention, GatedMLP, RotaryEmbedding
+from quamba.models.transformer_layers import Attention, GatedMLP, GraniteMoE, RotaryEmbedding
 
-BAMBA_TYPES = ("bamba",)
+BAMBA_TYPES = ("bamba", "granitemoehybrid")
 
 
 @dataclass
 class BambaConfig:
-    """Shape of a Bamba model. ``layer_types`` has one entry a transformers layer, "mamba" or
-    "attention"; the Mamba2 fields carry Mamba2Mixer's names."""
+    """Shape of a Bamba or Granite-4.0-H model. ``layer_types`` has one entry a transformers
+    layer, "mamba" or "attention"; the Mamba2 fields carry Mamba2Mixer's names. The feed-forward
+    is a GatedMLP of ``intermediate_size``, or with ``num_experts`` Granite's MoE (its shared
+    MLP of ``intermediate_size``). The µP multipliers are 1 (None: 1/sqrt(head_dim)) for Bamba."""
 
     layer_types: tuple
     d_model: int
@@ -58,6 +63,15 @@ class BambaConfig:
     # feed-forward
     intermediate_size: int = 14336
     mlp_bias: bool = False
+    num_experts: int = 0
+    num_experts_per_tok: int = 2
+    expert_size: int = 0
+    # Granite's µP multipliers
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
+    model_type: str = "bamba"
 
     def __post_init__(self):
         if self.nheads % self.ngroups:
@@ -82,32 +96,63 @@ class BambaConfig:
 
     @classmethod
     def from_transformers(cls, cfg: dict) -> "BambaConfig":
-        """From a transformers BambaConfig config.json; options that quamba cannot honour are
-        refused by name."""
+        """From a transformers BambaConfig or GraniteMoeHybridConfig config.json; options that
+        quamba cannot honour are refused by name."""
         _check_supported(cfg)
-        get = cfg.get
-        heads, d_model = cfg["num_attention_heads"], cfg["hidden_size"]
-        nheads = get("mamba_n_heads", 128)
-        headdim = get("mamba_d_head", "auto")
-        if headdim == "auto":
-            headdim = get("mamba_expand", 2) * d_model // nheads
-        theta, partial = _rope(cfg)
-        return cls(
-            layer_types=_layer_types(cfg), d_model=d_model, vocab_size=cfg["vocab_size"],
-            norm_epsilon=get("rms_norm_eps", 1e-5),
-            tie_embeddings=get("tie_word_embeddings", False),
-            bos_token_id=_first_id(get("bos_token_id"), 1),
-            eos_token_id=_first_id(get("eos_token_id"), 2),
-            pad_token_id=_first_id(get("pad_token_id"), 0),
-            d_state=get("mamba_d_state", 256), d_conv=get("mamba_d_conv", 4), nheads=nheads,
-            headdim=headdim, ngroups=get("mamba_n_groups", 1),
-            chunk_size=get("mamba_chunk_size", 256), conv_bias=get("mamba_conv_bias", True),
-            bias=get("mamba_proj_bias", False), dt_min=_time_step_limit(cfg)[0],
-            num_attention_heads=heads,
-            num_key_value_heads=get("num_key_value_heads") or heads,
-            attention_bias=get("attention_bias", False), rope_theta=theta,
-            rotary_dim=int(d_model // heads * partial),
-            intermediate_size=get("intermediate_size", 14336), mlp_bias=get("mlp_bias", False))
+        granite = cfg.get("model_type") == "granitemoehybrid"
+        return cls(**_shared_fields(cfg), **(_granite_fields(cfg) if granite else
+                                             _bamba_fields(cfg)))
+
+
+def _shared_fields(cfg: dict) -> dict:
+    get = cfg.get
+    heads, d_model = cfg["num_attention_heads"], cfg["hidden_size"]
+    nheads = get("mamba_n_heads", 128)
+    headdim = get("mamba_d_head", "auto")
+    if headdim == "auto":
+        headdim = get("mamba_expand", 2) * d_model // nheads
+    return dict(
+        d_model=d_model, vocab_size=cfg["vocab_size"], norm_epsilon=get("rms_norm_eps", 1e-5),
+        tie_embeddings=get("tie_word_embeddings", False),
+        bos_token_id=_first_id(get("bos_token_id"), 1),
+        eos_token_id=_first_id(get("eos_token_id"), 2),
+        pad_token_id=_first_id(get("pad_token_id"), 0),
+        d_state=get("mamba_d_state", 256), d_conv=get("mamba_d_conv", 4), nheads=nheads,
+        headdim=headdim, ngroups=get("mamba_n_groups", 1),
+        chunk_size=get("mamba_chunk_size", 256), conv_bias=get("mamba_conv_bias", True),
+        bias=get("mamba_proj_bias", False), dt_min=_time_step_limit(cfg)[0],
+        num_attention_heads=heads, num_key_value_heads=get("num_key_value_heads") or heads,
+        attention_bias=get("attention_bias", False))
+
+
+def _bamba_fields(cfg: dict) -> dict:
+    theta, rotary_dim = _rope(cfg, 0.5)
+    return dict(layer_types=_layer_types(cfg), rope_theta=theta, rotary_dim=rotary_dim,
+                intermediate_size=cfg.get("intermediate_size", 14336),
+                mlp_bias=cfg.get("mlp_bias", False))
+
+
+def _granite_fields(cfg: dict) -> dict:
+    get = cfg.get
+    position = get("position_embedding_type")
+    if position not in (None, "nope", "rope"):
+        raise ConfigError(f"position_embedding_type {position!r} is not supported (only None, "
+                          "'nope', 'rope')")
+    theta, rotary_dim = _rope(cfg, 1.0) if position == "rope" else (10000.0, 0)
+    experts = get("num_local_experts", 8) or 0
+    if experts and not 0 < get("num_experts_per_tok", 2) <= experts:
+        raise ConfigError(f"num_experts_per_tok {get('num_experts_per_tok')} is not in 1.."
+                          f"{experts}")
+    return dict(
+        model_type="granitemoehybrid", layer_types=_granite_layer_types(cfg),
+        rope_theta=theta, rotary_dim=rotary_dim,
+        intermediate_size=get("shared_intermediate_size", 1024), num_experts=experts,
+        num_experts_per_tok=get("num_experts_per_tok", 2),
+        expert_size=get("intermediate_size", 11008),
+        embedding_multiplier=get("embedding_multiplier", 1.0),
+        residual_multiplier=get("residual_multiplier", 1.0),
+        attention_multiplier=get("attention_multiplier", 1.0),
+        logits_scaling=get("logits_scaling", 1.0))
 
 
 def _check_supported(cfg: dict) -> None:
@@ -128,15 +173,17 @@ def _time_step_limit(cfg: dict) -> tuple:
     return low, high
 
 
-def _rope(cfg: dict) -> tuple[float, float]:
-    """(rope_theta, partial_rotary_factor) of the default RoPE; other RoPE types refused.
-    partial_rotary_factor defaults to 0.5, as transformers' BambaConfig sets it."""
+def _rope(cfg: dict, partial_default: float) -> tuple[float, int]:
+    """(rope_theta, rotary_dim) of the default RoPE; other RoPE types refused.
+    partial_rotary_factor defaults to 0.5 for Bamba, as transformers' BambaConfig sets it."""
     params = cfg.get("rope_parameters") or {"rope_theta": cfg.get("rope_theta", 10000.0),
                                             **(cfg.get("rope_scaling") or {})}
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type != "default":
         raise ConfigError(f"rope_type {rope_type!r} is not supported (only 'default')")
-    return params.get("rope_theta", 10000.0), params.get("partial_rotary_factor", 0.5)
+    partial = params.get("partial_rotary_factor", partial_default)
+    head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+    return params.get("rope_theta", 10000.0), int(head_dim * partial)
 
 
 def _layer_types(cfg: dict) -> tuple:
@@ -148,6 +195,20 @@ def _layer_types(cfg: dict) -> tuple:
     return tuple("attention" if i in attention else "mamba" for i in range(n_layers))
 
 
+# Granite's layer_types, old names and transformers 5's
+_GRANITE_KINDS = {"mamba": "mamba", "linear_attention": "mamba", "attention": "attention",
+                  "full_attention": "attention"}
+
+
+def _granite_layer_types(cfg: dict) -> tuple:
+    names = cfg.get("layer_types") or ["mamba"] * cfg["num_hidden_layers"]
+    unknown = sorted(set(names) - set(_GRANITE_KINDS))
+    if unknown:
+        raise ConfigError(f"layer types {unknown} are not supported; supported: "
+                          + ", ".join(_GRANITE_KINDS))
+    return tuple(_GRANITE_KINDS[name] for name in names)
+
+
 def bamba_mixer(kind: str, config: BambaConfig, device=None, dtype=None) -> nn.Module:
     """The mixer of a transformers layer of kind ``kind`` ("mamba" or "attention")."""
     c = config
@@ -155,7 +216,26 @@ def bamba_mixer(kind: str, config: BambaConfig, device=None, dtype=None) -> nn.M
         return NemotronHMamba2Mixer(c, device, dtype)
     rotary = RotaryEmbedding(c.rotary_dim, c.rope_theta) if c.rotary_dim else None
     return Attention(c.d_model, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-                     c.attention_bias, rotary, device=device, dtype=dtype)
+                     c.attention_bias, rotary, c.attention_multiplier, device, dtype)
+
+
+def feed_forward(config: BambaConfig, device=None, dtype=None) -> nn.Module:
+    c, kw = config, dict(device=device, dtype=dtype)
+    if not c.num_experts:
+        return GatedMLP(c.d_model, c.intermediate_size, c.mlp_bias, **kw)
+    return GraniteMoE(c.d_model, c.num_experts, c.num_experts_per_tok, c.expert_size,
+                      c.intermediate_size, **kw)
+
+
+class ScaledEmbedding(nn.Embedding):
+    """nn.Embedding times ``multiplier`` (Granite's embedding_multiplier)."""
+
+    def __init__(self, num_embeddings: int, dim: int, multiplier: float, **kw):
+        super().__init__(num_embeddings, dim, **kw)
+        self.multiplier = multiplier
+
+    def forward(self, input_ids):
+        return super().forward(input_ids) * self.multiplier
 
 
 class BambaBackbone(nn.Module):
@@ -163,22 +243,23 @@ class BambaBackbone(nn.Module):
         super().__init__()
         kw = dict(device=device, dtype=dtype)
         c = config
-        self.embedding = nn.Embedding(c.vocab_size, c.d_model, **kw)
+        self.embedding = (nn.Embedding(c.vocab_size, c.d_model, **kw)
+                          if c.embedding_multiplier == 1 else
+                          ScaledEmbedding(c.vocab_size, c.d_model, c.embedding_multiplier, **kw))
         self.layers = nn.ModuleList()
         for kind in c.layer_types:
             self.layers.append(Block(RMSNorm(c.d_model, c.norm_epsilon, False, **kw),
                                      bamba_mixer(kind, c, **kw)))
             self.layers.append(Block(RMSNorm(c.d_model, c.norm_epsilon, False, **kw),
-                                     GatedMLP(c.d_model, c.intermediate_size, c.mlp_bias, **kw)))
+                                     feed_forward(c, **kw)))
         self.norm_f = RMSNorm(c.d_model, c.norm_epsilon, False, **kw)
 
 
 class BambaLM(MambaLMHeadModel):
-    """Bamba LM: embedding → two blocks a layer → final RMSNorm → lm_head (untied by default).
-    Forward, cache, decode and generate are MambaLMHeadModel's; the cache holds each Mamba
-    layer's MixerState, each attention layer's KV cache, None for the feed-forwards."""
-
-    model_type = "bamba"
+    """Bamba or Granite-4.0-H LM: embedding (times embedding_multiplier) → two blocks a layer →
+    final RMSNorm → lm_head (untied by default; logits divided by logits_scaling). Forward,
+    cache, decode and generate are MambaLMHeadModel's; the cache holds each Mamba layer's
+    MixerState, each attention layer's KV cache, None for the feed-forwards."""
 
     def __init__(self, config: BambaConfig, device=None, dtype=None):
         nn.Module.__init__(self)  # not MambaLMHeadModel's: other blocks, no Mamba1 init
@@ -193,24 +274,81 @@ class BambaLM(MambaLMHeadModel):
                 if isinstance(mixer, Mamba2Mixer):
                     init_mamba2_parameters(mixer)
 
+    @property
+    def model_type(self) -> str:
+        return self.config.model_type
+
+    def _head(self, hidden, residual):
+        logits = super()._head(hidden, residual)
+        scaling = self.config.logits_scaling
+        return logits if scaling == 1 else logits / scaling
+
 
 # each transformers sub-layer: (which of the layer's two blocks, its name there)
 _SUBLAYERS = {"input_layernorm": (0, "norm"), "mamba": (0, "mixer"), "self_attn": (0, "mixer"),
-              "pre_ff_layernorm": (1, "norm"), "feed_forward": (1, "mixer")}
+              "pre_ff_layernorm": (1, "norm"), "post_attention_layernorm": (1, "norm"),
+              "feed_forward": (1, "mixer"), "shared_mlp": (1, "mixer"),
+              "block_sparse_moe": (1, "mixer")}
 _TOP_NAMES = {"model.embed_tokens.weight": "backbone.embedding.weight",
-              "model.final_layernorm.weight": "backbone.norm_f.weight"}
+              "model.final_layernorm.weight": "backbone.norm_f.weight",
+              "model.norm.weight": "backbone.norm_f.weight"}
+# the tensors of each block's output linear, which residual_multiplier scales
+_OUTPUT_LINEARS = ("mixer.out_proj.", "mixer.o_proj.", "down_proj.")
 
 
-def from_transformers_names(state: dict) -> dict:
-    """A transformers Bamba checkpoint's tensors under quamba's names: ``model.layers.{i}.mamba``
-    → ``backbone.layers.{2i}.mixer``, ``model.layers.{i}.feed_forward`` →
-    ``backbone.layers.{2i+1}.mixer`` ... (unknown names pass unchanged, and are refused as
-    unexpected)."""
+def from_transformers_names(state: dict, config: BambaConfig) -> dict:
+    """A transformers Bamba or Granite checkpoint's tensors under quamba's names:
+    ``model.layers.{i}.mamba`` → ``backbone.layers.{2i}.mixer``, ``model.layers.{i}.feed_forward``
+    → ``backbone.layers.{2i+1}.mixer`` ...; Granite's fused and stacked tensors split
+    (_split_gated, _moe_tensors) and its residual_multiplier folded into each block's output
+    linear. Unknown names pass unchanged, and are refused as unexpected."""
     renamed = {}
     for key, value in state.items():
-        parts = key.split(".")
-        if key.startswith("model.layers.") and parts[3] in _SUBLAYERS:
-            block, name = _SUBLAYERS[parts[3]]
-            key = ".".join(["backbone.layers", str(2 * int(parts[2]) + block), name, *parts[4:]])
-        renamed[_TOP_NAMES.get(key, key)] = value
+        renamed.update(_rename(key, value, config))
+    scale = config.residual_multiplier
+    if scale == 1:
+        return renamed
+    return {key: value.float() * scale if any(part in key for part in _OUTPUT_LINEARS)
+            else value for key, value in renamed.items()}
+
+
+def _rename(key: str, value, config: BambaConfig) -> dict:
+    parts = key.split(".")
+    if not key.startswith("model.layers.") or parts[3] not in _SUBLAYERS:
+        return {_TOP_NAMES.get(key, key): value}
+    block, name = _SUBLAYERS[parts[3]]
+    prefix, tail = f"backbone.layers.{2 * int(parts[2]) + block}.{name}", ".".join(parts[4:])
+    if parts[3] == "shared_mlp":
+        return _split_gated(prefix + (".shared_mlp" if config.num_experts else ""), tail, value)
+    if parts[3] == "block_sparse_moe":
+        return _moe_tensors(prefix, tail, value)
+    return {f"{prefix}.{tail}": value}
+
+
+def _split_gated(prefix: str, tail: str, value) -> dict:
+    """Granite's fused input_linear (the gate's rows, then the up projection's) as GatedMLP's
+    gate_proj and up_proj, its output_linear as down_proj."""
+    if tail == "input_linear.weight":
+        gate, up = value.chunk(2, dim=0)
+        return {f"{prefix}.gate_proj.weight": gate, f"{prefix}.up_proj.weight": up}
+    if tail == "output_linear.weight":
+        return {f"{prefix}.down_proj.weight": value}
+    return {f"{prefix}.{tail}": value}
+
+
+# transformers 5's names of the stacked expert tensors, as the Hub checkpoints name them
+_STACKED = {"experts.gate_up_proj": "input_linear.weight",
+            "experts.down_proj": "output_linear.weight"}
+
+
+def _moe_tensors(prefix: str, tail: str, value) -> dict:
+    """The router's weight, and each expert's slice of the stacked expert tensors
+    [experts, ...] (transformers 5's experts.gate_up_proj / down_proj or the Hub checkpoints'
+    input_linear / output_linear)."""
+    if tail in ("router.weight", "router.layer.weight"):
+        return {f"{prefix}.router.weight": value}
+    tail = _STACKED.get(tail, tail)
+    renamed = {}
+    for j, expert in enumerate(value.unbind(0)):
+        renamed.update(_split_gated(f"{prefix}.experts.{j}", tail, expert))
     return renamed

@@ -191,7 +191,7 @@ def _read_lm_checkpoint(model_dir: Path, tokenizer) -> tuple[str, MambaConfig, d
         return "mistral", config, from_mistral_names(_read_weight_file(weight_file(model_dir)))
     _, layout, config = read_config(model_dir)
     if isinstance(config, BambaConfig):
-        return layout, config, from_transformers_names(read_state_dict(model_dir))
+        return layout, config, from_transformers_names(read_state_dict(model_dir), config)
     if isinstance(config, JambaConfig):
         return layout, config, from_jamba_names(read_state_dict(model_dir))
     return layout, config, to_internal_names(read_state_dict(model_dir), layout)

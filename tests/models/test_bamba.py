@@ -20,22 +20,25 @@ HF_CONFIG = dict(vocab_size=97, hidden_size=36, num_hidden_layers=5, attn_layer_
 
 
 def random_reference(seed: int = 0, **changes) -> BambaForCausalLM:
+    torch.manual_seed(seed)
+    return randomize_(BambaForCausalLM(BambaConfig(**{**HF_CONFIG, **changes})).eval())
+
+
+@torch.no_grad()
+def randomize_(model):
     """Random weights of realistic scale; dt_bias low enough that Δ's floor binds on some
     tokens."""
-    torch.manual_seed(seed)
-    model = BambaForCausalLM(BambaConfig(**{**HF_CONFIG, **changes})).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("A_log"):
-                param.copy_(torch.log(torch.rand_like(param) * 15 + 1))
-            elif name.endswith(".D"):
-                param.copy_(torch.rand_like(param) + 0.5)
-            elif name.endswith("dt_bias"):
-                param.copy_(torch.randn_like(param) - 4.5)
-            elif "norm" in name:
-                param.copy_(1 + 0.1 * torch.randn_like(param))
-            else:
-                param.copy_(torch.randn_like(param) * 0.2)
+    for name, param in model.named_parameters():
+        if name.endswith("A_log"):
+            param.copy_(torch.log(torch.rand_like(param) * 15 + 1))
+        elif name.endswith(".D"):
+            param.copy_(torch.rand_like(param) + 0.5)
+        elif name.endswith("dt_bias"):
+            param.copy_(torch.randn_like(param) - 4.5)
+        elif "norm" in name:
+            param.copy_(1 + 0.1 * torch.randn_like(param))
+        else:
+            param.copy_(torch.randn_like(param) * 0.2)
     return model
 
 
