@@ -68,6 +68,8 @@ def _check_exportable(qmodel) -> None:
     config = getattr(qmodel, "quant_config", None)
     if config is None or not hasattr(qmodel, "backbone"):
         raise QuambaError("export needs a quantized Mamba LM (QuantizedMambaLM)")
+    if not hasattr(qmodel.config, "to_transformers"):
+        raise QuambaError(f"exporting {type(qmodel).__name__} is not supported yet")
     if config.hadamard:
         raise QuambaError("a Hadamard-rotated model cannot be exported: the engines run the plain "
                           "architecture, which cannot rotate y online before out_proj; quantize "

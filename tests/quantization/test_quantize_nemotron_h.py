@@ -154,6 +154,12 @@ def test_unsupported_recipes_are_refused_in_one_line(fp_model, changes, message)
         quamba.quantize(fp_model, None, quamba.QuantConfig(**changes), calib_data=ids(2, 16, 0))
 
 
+def test_export_is_refused_in_one_line(quantized, tmp_path):
+    with pytest.raises(quamba.QuambaError,
+                       match="^exporting QuantizedNemotronHLM is not supported yet$"):
+        quamba.export(quantized["w8a8"], tmp_path / "out")
+
+
 def test_reload_in_bf16_casts_the_kv_cache_and_the_gemm_outputs(quantized, tmp_path):
     qmodel, tokens = quantized["w8a8"], ids(2, 37, seed=1)
     qmodel.save_pretrained(tmp_path / "w8a8")
