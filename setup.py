@@ -33,6 +33,11 @@ DEFAULT_ARCHS = ["8.0", "8.6", "8.9", "9.0a"]
 MIN_ARCH = (8, 0)
 
 
+# loading an export (quamba.export) in transformers and its tests: 0.20.1 is the version tested
+# with transformers 5.24 (which needs >= 0.15); writing an export needs neither
+EXPORT_REQUIRES = ["compressed-tensors==0.20.1"]
+
+
 def read_version() -> str:
     with open(os.path.join(ROOT, "quamba", "version.py")) as f:
         return re.search(r'__version__\s*=\s*"([^"]+)"', f.read()).group(1)
@@ -211,13 +216,12 @@ setup(
     ],
     extras_require={"dev": [
         "pytest",
+        *EXPORT_REQUIRES,  # the export round-trip tests (tests/export) run in CI too
         "scipy",  # cont2discrete and solve_ivp: the references of tests/ops/test_discretization.py
         # its interpreter runs the Triton kernels' small tests on CPU (TRITON_INTERPRET, set by
         # tests/conftest.py); on a GPU the triton that torch's CUDA wheels pin satisfies it
         "triton; platform_system == 'Linux'",
     ],
-        # loading an export (quamba.export) in transformers and its tests: 0.20.1 is the version
-        # tested with transformers 5.24 (which needs >= 0.15); writing an export needs neither
-        "export": ["compressed-tensors==0.20.1"]},
+        "export": EXPORT_REQUIRES},
     **extension_kwargs(),
 )
