@@ -17,12 +17,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
 import torch.nn as nn
 
 from quamba.models.config import ConfigError, _first_id
 from quamba.models.mamba import Block, MambaLMHeadModel, RMSNorm
-from quamba.models.mamba2 import Mamba2Mixer, init_mamba2_parameters
 from quamba.models.nemotron_h import NemotronHMamba2Mixer
 from quamba.models.transformer_layers import Attention, GatedMLP, GraniteMoE, RotaryEmbedding
 
@@ -262,17 +260,8 @@ class BambaLM(MambaLMHeadModel):
     MixerState, each attention layer's KV cache, None for the feed-forwards."""
 
     def __init__(self, config: BambaConfig, device=None, dtype=None):
-        nn.Module.__init__(self)  # not MambaLMHeadModel's: other blocks, no Mamba1 init
-        self.config = config
-        self.backbone = BambaBackbone(config, device, dtype)
-        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False, device=device,
-                                 dtype=dtype)
-        if config.tie_embeddings:
-            self.lm_head.weight = self.backbone.embedding.weight
-        with torch.no_grad():
-            for mixer in self.mixers():
-                if isinstance(mixer, Mamba2Mixer):
-                    init_mamba2_parameters(mixer)
+        nn.Module.__init__(self)  # MambaLMHeadModel's parts around other blocks
+        self._assemble(config, BambaBackbone(config, device, dtype), config.vocab_size, device, dtype)
 
     @property
     def model_type(self) -> str:

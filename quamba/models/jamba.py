@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from quamba.models.config import ConfigError, MambaConfig, _first_id
-from quamba.models.mamba import Block, MambaLMHeadModel, MambaMixer, RMSNorm, init_ssm_parameters
+from quamba.models.mamba import Block, MambaLMHeadModel, MambaMixer, RMSNorm
 from quamba.models.transformer_layers import Attention, GatedMLP, MoE, SoftmaxTopkRouter
 from quamba.ops.norm.mixer_norm import mixer_rms_norm
 
@@ -186,17 +186,8 @@ class JambaLM(MambaLMHeadModel):
     mixer's MixerState, each attention layer's KV cache, None for MLP and MoE blocks."""
 
     def __init__(self, config: JambaConfig, device=None, dtype=None):
-        nn.Module.__init__(self)  # not MambaLMHeadModel's: other blocks
-        self.config = config
-        self.backbone = JambaBackbone(config, device, dtype)
-        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False, device=device,
-                                 dtype=dtype)
-        if config.tie_embeddings:
-            self.lm_head.weight = self.backbone.embedding.weight
-        with torch.no_grad():
-            for mixer in self.mixers():
-                if isinstance(mixer, JambaMambaMixer):
-                    init_ssm_parameters(mixer)
+        nn.Module.__init__(self)  # MambaLMHeadModel's parts around other blocks
+        self._assemble(config, JambaBackbone(config, device, dtype), config.vocab_size, device, dtype)
 
 
 _OUTER_NAMES = {"model.embed_tokens.weight": "backbone.embedding.weight",

@@ -238,9 +238,16 @@ class MambaLMHeadModel(nn.Module):
 
     def __init__(self, config: MambaConfig, device=None, dtype=None):
         super().__init__()
+        self._assemble(config, MambaBackbone(config, device, dtype), config.padded_vocab_size,
+                       device, dtype)
+
+    def _assemble(self, config, backbone: nn.Module, vocab_size: int, device, dtype) -> None:
+        """What every LM of quamba holds, the hybrids' too (they build other blocks): ``backbone``,
+        an lm_head of ``vocab_size`` rows (tied to the embedding where the config says), and
+        the SSM parameters of its Mamba1 and Mamba2 mixers initialised."""
         self.config = config
-        self.backbone = MambaBackbone(config, device, dtype)
-        self.lm_head = nn.Linear(config.d_model, config.padded_vocab_size, bias=False, device=device,
+        self.backbone = backbone
+        self.lm_head = nn.Linear(config.d_model, vocab_size, bias=False, device=device,
                                  dtype=dtype)
         if config.tie_embeddings:
             self.lm_head.weight = self.backbone.embedding.weight
@@ -248,7 +255,7 @@ class MambaLMHeadModel(nn.Module):
             for mixer in self.mixers():
                 if isinstance(mixer, Mamba2Mixer):
                     init_mamba2_parameters(mixer)
-                else:
+                elif isinstance(mixer, MambaMixer):
                     init_ssm_parameters(mixer)
 
     def mixers(self):

@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from quamba.models.config import ConfigError, _first_id
 from quamba.models.mamba import Block, MambaLMHeadModel, RMSNorm
-from quamba.models.mamba2 import Mamba2Mixer, init_mamba2_parameters
+from quamba.models.mamba2 import Mamba2Mixer
 from quamba.models.transformer_layers import MLP, Attention, MoE, TopkRouter
 
 # hybrid_override_pattern's letters and layers_block_type's names of each layer kind
@@ -237,14 +237,5 @@ class NemotronHLM(MambaLMHeadModel):
     Mamba layer's MixerState, each attention layer's KV cache, None for MLP and MoE layers."""
 
     def __init__(self, config: NemotronHConfig, device=None, dtype=None):
-        nn.Module.__init__(self)  # not MambaLMHeadModel's: other blocks, no Mamba1 init
-        self.config = config
-        self.backbone = NemotronHBackbone(config, device, dtype)
-        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False, device=device,
-                                 dtype=dtype)
-        if config.tie_embeddings:
-            self.lm_head.weight = self.backbone.embedding.weight
-        with torch.no_grad():
-            for mixer in self.mixers():
-                if isinstance(mixer, Mamba2Mixer):
-                    init_mamba2_parameters(mixer)
+        nn.Module.__init__(self)  # MambaLMHeadModel's parts around other blocks
+        self._assemble(config, NemotronHBackbone(config, device, dtype), config.vocab_size, device, dtype)
