@@ -28,6 +28,7 @@ from quamba.models.config import TRANSFORMERS_MAMBA1_TYPES, ConfigError, MambaCo
 from quamba.models.hub import (cast_model, is_quamba_checkpoint, load_state_into, load_tokenizer,
                                parse_dtype, quantized_format, read_config_json, resolve_model_dir)
 from quamba.models.bamba import BAMBA_TYPES, BambaConfig, BambaLM, from_transformers_names
+from quamba.models.falcon_h1 import FalconH1Config, FalconH1LM, from_falcon_h1_names
 from quamba.models.jamba import JambaConfig, JambaLM, from_jamba_names
 from quamba.models.mamba import MambaLMHeadModel
 from quamba.models.nemotron_h import UNSUPPORTED_HYBRIDS, NemotronHConfig, NemotronHLM
@@ -39,7 +40,8 @@ log = logging.getLogger("quamba")
 
 MEGATRON_MARKERS = ("latest_checkpointed_iteration.txt", "release/mp_rank_00/model_optim_rng.pt")
 # transformers model types that load_model reads
-SUPPORTED_MODEL_TYPES = (*TRANSFORMERS_MAMBA1_TYPES, "mamba2", "nemotron_h", *BAMBA_TYPES, "jamba")
+SUPPORTED_MODEL_TYPES = (*TRANSFORMERS_MAMBA1_TYPES, "mamba2", "nemotron_h", *BAMBA_TYPES, "jamba",
+                         "falcon_h1")
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
 
@@ -72,6 +74,8 @@ def read_config(model_dir: Path) -> tuple[dict, str, MambaConfig | NemotronHConf
             config = BambaConfig.from_transformers(raw)
         elif raw.get("model_type") == "jamba":
             config = JambaConfig.from_transformers(raw)
+        elif raw.get("model_type") == "falcon_h1":
+            config = FalconH1Config.from_transformers(raw)
         else:
             config = MambaConfig.from_transformers(raw)
     except KeyError as exc:
@@ -168,6 +172,8 @@ def _lm_class(config) -> type:
         return NemotronHLM
     if isinstance(config, JambaConfig):
         return JambaLM
+    if isinstance(config, FalconH1Config):
+        return FalconH1LM
     return BambaLM if isinstance(config, BambaConfig) else MambaLMHeadModel
 
 
@@ -194,6 +200,8 @@ def _read_lm_checkpoint(model_dir: Path, tokenizer) -> tuple[str, MambaConfig, d
         return layout, config, from_transformers_names(read_state_dict(model_dir), config)
     if isinstance(config, JambaConfig):
         return layout, config, from_jamba_names(read_state_dict(model_dir))
+    if isinstance(config, FalconH1Config):
+        return layout, config, from_falcon_h1_names(read_state_dict(model_dir), config)
     return layout, config, to_internal_names(read_state_dict(model_dir), layout)
 
 

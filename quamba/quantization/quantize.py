@@ -14,6 +14,7 @@ import torch
 
 from quamba.errors import QuambaError
 from quamba.models.bamba import BambaLM
+from quamba.models.falcon_h1 import FalconH1LM
 from quamba.models.jamba import JambaLM
 from quamba.models.mamba import MambaLMHeadModel
 from quamba.models.nemotron_h import NemotronHLM
@@ -97,6 +98,8 @@ def _check_hybrid(model: NemotronHLM, config: QuantConfig) -> None:
 def _check_quantizable(model, config: QuantConfig) -> None:
     if isinstance(model, JambaLM):
         raise QuambaError("quantizing jamba is not supported yet")
+    if isinstance(model, FalconH1LM):
+        raise QuambaError("quantizing falcon_h1 is not supported yet")
     if isinstance(model, BambaLM):
         raise QuambaError(f"quantizing {model.model_type} is not supported yet")
     if isinstance(model, NemotronHLM):

@@ -1,0 +1,150 @@
+"""Falcon-H1 in FP: logits equal to transformers' FalconH1ForCausalLM (µP multipliers ≠ 1),
+decode against prefill, generate against transformers' greedy tokens, and the configs quamba
+refuses."""
+import json
+import re
+
+import pytest
+import torch
+from transformers import FalconH1Config, FalconH1ForCausalLM
+
+import quamba
+from quamba.errors import CheckpointError
+from quamba.models.falcon_h1 import FalconH1LM
+
+# Odd sizes: 3 layers; 2 B/C groups of 6 Mamba heads of 5 (mamba_d_ssm 30), d_state 7, chunk 8
+# (a prompt of 37 ends in a partial chunk); 3 attention heads of 12 over 1 KV head; every µP
+# multiplier ≠ 1 and biases in the attention, the MLP and the Mamba projections.
+HF_CONFIG = dict(vocab_size=97, hidden_size=36, num_hidden_layers=3, intermediate_size=22,
+                 mamba_d_ssm=30, mamba_n_heads=6, mamba_n_groups=2, mamba_d_state=7,
+                 mamba_chunk_size=8, num_attention_heads=3, num_key_value_heads=1,
+                 attention_bias=True, mlp_bias=True, mamba_proj_bias=True,
+                 projectors_bias=True, tie_word_embeddings=False,
+                 embedding_multiplier=1.7, lm_head_multiplier=0.6, key_multiplier=1.3,
+                 attention_in_multiplier=0.8, attention_out_multiplier=1.2,
+                 ssm_in_multiplier=0.9, ssm_out_multiplier=1.4,
+                 ssm_multipliers=[0.7, 1.3, 0.8, 1.2, 0.5], mlp_multipliers=[1.1, 0.75])
+
+
+def random_reference(seed: int = 0, **changes) -> FalconH1ForCausalLM:
+    torch.manual_seed(seed)
+    model = FalconH1ForCausalLM(FalconH1Config(**{**HF_CONFIG, **changes}))
+    return randomize_(model).eval()
+
+
+@torch.no_grad()
+def randomize_(model):
+    for name, param in model.named_parameters():
+        if name.endswith("A_log"):
+            param.copy_(torch.log(torch.rand_like(param) * 15 + 1))
+        elif name.endswith(".D"):
+            param.copy_(torch.rand_like(param) + 0.5)
+        elif name.endswith("dt_bias"):
+            param.copy_(torch.randn_like(param) - 3)
+        elif "norm" in name:
+            param.copy_(1 + 0.1 * torch.randn_like(param))
+        else:
+            param.copy_(torch.randn_like(param) * 0.2)
+    return model
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("falcon_h1")
+    random_reference().save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def model(hf_dir):
+    return quamba.load_model(hf_dir, tokenizer=False)[0]
+
+
+def ids(batch: int, length: int, seed: int = 1):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, HF_CONFIG["vocab_size"], (batch, length), generator=generator)
+
+
+def rel(a, b) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+def test_logits_equal_transformers_falcon_h1(model):
+    assert isinstance(model, FalconH1LM) and model.config.n_layer == 6
+    assert model.config.headdim == 5 and model.config.head_dim == 12
+    tokens = ids(2, 37)
+    with torch.no_grad():
+        assert rel(model(tokens), random_reference()(tokens).logits) < 1e-4
+
+
+def test_gated_norm_tied_embeddings_head_dim_and_a_dt_floor(tmp_path):
+    """Mamba2's gated RMSNorm, attention heads of 10 (not hidden_size / 3), Δ floored at 0.05
+    (transformers floors it in a prefill only, so no decode is compared here)."""
+    reference = random_reference(seed=4, tie_word_embeddings=True, mamba_rms_norm=True,
+                                 mamba_norm_before_gate=False, head_dim=10,
+                                 time_step_limit=(0.05, float("inf")))
+    reference.save_pretrained(tmp_path)
+    model = quamba.load_model(tmp_path, tokenizer=False)[0]
+    assert model.lm_head.weight is model.backbone.embedding.weight
+    assert model.backbone.layers[0].mixer.self_attn.q_proj.out_features == 30
+    tokens = ids(1, 21)
+    with torch.no_grad():
+        assert rel(model(tokens), reference(tokens).logits) < 1e-4
+
+
+def test_decode_steps_follow_the_prefill(model):
+    tokens = ids(3, 29, seed=2)
+    with torch.no_grad():
+        full = model(tokens)
+        cache = model.allocate_cache(3)
+        model(tokens[:, :17], cache=cache)
+        steps = model(tokens[:, 17:], cache=cache)
+    assert rel(steps, full[:, 17:]) < 1e-5
+
+
+def test_greedy_generate_equals_transformers(model):
+    prompt = ids(2, 11, seed=3)
+    reference = random_reference()
+    reference.generation_config.eos_token_id = None
+    expected = reference.generate(prompt, max_new_tokens=12, do_sample=False)
+    assert torch.equal(model.generate(prompt, max_new_tokens=12, eos_token_id=-1), expected)
+
+
+def write_config(tmp_path, **changes):
+    """A copy of the model directory with config.json changed (None drops a field)."""
+    source = tmp_path.parent / "falcon-h1-src"
+    if not source.exists():
+        random_reference().save_pretrained(source)
+    config = json.loads((source / "config.json").read_text())
+    config.update(changes)
+    config = {k: v for k, v in config.items() if v is not None}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "model.safetensors").symlink_to(source / "model.safetensors")
+    return tmp_path
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(hidden_act="gelu"), "hidden_act 'gelu' is not supported (only 'silu')"),
+    (dict(time_step_limit=[0.0, 0.1]), "time_step_limit [0.0, 0.1] is not supported"),
+    (dict(rope_parameters=dict(rope_type="yarn", factor=2.0)),
+     "rope_type 'yarn' is not supported (only 'default')"),
+    (dict(mamba_rms_norm=True, mamba_norm_before_gate=True),
+     "mamba_norm_before_gate with mamba_rms_norm is not supported"),
+    (dict(projectors_bias=False), "mamba_proj_bias and projectors_bias differ"),
+])
+def test_unsupported_options_are_refused_by_name(tmp_path, changes, message):
+    with pytest.raises(CheckpointError, match="config.json: " + re.escape(message)):
+        quamba.load_model(write_config(tmp_path, **changes), tokenizer=False)
+
+
+def test_quantizing_is_refused_in_one_line(model):
+    with pytest.raises(quamba.QuambaError, match="^quantizing falcon_h1 is not supported yet$"):
+        quamba.quantize(model, None, quamba.QuantConfig(), calib_data=ids(2, 16))
+
+
+def test_saving_in_a_hub_layout_and_graph_decoding_are_refused(model, tmp_path):
+    with pytest.raises(CheckpointError, match="saving a FalconH1LM in a Hub layout"):
+        quamba.save_model(model, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(quamba.QuambaError, match="FalconH1LM cannot decode from CUDA graphs yet"):
+        model.generate(ids(1, 4), max_new_tokens=2, cache_graph=True)
