@@ -6,14 +6,13 @@ from contextlib import contextmanager
 from types import MappingProxyType
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from quamba.calibrate.data import CalibrationSet
 from quamba.calibrate.errors import CalibrationError
 from quamba.calibrate.observers import ChannelAbsMaxObserver, ObserverSpec, make_observer
-from quamba.layers.qtransformer import TRANSFORMER_LAYERS
+from quamba.layers.qtransformer import TRANSFORMER_LAYERS, quantized_linears
 from quamba.models.mamba2 import Mamba2Mixer
 from quamba.models.state import MixerState
 from quamba.ops.conv.causal_conv1d import causal_conv1d
@@ -213,14 +212,13 @@ def _observing_head(model, recorder: _Recorder, enabled: bool):
 
 def _linear_input_hooks(recorder: _Recorder, layer: int, mixer) -> list:
     """Forward pre-hooks on a hybrid's attention, MLP or MoE layer: its normed input as
-    "in_proj.input" and each nn.Linear's input as "<name>.input" (an expert's, over the tokens
-    routed to it)."""
+    "in_proj.input" and each quantized linear's input as "<name>.input" (an expert's, over the
+    tokens routed to it; a router's is not observed)."""
     def observer(kind):
         return lambda module, inputs: recorder.observe(layer, kind, inputs[0])
     handles = [mixer.register_forward_pre_hook(observer("in_proj.input"))]
-    for name, module in mixer.named_modules():
-        if isinstance(module, nn.Linear):
-            handles.append(module.register_forward_pre_hook(observer(f"{name}.input")))
+    for name, module in quantized_linears(mixer):
+        handles.append(module.register_forward_pre_hook(observer(f"{name}.input")))
     return handles
 
 

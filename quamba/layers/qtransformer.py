@@ -1,12 +1,13 @@
 """Quantized linears of the hybrids' attention, MLP and MoE layers
 (quamba.models.transformer_layers): each nn.Linear becomes a W8A8 / W4A8 linear behind an int8
-quantizer of its float input (QInputLinear), or a W4A16Linear. The layers' own forwards, the KV
-cache (float, the model dtype) and the MoE router (fp32) stay as they are.
+quantizer of its float input (QInputLinear), or a W4A16Linear. The layers' own forwards (RoPE in
+float after q_proj and k_proj), the KV cache (float, the model dtype) and the MoE routers (fp32
+TopkRouter; Granite's nn.Linear router, FLOAT_LINEARS) stay as they are.
 
-Input scales: static per tensor from calibration, except down_proj's input (relu² outputs, large
-range), quantized per token at run time (DYNAMIC_INPUTS): that quantizer is a torch op, with no
-kernel yet; the GEMM after it is the W8A8 / W4A8 kernel with an input scale of 1, its fp32 output
-times each token's scale.
+Input scales: static per tensor from calibration, except down_proj's input (relu² or SwiGLU
+outputs, large range), quantized per token at run time (DYNAMIC_INPUTS): that quantizer is a
+torch op, with no kernel yet; the GEMM after it is the W8A8 / W4A8 kernel with an input scale of
+1, its fp32 output times each token's scale.
 """
 from __future__ import annotations
 
@@ -16,15 +17,23 @@ import torch.nn as nn
 from quamba.layers.base import QuantModule
 from quamba.layers.qlinear import W4A8Linear, W4A16Linear, W8A8Linear
 from quamba.models.state import AttentionState
-from quamba.models.transformer_layers import MLP, Attention, MoE
+from quamba.models.transformer_layers import MLP, Attention, GatedMLP, GraniteMoE, MoE
 from quamba.ops.quant import INT8_MAX, SCALE_FLOOR, fake_quantize, quantize, scale_from_range
 
 # The hybrid layers whose nn.Linear modules quantize_linears_ replaces
-TRANSFORMER_LAYERS = (Attention, MLP, MoE)
+TRANSFORMER_LAYERS = (Attention, MLP, GatedMLP, MoE, GraniteMoE)
+# nn.Linear modules left float and uncalibrated (by the end of the name): Granite's router
+FLOAT_LINEARS = ("router",)
 # Linears whose input is quantized per token at run time (by the end of the name)
 DYNAMIC_INPUTS = ("down_proj",)
 # Linears that read the layer's normed input (their static scale is the layer's "in_proj.input")
 LAYER_INPUTS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+
+
+def quantized_linears(layer: nn.Module) -> list[tuple[str, nn.Linear]]:
+    """(name, module) of each nn.Linear of ``layer`` that quantize_linears_ replaces."""
+    return [(name, module) for name, module in layer.named_modules()
+            if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] not in FLOAT_LINEARS]
 
 
 def is_dynamic(name: str) -> bool:
@@ -92,14 +101,13 @@ class QAttention(Attention):
 
 def quantize_linears_(layer: nn.Module, w_bits: int, a_bits: int, group_size: int,
                       ranges: dict | None = None, load: bool = True) -> nn.Module:
-    """Replace every nn.Linear of ``layer`` (attention, MLP or MoE; the router is no nn.Linear)
-    in place by its quantized form, its weights quantized if ``load``, its static input scales
-    from ``ranges`` (the layer's calibrated clipping ranges; None for W4A16 or an empty layer)."""
+    """Replace every nn.Linear of ``layer`` (attention, MLP or MoE) but a router
+    (quantized_linears) in place by its quantized form, its weights quantized if ``load``, its
+    static input scales from ``ranges`` (the layer's calibrated clipping ranges; None for W4A16
+    or an empty layer)."""
     if isinstance(layer, Attention):
         layer.__class__, layer.kv_dtype = QAttention, layer.k_proj.weight.dtype
-    for name, fp_linear in list(layer.named_modules()):
-        if not isinstance(fp_linear, nn.Linear):
-            continue
+    for name, fp_linear in quantized_linears(layer):
         if fp_linear.bias is not None:
             raise ValueError(f"{name}: quantized linears of hybrid layers take no bias")
         scale = 1.0

@@ -21,14 +21,14 @@ import torch.nn as nn
 
 from quamba.models.config import ConfigError, _first_id
 from quamba.models.mamba import Block, MambaLMHeadModel, RMSNorm
-from quamba.models.nemotron_h import NemotronHMamba2Mixer
+from quamba.models.nemotron_h import HybridConfig, NemotronHMamba2Mixer
 from quamba.models.transformer_layers import Attention, GatedMLP, GraniteMoE, RotaryEmbedding
 
 BAMBA_TYPES = ("bamba", "granitemoehybrid")
 
 
 @dataclass
-class BambaConfig:
+class BambaConfig(HybridConfig):
     """Shape of a Bamba or Granite-4.0-H model. ``layer_types`` has one entry a transformers
     layer, "mamba" or "attention"; the Mamba2 fields carry Mamba2Mixer's names. The feed-forward
     is a GatedMLP of ``intermediate_size``, or with ``num_experts`` Granite's MoE (its shared
@@ -217,6 +217,13 @@ def bamba_mixer(kind: str, config: BambaConfig, device=None, dtype=None) -> nn.M
                      c.attention_bias, rotary, c.attention_multiplier, device, dtype)
 
 
+def block_mixer(config: BambaConfig, block: int, device=None, dtype=None) -> nn.Module:
+    """The mixer of quamba's block ``block``: layer block // 2's mixer, then its feed-forward."""
+    if block % 2:
+        return feed_forward(config, device, dtype)
+    return bamba_mixer(config.layer_types[block // 2], config, device, dtype)
+
+
 def feed_forward(config: BambaConfig, device=None, dtype=None) -> nn.Module:
     c, kw = config, dict(device=device, dtype=dtype)
     if not c.num_experts:
@@ -244,12 +251,8 @@ class BambaBackbone(nn.Module):
         self.embedding = (nn.Embedding(c.vocab_size, c.d_model, **kw)
                           if c.embedding_multiplier == 1 else
                           ScaledEmbedding(c.vocab_size, c.d_model, c.embedding_multiplier, **kw))
-        self.layers = nn.ModuleList()
-        for kind in c.layer_types:
-            self.layers.append(Block(RMSNorm(c.d_model, c.norm_epsilon, False, **kw),
-                                     bamba_mixer(kind, c, **kw)))
-            self.layers.append(Block(RMSNorm(c.d_model, c.norm_epsilon, False, **kw),
-                                     feed_forward(c, **kw)))
+        self.layers = nn.ModuleList(Block(RMSNorm(c.d_model, c.norm_epsilon, False, **kw),
+                                          block_mixer(c, i, **kw)) for i in range(c.n_layer))
         self.norm_f = RMSNorm(c.d_model, c.norm_epsilon, False, **kw)
 
 
@@ -261,7 +264,8 @@ class BambaLM(MambaLMHeadModel):
 
     def __init__(self, config: BambaConfig, device=None, dtype=None):
         nn.Module.__init__(self)  # MambaLMHeadModel's parts around other blocks
-        self._assemble(config, BambaBackbone(config, device, dtype), config.vocab_size, device, dtype)
+        self._assemble(config, BambaBackbone(config, device, dtype), config.vocab_size, device,
+                       dtype)
 
     @property
     def model_type(self) -> str:

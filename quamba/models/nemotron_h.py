@@ -30,8 +30,32 @@ LAYER_KINDS = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": 
 UNSUPPORTED_HYBRIDS = ("zamba", "zamba2")
 
 
+class HybridConfig:
+    """What the hybrids' dataclass configs share: QuantizedMambaLM's fields of a MambaConfig,
+    and the quantized checkpoint's dict (``model_type`` names the family)."""
+
+    model_type: str
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return self.vocab_size
+
+    @property
+    def residual_in_fp32(self) -> bool:
+        return False
+
+    def to_dict(self) -> dict:
+        return {"model_type": self.model_type, **dataclasses.asdict(self)}
+
+    @classmethod
+    def from_dict(cls, values: dict):
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: tuple(v) if isinstance(v, list) else v
+                      for k, v in values.items() if k in known})
+
+
 @dataclass
-class NemotronHConfig:
+class NemotronHConfig(HybridConfig):
     """Shape of a Nemotron-H model. ``pattern`` has one letter a layer (LAYER_KINDS). The Mamba2
     fields carry Mamba2Mixer's names (d_inner = nheads · headdim, whatever ``expand`` says)."""
 
@@ -68,6 +92,7 @@ class NemotronHConfig:
     topk_group: int = 1
     norm_topk_prob: bool = True
     routed_scaling_factor: float = 1.0
+    model_type = "nemotron_h"
 
     def __post_init__(self):
         unknown = sorted(set(self.pattern) - set(LAYER_KINDS))
@@ -95,22 +120,6 @@ class NemotronHConfig:
     @property
     def n_layer(self) -> int:
         return len(self.pattern)
-
-    @property
-    def padded_vocab_size(self) -> int:
-        return self.vocab_size
-
-    @property
-    def residual_in_fp32(self) -> bool:
-        return False
-
-    def to_dict(self) -> dict:
-        return {"model_type": "nemotron_h", **dataclasses.asdict(self)}
-
-    @classmethod
-    def from_dict(cls, values: dict) -> "NemotronHConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in values.items() if k in known})
 
     @property
     def d_inner(self) -> int:
@@ -238,4 +247,5 @@ class NemotronHLM(MambaLMHeadModel):
 
     def __init__(self, config: NemotronHConfig, device=None, dtype=None):
         nn.Module.__init__(self)  # MambaLMHeadModel's parts around other blocks
-        self._assemble(config, NemotronHBackbone(config, device, dtype), config.vocab_size, device, dtype)
+        self._assemble(config, NemotronHBackbone(config, device, dtype), config.vocab_size,
+                       device, dtype)

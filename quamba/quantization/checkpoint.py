@@ -33,9 +33,10 @@ from quamba.layers.qtransformer import QInputLinear
 from quamba.models.config import MambaConfig
 from quamba.models.hub import (is_quamba_checkpoint, load_tokenizer, parse_dtype,
                                quantized_format, resolve_model_dir)
+from quamba.models.bamba import BambaConfig
 from quamba.models.nemotron_h import NemotronHConfig
 from quamba.models.quantized import QuantizedMambaLM
-from quamba.models.quantized_hybrid import QuantizedNemotronHLM
+from quamba.models.quantized_hybrid import QuantizedBambaLM, QuantizedNemotronHLM
 from quamba.models.quantized_vision import QuantizedVisionMamba
 from quamba.models.vision import VisionMambaConfig
 from quamba.quantization.config import QuantConfig
@@ -50,13 +51,18 @@ FORMAT_NAME = "quamba"
 # the norms of dt, B and C (the model config's mixer_rms_eps: Falcon-Mamba), so that a quamba
 # that knows no such norms refuses it rather than loads it without them. A Nemotron-H hybrid
 # (the model config's "model_type": "nemotron_h"; its attention, MLP and MoE linears as
-# quamba.layers.qtransformer stores them) is written as 7, which older quambas refuse.
+# quamba.layers.qtransformer stores them) is written as 7, which older quambas refuse; a Bamba
+# hybrid ("model_type": "bamba": two blocks a layer, RoPE attention, GatedMLP) as 8, which a
+# quamba that knows Nemotron-H only refuses.
 FORMAT_VERSION = 5
 MIXER_NORMS_FORMAT_VERSION = 6
-NEWEST_FORMAT_VERSION = 7
+NEWEST_FORMAT_VERSION = 8
+# quantized hybrid class → the format version it is written as
+HYBRID_FORMAT_VERSIONS = {QuantizedNemotronHLM: 7, QuantizedBambaLM: 8}
 # model_type in the model config → (config class, quantized model class); absent: Mamba1/Mamba2
 MODEL_TYPES = {"vision_mamba": (VisionMambaConfig, QuantizedVisionMamba),
-               "nemotron_h": (NemotronHConfig, QuantizedNemotronHLM)}
+               "nemotron_h": (NemotronHConfig, QuantizedNemotronHLM),
+               "bamba": (BambaConfig, QuantizedBambaLM)}
 WEIGHTS_FILE = "model.safetensors"
 
 
@@ -87,8 +93,8 @@ def save_quantized(model: QuantizedMambaLM, out_dir, tokenizer=None):
 
 
 def _format_version(model) -> int:
-    if isinstance(model, QuantizedNemotronHLM):
-        return NEWEST_FORMAT_VERSION
+    if type(model) in HYBRID_FORMAT_VERSIONS:
+        return HYBRID_FORMAT_VERSIONS[type(model)]
     if getattr(model.config, "mixer_rms_eps", None) is not None:
         return MIXER_NORMS_FORMAT_VERSION
     return FORMAT_VERSION

@@ -19,13 +19,15 @@ from quamba.models.jamba import JambaLM
 from quamba.models.mamba import MambaLMHeadModel
 from quamba.models.nemotron_h import NemotronHLM
 from quamba.models.quantized import QuantizedMambaLM
-from quamba.models.quantized_hybrid import QuantizedNemotronHLM
+from quamba.models.quantized_hybrid import QuantizedBambaLM, QuantizedNemotronHLM
 from quamba.models.vision import VisionMamba
 from quamba.ops.quant import scale_from_range
 from quamba.quantization.blocks import quantize_block_, quantized_norm
 from quamba.quantization.config import QuantConfig
 
 log = logging.getLogger("quamba")
+# FP hybrid class → its quantized class (quamba.models.quantized_hybrid)
+QUANTIZED_HYBRIDS = {NemotronHLM: QuantizedNemotronHLM, BambaLM: QuantizedBambaLM}
 
 @torch.inference_mode(False)  # the quantized model's tensors stay ordinary ones (see below)
 def quantize(model: MambaLMHeadModel, tokenizer=None, config: QuantConfig | None = None,
@@ -78,21 +80,24 @@ def quantize(model: MambaLMHeadModel, tokenizer=None, config: QuantConfig | None
 
 
 def _hybrid_config(model, config: QuantConfig) -> QuantConfig:
-    """Nemotron-H is quantized without Hadamard rotation (it is not exact across its attention
+    """A hybrid is quantized without Hadamard rotation (it is not exact across its attention
     and MLP blocks yet): ``hadamard`` is switched off, with a warning."""
-    if not isinstance(model, NemotronHLM) or not config.hadamard:
+    if type(model) not in QUANTIZED_HYBRIDS or not config.hadamard:
         return config
-    log.warning("nemotron_h: no Hadamard rotation for hybrid models yet; quantizing without it")
+    log.warning("%s: no Hadamard rotation for hybrid models yet; quantizing without it",
+                model.config.model_type)
     return dataclasses.replace(config, hadamard=False)
 
 
-def _check_hybrid(model: NemotronHLM, config: QuantConfig) -> None:
-    """The recipes that a Nemotron-H model cannot take yet, refused in one line."""
+def _check_hybrid(model, config: QuantConfig) -> None:
+    """The recipes that a hybrid (Nemotron-H, Bamba) cannot take yet, refused in one line."""
+    name = model.config.model_type
     for field in ("mixed_precision", "layer_bits", "apply_gptq", "learn_scales"):
         if getattr(config, field) not in (None, False):
-            raise QuambaError(f"{field} is not supported for nemotron_h yet")
-    if model.config.mlp_bias:
-        raise QuambaError("nemotron_h with mlp_bias is not supported by the quantized linears")
+            raise QuambaError(f"{field} is not supported for {name} yet")
+    for field in ("mlp_bias", "attention_bias"):
+        if getattr(model.config, field, False):
+            raise QuambaError(f"{name} with {field} is not supported by the quantized linears")
 
 
 def _check_quantizable(model, config: QuantConfig) -> None:
@@ -100,9 +105,9 @@ def _check_quantizable(model, config: QuantConfig) -> None:
         raise QuambaError("quantizing jamba is not supported yet")
     if isinstance(model, FalconH1LM):
         raise QuambaError("quantizing falcon_h1 is not supported yet")
-    if isinstance(model, BambaLM):
-        raise QuambaError(f"quantizing {model.model_type} is not supported yet")
-    if isinstance(model, NemotronHLM):
+    if isinstance(model, BambaLM) and model.model_type == "granitemoehybrid":
+        raise QuambaError("quantizing granitemoehybrid is not supported yet")
+    if type(model) in QUANTIZED_HYBRIDS:
         _check_hybrid(model, config)
     elif isinstance(model, QuantizedMambaLM) or type(model) is not MambaLMHeadModel:
         raise QuambaError(f"quantize needs an FP MambaLMHeadModel, got {type(model).__name__}")
@@ -158,7 +163,7 @@ def build_quantized_model(fp_model: MambaLMHeadModel, ranges: dict, config: Quan
     """QuantizedMambaLM from an FP model (rotated when ``config.hadamard``) and its calibrated
     clipping ranges ``ranges[layer][kind]`` (None for W4A16); 4-bit weights round to nearest."""
     weight = fp_model.backbone.embedding.weight
-    model_class = QuantizedNemotronHLM if isinstance(fp_model, NemotronHLM) else QuantizedMambaLM
+    model_class = QUANTIZED_HYBRIDS.get(type(fp_model), QuantizedMambaLM)
     qmodel = model_class(copy.deepcopy(fp_model.config), config, dtype=weight.dtype,
                          device=weight.device)
     _quantize_ends_(qmodel, fp_model, ranges, config)

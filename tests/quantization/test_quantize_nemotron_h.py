@@ -17,7 +17,6 @@ import quamba
 from quamba.layers.qmixer2 import QMamba2Mixer
 from quamba.layers.qtransformer import QAttention, QInputLinear
 from quamba.models.quantized_hybrid import QuantizedNemotronHLM
-from quamba.quantization.checkpoint import NEWEST_FORMAT_VERSION
 from tests.models.test_nemotron_h import HF_CONFIG, random_reference
 
 INT8_MODES = ("int8", "fp32-ssm-input", "fp32-conv", "float-sim-asic-int8")
@@ -139,7 +138,7 @@ def test_save_reload_is_bit_identical(quantized, recipe, tmp_path):
     reloaded, _ = quamba.load_model(tmp_path / recipe, tokenizer=False)
     assert isinstance(reloaded, QuantizedNemotronHLM)
     recorded = (tmp_path / recipe / "config.json").read_text()
-    assert f'"format_version": {NEWEST_FORMAT_VERSION}' in recorded and NEWEST_FORMAT_VERSION == 7
+    assert '"format_version": 7' in recorded
     for mode in ("fp16",) if recipe == "w4a16" else INT8_MODES:
         assert torch.equal(logits(reloaded, tokens, mode), logits(qmodel, tokens, mode)), mode
     qmodel.set_ssm_mode("fp16" if recipe == "w4a16" else "int8")
