@@ -31,6 +31,7 @@ from quamba.models.bamba import BAMBA_TYPES, BambaConfig, BambaLM, from_transfor
 from quamba.models.falcon_h1 import FalconH1Config, FalconH1LM, from_falcon_h1_names
 from quamba.models.jamba import JambaConfig, JambaLM, from_jamba_names
 from quamba.models.mamba import MambaLMHeadModel
+from quamba.models.zamba2 import Zamba2Config, Zamba2LM, from_zamba2_names
 from quamba.models.nemotron_h import UNSUPPORTED_HYBRIDS, NemotronHConfig, NemotronHLM
 from quamba.models.mistral import (check_tokenizer, from_mistral_names, is_mistral_dir,
                                    read_params, weight_file)
@@ -41,7 +42,7 @@ log = logging.getLogger("quamba")
 MEGATRON_MARKERS = ("latest_checkpointed_iteration.txt", "release/mp_rank_00/model_optim_rng.pt")
 # transformers model types that load_model reads
 SUPPORTED_MODEL_TYPES = (*TRANSFORMERS_MAMBA1_TYPES, "mamba2", "nemotron_h", *BAMBA_TYPES, "jamba",
-                         "falcon_h1")
+                         "falcon_h1", "zamba2")
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
 
@@ -74,6 +75,8 @@ def read_config(model_dir: Path) -> tuple[dict, str, MambaConfig | NemotronHConf
             config = BambaConfig.from_transformers(raw)
         elif raw.get("model_type") == "jamba":
             config = JambaConfig.from_transformers(raw)
+        elif raw.get("model_type") == "zamba2":
+            config = Zamba2Config.from_transformers(raw)
         elif raw.get("model_type") == "falcon_h1":
             config = FalconH1Config.from_transformers(raw)
         else:
@@ -172,6 +175,8 @@ def _lm_class(config) -> type:
         return NemotronHLM
     if isinstance(config, JambaConfig):
         return JambaLM
+    if isinstance(config, Zamba2Config):
+        return Zamba2LM
     if isinstance(config, FalconH1Config):
         return FalconH1LM
     return BambaLM if isinstance(config, BambaConfig) else MambaLMHeadModel
@@ -200,6 +205,8 @@ def _read_lm_checkpoint(model_dir: Path, tokenizer) -> tuple[str, MambaConfig, d
         return layout, config, from_transformers_names(read_state_dict(model_dir), config)
     if isinstance(config, JambaConfig):
         return layout, config, from_jamba_names(read_state_dict(model_dir))
+    if isinstance(config, Zamba2Config):
+        return layout, config, from_zamba2_names(read_state_dict(model_dir), config)
     if isinstance(config, FalconH1Config):
         return layout, config, from_falcon_h1_names(read_state_dict(model_dir), config)
     return layout, config, to_internal_names(read_state_dict(model_dir), layout)

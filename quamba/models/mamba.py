@@ -275,10 +275,10 @@ class MambaLMHeadModel(nn.Module):
             logits = [self._step(hidden[:, t:t + 1], cache) for t in range(input_ids.shape[1])]
             logits = torch.cat(logits, dim=1)
             return logits[:, -num_last_tokens:] if num_last_tokens > 0 else logits
-        residual = None
+        residual, kwargs = None, self._layer_kwargs(hidden)
         for i, block in enumerate(self.backbone.layers):
             state = cache.states[i] if cache is not None else None
-            hidden, residual = block(hidden, residual, state=state)
+            hidden, residual = block(hidden, residual, state=state, **kwargs)
         if cache is not None:
             cache.seqlen_offset += input_ids.shape[1]
         if num_last_tokens > 0:
@@ -286,12 +286,18 @@ class MambaLMHeadModel(nn.Module):
         return self._head(hidden, residual)
 
     def _step(self, hidden, cache: InferenceCache):
-        residual = None
+        residual, kwargs = None, self._layer_kwargs(hidden)
         layers = self.backbone.layers
         for block, state, ssm_A in zip(layers, cache.states, step_ssm_A(layers)):
-            hidden, residual = block(hidden, residual, state=state, step=True, ssm_A=ssm_A)
+            hidden, residual = block(hidden, residual, state=state, step=True, ssm_A=ssm_A,
+                                     **kwargs)
         cache.seqlen_offset += 1
         return self._head(hidden, residual)
+
+    def _layer_kwargs(self, embedding) -> dict:
+        """What every block gets besides (hidden, residual), from the token embeddings: nothing
+        here (Zamba2's layers take the embeddings)."""
+        return {}
 
     def _head(self, hidden, residual):
         normed, _ = self.backbone.norm_f(hidden, residual)

@@ -27,7 +27,7 @@ from quamba.models.transformer_layers import MLP, Attention, MoE, TopkRouter
 # hybrid_override_pattern's letters and layers_block_type's names of each layer kind
 LAYER_KINDS = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
 # transformers model types of hybrid models that quamba cannot load (yet)
-UNSUPPORTED_HYBRIDS = ("zamba", "zamba2")
+UNSUPPORTED_HYBRIDS = ("zamba",)
 
 
 class HybridConfig:

@@ -55,7 +55,7 @@ class Attention(nn.Module):
 
     def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  bias: bool = False, rotary: RotaryEmbedding | None = None,
-                 scale: float | None = None, device=None, dtype=None):
+                 scale: float | None = None, device=None, dtype=None, d_out: int | None = None):
         super().__init__()
         kw = dict(bias=bias, device=device, dtype=dtype)
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
@@ -63,7 +63,7 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(d_model, num_heads * head_dim, **kw)
         self.k_proj = nn.Linear(d_model, num_kv_heads * head_dim, **kw)
         self.v_proj = nn.Linear(d_model, num_kv_heads * head_dim, **kw)
-        self.o_proj = nn.Linear(num_heads * head_dim, d_model, **kw)
+        self.o_proj = nn.Linear(num_heads * head_dim, d_out or d_model, **kw)
 
     def allocate_state(self, batch_size: int, device=None) -> AttentionState:
         weight = self.k_proj.weight
@@ -78,7 +78,12 @@ class Attention(nn.Module):
     def forward(self, h, state: AttentionState | None = None, step: bool = False):
         """A prefill attends causally and, with ``state``, replaces its keys and values; a step
         appends the new token's to them and attends to all."""
-        q, k, v = (self._heads(proj(h)) for proj in (self.q_proj, self.k_proj, self.v_proj))
+        return self.attend(self.q_proj(h), self.k_proj(h), self.v_proj(h), state, step)
+
+    def attend(self, q, k, v, state: AttentionState | None, step: bool):
+        """forward's attention and o_proj, from the projections q, k, v [batch, seqlen,
+        heads · head_dim] (Zamba2 adds its adapters' to them)."""
+        q, k, v = (self._heads(x) for x in (q, k, v))
         if self.rotary is not None:
             offset = state.key.shape[2] if step else 0
             q, k = self.rotary(q, offset), self.rotary(k, offset)

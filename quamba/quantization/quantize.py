@@ -21,6 +21,7 @@ from quamba.models.nemotron_h import NemotronHLM
 from quamba.models.quantized import QuantizedMambaLM
 from quamba.models.quantized_hybrid import QuantizedBambaLM, QuantizedNemotronHLM
 from quamba.models.vision import VisionMamba
+from quamba.models.zamba2 import Zamba2LM
 from quamba.ops.quant import scale_from_range
 from quamba.quantization.blocks import quantize_block_, quantized_norm
 from quamba.quantization.config import QuantConfig
@@ -101,6 +102,8 @@ def _check_hybrid(model, config: QuantConfig) -> None:
 
 
 def _check_quantizable(model, config: QuantConfig) -> None:
+    if isinstance(model, Zamba2LM):
+        raise QuambaError("quantizing zamba2 is not supported yet")
     if isinstance(model, JambaLM):
         raise QuambaError("quantizing jamba is not supported yet")
     if isinstance(model, FalconH1LM):

@@ -140,7 +140,7 @@ def test_unsupported_options_are_refused_by_name(tmp_path, changes, message):
         quamba.load_model(write_config(tmp_path, **changes), tokenizer=False)
 
 
-@pytest.mark.parametrize("model_type", ["zamba", "zamba2"])
+@pytest.mark.parametrize("model_type", ["zamba"])
 def test_other_hybrids_are_refused_naming_the_supported_types(tmp_path, model_type):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type,
                                                       "hidden_size": 64}))
