@@ -256,7 +256,17 @@ class BambaBackbone(nn.Module):
         self.norm_f = RMSNorm(c.d_model, c.norm_epsilon, False, **kw)
 
 
-class BambaLM(MambaLMHeadModel):
+class ScaledLogits:
+    """The LM head's logits divided by ``config.logits_scaling`` (Granite's µP; 1 for Bamba), for
+    the FP and the quantized model."""
+
+    def _head(self, hidden, residual):
+        logits = super()._head(hidden, residual)
+        scaling = self.config.logits_scaling
+        return logits if scaling == 1 else logits / scaling
+
+
+class BambaLM(ScaledLogits, MambaLMHeadModel):
     """Bamba or Granite-4.0-H LM: embedding (times embedding_multiplier) → two blocks a layer →
     final RMSNorm → lm_head (untied by default; logits divided by logits_scaling). Forward,
     cache, decode and generate are MambaLMHeadModel's; the cache holds each Mamba layer's
@@ -270,11 +280,6 @@ class BambaLM(MambaLMHeadModel):
     @property
     def model_type(self) -> str:
         return self.config.model_type
-
-    def _head(self, hidden, residual):
-        logits = super()._head(hidden, residual)
-        scaling = self.config.logits_scaling
-        return logits if scaling == 1 else logits / scaling
 
 
 # each transformers sub-layer: (which of the layer's two blocks, its name there)

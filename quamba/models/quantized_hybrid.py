@@ -1,8 +1,9 @@
-"""Hybrids with quantized blocks (QuantizedHybridLM: Nemotron-H, Bamba). Their Mamba2 layers are
-Quamba2's (QMamba2Mixer with Δ's floor, or the W4A16 mixer); their attention, MLP and MoE layers
-keep their float RMSNorm and forward, with quantized linears (quamba.layers.qtransformer).
-Everything else (SSM modes, state cache, forward, decode, generate, checkpoints) is
-QuantizedMambaLM's. A family adds only ``fp_mixer``: its FP mixer of a block."""
+"""Hybrids with quantized blocks (QuantizedHybridLM: Nemotron-H, Bamba, Granite-4.0-H). Their
+Mamba2 layers are Quamba2's (QMamba2Mixer with Δ's floor, or the W4A16 mixer); their attention,
+MLP and MoE layers keep their float RMSNorm and forward, with quantized linears
+(quamba.layers.qtransformer); MoE routers stay float. Everything else (SSM modes, state cache,
+forward, decode, generate, checkpoints) is QuantizedMambaLM's. A family adds only ``fp_mixer``:
+its FP mixer of a block (Granite: and its µP embedding and logits multipliers, in float)."""
 from __future__ import annotations
 
 import torch
@@ -12,7 +13,7 @@ from quamba.layers.qlinear import W4A16Linear
 from quamba.layers.qmixer2 import ACTIVATION_SCALES, QMamba2Mixer
 from quamba.layers.qnorm import QRMSNorm
 from quamba.layers.qtransformer import quantize_linears_
-from quamba.models.bamba import block_mixer
+from quamba.models.bamba import ScaledEmbedding, ScaledLogits, block_mixer
 from quamba.models.mamba import Block, RMSNorm
 from quamba.models.mamba2 import Mamba2Mixer
 from quamba.models.nemotron_h import dt_floor, nemotron_h_layer
@@ -49,7 +50,19 @@ class QuantizedNemotronHLM(QuantizedHybridLM):
         return nemotron_h_layer(self.config.pattern[layer], self.config, device, dtype)
 
 
-class QuantizedBambaLM(QuantizedHybridLM):
+class QuantizedBambaLM(ScaledLogits, QuantizedHybridLM):
+    """Bamba or Granite-4.0-H: Granite's embedding_multiplier on the float embedding (quantize()
+    refuses an int8 one), its logits_scaling on the logits."""
+
+    def __init__(self, config, quant_config, dtype=torch.float16, device=None):
+        super().__init__(config, quant_config, dtype, device)
+        if config.embedding_multiplier != 1 and not quant_config.quantize_embedding:
+            self.backbone.embedding = ScaledEmbedding(config.vocab_size, config.d_model,
+                                                      config.embedding_multiplier,
+                                                      device=device, dtype=dtype)
+            if self.ties_lm_head:
+                self.lm_head.weight = self.backbone.embedding.weight
+
     def fp_mixer(self, layer: int, device=None, dtype=None) -> nn.Module:
         return block_mixer(self.config, layer, device, dtype)
 

@@ -52,8 +52,9 @@ FORMAT_NAME = "quamba"
 # that knows no such norms refuses it rather than loads it without them. A Nemotron-H hybrid
 # (the model config's "model_type": "nemotron_h"; its attention, MLP and MoE linears as
 # quamba.layers.qtransformer stores them) is written as 7, which older quambas refuse; a Bamba
-# hybrid ("model_type": "bamba": two blocks a layer, RoPE attention, GatedMLP) as 8, which a
-# quamba that knows Nemotron-H only refuses.
+# hybrid ("model_type": "bamba": two blocks a layer, RoPE attention, GatedMLP) or a Granite-4.0-H
+# one ("granitemoehybrid": MoE of GatedMLPs, µP multipliers) as 8, which a quamba that knows
+# Nemotron-H only refuses.
 FORMAT_VERSION = 5
 MIXER_NORMS_FORMAT_VERSION = 6
 NEWEST_FORMAT_VERSION = 8
@@ -62,7 +63,8 @@ HYBRID_FORMAT_VERSIONS = {QuantizedNemotronHLM: 7, QuantizedBambaLM: 8}
 # model_type in the model config → (config class, quantized model class); absent: Mamba1/Mamba2
 MODEL_TYPES = {"vision_mamba": (VisionMambaConfig, QuantizedVisionMamba),
                "nemotron_h": (NemotronHConfig, QuantizedNemotronHLM),
-               "bamba": (BambaConfig, QuantizedBambaLM)}
+               "bamba": (BambaConfig, QuantizedBambaLM),
+               "granitemoehybrid": (BambaConfig, QuantizedBambaLM)}
 WEIGHTS_FILE = "model.safetensors"
 
 

@@ -91,7 +91,8 @@ def _hybrid_config(model, config: QuantConfig) -> QuantConfig:
 
 
 def _check_hybrid(model, config: QuantConfig) -> None:
-    """The recipes that a hybrid (Nemotron-H, Bamba) cannot take yet, refused in one line."""
+    """The recipes that a hybrid (Nemotron-H, Bamba, Granite) cannot take yet, refused in one
+    line."""
     name = model.config.model_type
     for field in ("mixed_precision", "layer_bits", "apply_gptq", "learn_scales"):
         if getattr(config, field) not in (None, False):
@@ -99,6 +100,9 @@ def _check_hybrid(model, config: QuantConfig) -> None:
     for field in ("mlp_bias", "attention_bias"):
         if getattr(model.config, field, False):
             raise QuambaError(f"{name} with {field} is not supported by the quantized linears")
+    if config.quantize_embedding and getattr(model.config, "embedding_multiplier", 1) != 1:
+        raise QuambaError(f"quantize_embedding is not supported for {name} with an "
+                          "embedding_multiplier")
 
 
 def _check_quantizable(model, config: QuantConfig) -> None:
@@ -108,8 +112,6 @@ def _check_quantizable(model, config: QuantConfig) -> None:
         raise QuambaError("quantizing jamba is not supported yet")
     if isinstance(model, FalconH1LM):
         raise QuambaError("quantizing falcon_h1 is not supported yet")
-    if isinstance(model, BambaLM) and model.model_type == "granitemoehybrid":
-        raise QuambaError("quantizing granitemoehybrid is not supported yet")
     if type(model) in QUANTIZED_HYBRIDS:
         _check_hybrid(model, config)
     elif isinstance(model, QuantizedMambaLM) or type(model) is not MambaLMHeadModel:

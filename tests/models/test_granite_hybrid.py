@@ -112,9 +112,3 @@ def test_unsupported_options_are_refused_by_name(tmp_path, changes, message):
     with pytest.raises(CheckpointError, match="config.json: " + message.replace("(", r"\(")
                        .replace(")", r"\)").replace("[", r"\[").replace("]", r"\]")):
         quamba.load_model(write_config(tmp_path, **changes), tokenizer=False)
-
-
-def test_quantizing_is_refused_in_one_line(model):
-    with pytest.raises(quamba.QuambaError,
-                       match="^quantizing granitemoehybrid is not supported yet$"):
-        quamba.quantize(model, None, quamba.QuantConfig(), calib_data=ids(2, 16))
