@@ -9,6 +9,7 @@ from transformers import BambaConfig, BambaForCausalLM
 import quamba
 from quamba.errors import CheckpointError
 from quamba.models.bamba import BambaLM
+from tests.models.hybrid_checks import randomize_, rel, token_ids
 
 # Odd sizes: 3 Mamba layers and 2 attention layers; 2 B/C groups of 3 Mamba heads of 12, d_state
 # 5, chunk 8 (a prompt of 37 ends in a partial chunk); 3 attention heads of 12 over 1 KV head,
@@ -24,24 +25,6 @@ def random_reference(seed: int = 0, **changes) -> BambaForCausalLM:
     return randomize_(BambaForCausalLM(BambaConfig(**{**HF_CONFIG, **changes})).eval())
 
 
-@torch.no_grad()
-def randomize_(model):
-    """Random weights of realistic scale; dt_bias low enough that Δ's floor binds on some
-    tokens."""
-    for name, param in model.named_parameters():
-        if name.endswith("A_log"):
-            param.copy_(torch.log(torch.rand_like(param) * 15 + 1))
-        elif name.endswith(".D"):
-            param.copy_(torch.rand_like(param) + 0.5)
-        elif name.endswith("dt_bias"):
-            param.copy_(torch.randn_like(param) - 4.5)
-        elif "norm" in name:
-            param.copy_(1 + 0.1 * torch.randn_like(param))
-        else:
-            param.copy_(torch.randn_like(param) * 0.2)
-    return model
-
-
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
     directory = tmp_path_factory.mktemp("bamba")
@@ -55,12 +38,7 @@ def model(hf_dir):
 
 
 def ids(batch: int, length: int, seed: int = 1):
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, HF_CONFIG["vocab_size"], (batch, length), generator=generator)
-
-
-def rel(a, b) -> float:
-    return ((a - b).norm() / b.norm()).item()
+    return token_ids(HF_CONFIG["vocab_size"], batch, length, seed)
 
 
 def test_logits_equal_transformers_bamba(model):

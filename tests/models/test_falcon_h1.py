@@ -11,6 +11,7 @@ from transformers import FalconH1Config, FalconH1ForCausalLM
 import quamba
 from quamba.errors import CheckpointError
 from quamba.models.falcon_h1 import FalconH1LM
+from tests.models.hybrid_checks import randomize_, rel, token_ids
 
 # Odd sizes: 3 layers; 2 B/C groups of 6 Mamba heads of 5 (mamba_d_ssm 30), d_state 7, chunk 8
 # (a prompt of 37 ends in a partial chunk); 3 attention heads of 12 over 1 KV head; every µP
@@ -29,23 +30,7 @@ HF_CONFIG = dict(vocab_size=97, hidden_size=36, num_hidden_layers=3, intermediat
 def random_reference(seed: int = 0, **changes) -> FalconH1ForCausalLM:
     torch.manual_seed(seed)
     model = FalconH1ForCausalLM(FalconH1Config(**{**HF_CONFIG, **changes}))
-    return randomize_(model).eval()
-
-
-@torch.no_grad()
-def randomize_(model):
-    for name, param in model.named_parameters():
-        if name.endswith("A_log"):
-            param.copy_(torch.log(torch.rand_like(param) * 15 + 1))
-        elif name.endswith(".D"):
-            param.copy_(torch.rand_like(param) + 0.5)
-        elif name.endswith("dt_bias"):
-            param.copy_(torch.randn_like(param) - 3)
-        elif "norm" in name:
-            param.copy_(1 + 0.1 * torch.randn_like(param))
-        else:
-            param.copy_(torch.randn_like(param) * 0.2)
-    return model
+    return randomize_(model, dt_bias_shift=-3).eval()
 
 
 @pytest.fixture(scope="module")
@@ -61,12 +46,7 @@ def model(hf_dir):
 
 
 def ids(batch: int, length: int, seed: int = 1):
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, HF_CONFIG["vocab_size"], (batch, length), generator=generator)
-
-
-def rel(a, b) -> float:
-    return ((a - b).norm() / b.norm()).item()
+    return token_ids(HF_CONFIG["vocab_size"], batch, length, seed)
 
 
 def test_logits_equal_transformers_falcon_h1(model):

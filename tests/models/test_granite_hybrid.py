@@ -10,7 +10,8 @@ from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
 import quamba
 from quamba.errors import CheckpointError
 from quamba.models.bamba import BambaLM
-from tests.models.test_bamba import ids, randomize_, rel
+from tests.models.hybrid_checks import randomize_, rel
+from tests.models.test_bamba import ids
 
 # Odd sizes: 3 Mamba layers and 2 attention layers; 2 B/C groups of 3 Mamba heads of 12, d_state
 # 5, chunk 8 (a prompt of 37 ends in a partial chunk); 3 attention heads of 12 over 1 KV head,

@@ -12,6 +12,7 @@ import quamba
 from quamba.errors import CheckpointError
 from quamba.models.jamba import JambaLM, JambaMambaMixer
 from quamba.models.transformer_layers import Attention, GatedMLP, MoE
+from tests.models.hybrid_checks import rel, token_ids
 
 # Odd sizes, every kind twice: layers 1 and 3 attention (3 heads of 12 over 1 KV head), 0, 2 and
 # 4 Mamba (d_inner 72, dt_rank 7, d_state 5); layers 1 and 4 MoE (5 experts, 2 a token), the
@@ -54,12 +55,7 @@ def model(hf_dir):
 
 
 def ids(batch: int, length: int, seed: int = 1):
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, HF_CONFIG["vocab_size"], (batch, length), generator=generator)
-
-
-def rel(a, b) -> float:
-    return ((a - b).norm() / b.norm()).item()
+    return token_ids(HF_CONFIG["vocab_size"], batch, length, seed)
 
 
 def test_each_layer_is_two_blocks_of_the_right_kinds(hf_dir, model):

@@ -9,6 +9,7 @@ from transformers import NemotronHConfig, NemotronHForCausalLM
 import quamba
 from quamba.errors import CheckpointError
 from quamba.models.nemotron_h import NemotronHLM
+from tests.models.hybrid_checks import randomize_, rel, token_ids
 
 # Odd sizes: every layer kind twice; 2 B/C groups of 3 Mamba heads of 6, d_state 5, chunk 8 (a
 # prompt of 37 ends in a partial chunk); 3 attention heads of 10 over 1 KV head; 6 experts in 2
@@ -27,18 +28,8 @@ def random_reference(seed: int = 0) -> NemotronHForCausalLM:
     torch.manual_seed(seed)
     config = NemotronHConfig(**HF_CONFIG, experts_implementation="eager")  # odd sizes
     model = NemotronHForCausalLM(config).eval()
+    randomize_(model)
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("A_log"):
-                param.copy_(torch.log(torch.rand_like(param) * 15 + 1))
-            elif name.endswith(".D"):
-                param.copy_(torch.rand_like(param) + 0.5)
-            elif name.endswith("dt_bias"):
-                param.copy_(torch.randn_like(param) - 4.5)
-            elif "norm" in name:
-                param.copy_(1 + 0.1 * torch.randn_like(param))
-            else:
-                param.copy_(torch.randn_like(param) * 0.2)
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buffer.copy_(torch.randn_like(buffer) * 0.1)
@@ -58,12 +49,7 @@ def model(hf_dir):
 
 
 def ids(batch: int, length: int, seed: int = 1):
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, HF_CONFIG["vocab_size"], (batch, length), generator=generator)
-
-
-def rel(a, b) -> float:
-    return ((a - b).norm() / b.norm()).item()
+    return token_ids(HF_CONFIG["vocab_size"], batch, length, seed)
 
 
 def test_logits_equal_transformers_nemotron_h(model):

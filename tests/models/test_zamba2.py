@@ -10,6 +10,7 @@ from transformers import Zamba2Config, Zamba2ForCausalLM
 import quamba
 from quamba.errors import CheckpointError
 from quamba.models.zamba2 import Zamba2LM
+from tests.models.hybrid_checks import randomize_, rel, token_ids
 
 # Odd sizes: 3 Mamba layers and 3 hybrid layers over 2 shared blocks (block 0 used twice);
 # 2 B/C groups of 6 Mamba heads of 12, d_state 5, chunk 8 (a prompt of 37 ends in a partial
@@ -28,24 +29,6 @@ def random_reference(seed: int = 0, **changes) -> Zamba2ForCausalLM:
     return randomize_(Zamba2ForCausalLM(Zamba2Config(**{**HF_CONFIG, **changes})).eval())
 
 
-@torch.no_grad()
-def randomize_(model):
-    """Random weights of realistic scale (the adapters' too); dt_bias low enough that Δ's floor
-    binds on some tokens."""
-    for name, param in model.named_parameters():
-        if name.endswith("A_log"):
-            param.copy_(torch.log(torch.rand_like(param) * 15 + 1))
-        elif name.endswith(".D"):
-            param.copy_(torch.rand_like(param) + 0.5)
-        elif name.endswith("dt_bias"):
-            param.copy_(torch.randn_like(param) - 4.5)
-        elif "norm" in name:
-            param.copy_(1 + 0.1 * torch.randn_like(param))
-        else:
-            param.copy_(torch.randn_like(param) * 0.2)
-    return model
-
-
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
     directory = tmp_path_factory.mktemp("zamba2")
@@ -59,12 +42,7 @@ def model(hf_dir):
 
 
 def ids(batch: int, length: int, seed: int = 1):
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, HF_CONFIG["vocab_size"], (batch, length), generator=generator)
-
-
-def rel(a, b) -> float:
-    return ((a - b).norm() / b.norm()).item()
+    return token_ids(HF_CONFIG["vocab_size"], batch, length, seed)
 
 
 def test_logits_equal_transformers_zamba2(model):
