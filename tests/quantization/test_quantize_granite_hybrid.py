@@ -21,7 +21,9 @@ from quamba.models.quantized_hybrid import QuantizedBambaLM
 from quamba.models.transformer_layers import GraniteMoE
 from tests.models.test_bamba import ids
 from tests.models.test_granite_hybrid import DENSE, random_reference
-from tests.quantization.test_quantize_nemotron_h import INT8_MODES, logits, rel
+from tests.quantization.hybrid_checks import (assert_close_to_fp,
+                                              assert_decode_continues_the_prefill,
+                                              assert_reload_is_bit_identical, logits, rel)
 
 # recipe → (w_bits, a_bits, bound on the relative error, bound on top-1 agreement)
 RECIPES = {"w8a8": (8, 8, 0.1, 0.8), "w4a8": (4, 8, 0.5, 0.4), "w4a16": (4, 16, 0.5, 0.4)}
@@ -50,13 +52,7 @@ def quantized(fp_model):
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_close_to_the_fp_model(quantized, fp_model, recipe):
     _, a_bits, bound, top1 = RECIPES[recipe]
-    qmodel, tokens = quantized[recipe], ids(2, 37, seed=1)
-    reference = logits(fp_model, tokens)
-    for mode in ("fp16",) if a_bits == 16 else INT8_MODES:
-        out = logits(qmodel, tokens, mode)
-        assert rel(out, reference) < bound, mode
-        assert (out.argmax(-1) == reference.argmax(-1)).float().mean() > top1, mode
-    qmodel.set_ssm_mode("int8" if a_bits == 8 else "fp16")
+    assert_close_to_fp(quantized[recipe], fp_model, ids(2, 37, seed=1), a_bits, bound, top1)
 
 
 def test_experts_and_shared_mlp_are_quantized_the_router_is_not(quantized, fp_model):
@@ -92,28 +88,15 @@ def test_dynamic_down_proj_input_holds_where_static_does_not(fp_model, monkeypat
 
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_decode_continues_the_prefill(quantized, recipe):
-    qmodel, tokens = quantized[recipe], ids(3, 29, seed=2)
-    qmodel.set_state_cache("fp32")
-    full = logits(qmodel, tokens)
-    cache = qmodel.allocate_cache(3)
-    with torch.no_grad():
-        prefill = qmodel(tokens[:, :17], cache=cache).float()
-        steps = qmodel(tokens[:, 17:], cache=cache).float()
-    assert rel(prefill, full[:, :17]) < 1e-5
-    assert rel(steps, full[:, 17:]) < 1e-4
-    qmodel.set_state_cache("int8")
+    assert_decode_continues_the_prefill(quantized[recipe], ids(3, 29, seed=2), {"fp32": 1e-4})
 
 
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_save_reload_is_bit_identical(quantized, recipe, tmp_path):
-    qmodel, tokens = quantized[recipe], ids(2, 37, seed=1)
-    qmodel.save_pretrained(tmp_path / recipe)
-    reloaded, _ = quamba.load_model(tmp_path / recipe, tokenizer=False)
-    assert isinstance(reloaded, QuantizedBambaLM) and reloaded.config == qmodel.config
-    assert '"format_version": 8' in (tmp_path / recipe / "config.json").read_text()
-    for mode in ("fp16",) if recipe == "w4a16" else INT8_MODES:
-        assert torch.equal(logits(reloaded, tokens, mode), logits(qmodel, tokens, mode)), mode
-    qmodel.set_ssm_mode("fp16" if recipe == "w4a16" else "int8")
+    qmodel = quantized[recipe]
+    reloaded = assert_reload_is_bit_identical(qmodel, tmp_path / recipe, ids(2, 37, seed=1),
+                                              QuantizedBambaLM, 8, RECIPES[recipe][1])
+    assert reloaded.config == qmodel.config
 
 
 def test_dense_tied_model_saves_and_reloads(tmp_path):

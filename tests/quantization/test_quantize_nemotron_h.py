@@ -18,8 +18,10 @@ from quamba.layers.qmixer2 import QMamba2Mixer
 from quamba.layers.qtransformer import QAttention, QInputLinear
 from quamba.models.quantized_hybrid import QuantizedNemotronHLM
 from tests.models.test_nemotron_h import HF_CONFIG, random_reference
+from tests.quantization.hybrid_checks import (assert_close_to_fp,
+                                              assert_decode_continues_the_prefill,
+                                              assert_reload_is_bit_identical, logits, rel)
 
-INT8_MODES = ("int8", "fp32-ssm-input", "fp32-conv", "float-sim-asic-int8")
 # recipe → (w_bits, a_bits, bound on the relative error, bound on top-1 agreement)
 RECIPES = {"w8a8": (8, 8, 0.22, 0.82), "w4a8": (4, 8, 0.65, 0.35), "w4a16": (4, 16, 0.65, 0.35)}
 
@@ -27,17 +29,6 @@ RECIPES = {"w8a8": (8, 8, 0.22, 0.82), "w4a8": (4, 8, 0.65, 0.35), "w4a16": (4, 
 def ids(batch: int, length: int, seed: int):
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(0, HF_CONFIG["vocab_size"], (batch, length), generator=generator)
-
-
-def rel(a, b) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
-def logits(model, tokens, mode=None):
-    if mode is not None:
-        model.set_ssm_mode(mode)
-    with torch.no_grad():
-        return model(tokens).float()
 
 
 @pytest.fixture(scope="module")
@@ -58,13 +49,7 @@ def quantized(fp_model):
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_close_to_the_fp_model(quantized, fp_model, recipe):
     _, a_bits, bound, top1 = RECIPES[recipe]
-    qmodel, tokens = quantized[recipe], ids(2, 37, seed=1)
-    reference = logits(fp_model, tokens)
-    for mode in ("fp16",) if a_bits == 16 else INT8_MODES:
-        out = logits(qmodel, tokens, mode)
-        assert rel(out, reference) < bound, mode
-        assert (out.argmax(-1) == reference.argmax(-1)).float().mean() > top1, mode
-    qmodel.set_ssm_mode("int8" if a_bits == 8 else "fp16")
+    assert_close_to_fp(quantized[recipe], fp_model, ids(2, 37, seed=1), a_bits, bound, top1)
 
 
 def test_every_block_kind_is_quantized(quantized):
@@ -117,31 +102,16 @@ def test_decode_continues_the_prefill(quantized, recipe):
     """With an fp32 decode state the steps equal the prefill (to float rounding); with the int8
     state (requantized every step, the prefill's state is fp32 throughout) measured 0.054 (W8A8)
     and 0.183 (W4A8) off on this random model."""
-    qmodel, tokens = quantized[recipe], ids(3, 29, seed=2)
-    bound = {"fp32": 1e-4, "int8": {"w8a8": 0.08, "w4a8": 0.25}.get(recipe)}
-    for state_cache in ("fp32",) if recipe == "w4a16" else ("fp32", "int8"):
-        qmodel.set_state_cache(state_cache)
-        full = logits(qmodel, tokens)
-        cache = qmodel.allocate_cache(3)
-        with torch.no_grad():
-            prefill = qmodel(tokens[:, :17], cache=cache).float()
-            steps = qmodel(tokens[:, 17:], cache=cache).float()
-        assert rel(prefill, full[:, :17]) < 1e-5  # float attention over fewer keys
-        assert rel(steps, full[:, 17:]) < bound[state_cache], state_cache
-    qmodel.set_state_cache("int8")
+    bounds = {"fp32": 1e-4}
+    if recipe != "w4a16":
+        bounds["int8"] = {"w8a8": 0.08, "w4a8": 0.25}[recipe]
+    assert_decode_continues_the_prefill(quantized[recipe], ids(3, 29, seed=2), bounds)
 
 
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_save_reload_is_bit_identical(quantized, recipe, tmp_path):
-    qmodel, tokens = quantized[recipe], ids(2, 37, seed=1)
-    qmodel.save_pretrained(tmp_path / recipe)
-    reloaded, _ = quamba.load_model(tmp_path / recipe, tokenizer=False)
-    assert isinstance(reloaded, QuantizedNemotronHLM)
-    recorded = (tmp_path / recipe / "config.json").read_text()
-    assert '"format_version": 7' in recorded
-    for mode in ("fp16",) if recipe == "w4a16" else INT8_MODES:
-        assert torch.equal(logits(reloaded, tokens, mode), logits(qmodel, tokens, mode)), mode
-    qmodel.set_ssm_mode("fp16" if recipe == "w4a16" else "int8")
+    assert_reload_is_bit_identical(quantized[recipe], tmp_path / recipe, ids(2, 37, seed=1),
+                                   QuantizedNemotronHLM, 7, RECIPES[recipe][1])
 
 
 @pytest.mark.parametrize("changes, message", [
