@@ -5,7 +5,7 @@
 # JSON go to $OUT when set (the lent GPU machine), else to logs/gpu_check/.
 #
 #   scripts/gpu_check.sh [--baseline] [--no-build] [--sanitizer] [--no-bench] [--no-tests] [--quick]
-#                        [--e2e]
+#                        [--e2e] [--eval]
 #
 #   --baseline    also build mamba-ssm 2.3.2.post1 and causal-conv1d 1.7.0 (the FP16 baseline) from
 #                 the sdists in .whl/, for sm_90 only, beside quamba._C (413 s alone on the 16-core
@@ -25,24 +25,30 @@
 #                 (default 1800)
 #   --no-build    reuse quamba._C (and the baseline) built by an earlier call on the same machine
 #   --quick       shorter benchmark timing runs
+#   --eval        install lm-eval and the packages it needs from .whl/eval/ (offline), run the
+#                 README's main command on the GPU and on the CPU, and write their per-document
+#                 agreement (python -m quamba.eval.agreement) beside the log; the GPU tests then
+#                 include tests/eval/test_cuda_eval_agreement.py. Needs ../shared/data (the offline
+#                 data) beside the checkout
 #   --e2e         end-to-end generation profiles (benchmarks/profile_mamba.py): Mamba-130m and
 #                 Mamba-2.8b shapes, prompt 1024, 128 new tokens, batch 1 and 8 ($E2E_CONFIGS and
 #                 $E2E_BATCHES override the lists)
 #
-# .whl/ (git-ignored, carried to the machine) holds the nvidia-cutlass 4.2.0.0 wheel and, for
-# --baseline, the two sdists; see benchmarks/RESULTS.md for how they were downloaded.
+# .whl/ (git-ignored, carried to the machine) holds the nvidia-cutlass 4.2.0.0 wheel, for --baseline
+# the two sdists, for --eval the wheels in .whl/eval/: scripts/fetch_gpu_wheels.sh fetches them.
 # TORCH_CUDA_ARCH_LIST defaults to the GPU's own architecture (9.0a on Hopper);
 # QUAMBA_CUDA_FAMILIES limits the build to some kernel families (setup.py); QUAMBA_COMMIT names the
 # commit in the results (the copy of the repository on the GPU machine may carry a stale .git).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-BASELINE=0 BUILD=1 SANITIZER=0 BENCH=1 TESTS=1 E2E=0 QUICK=()
+BASELINE=0 BUILD=1 SANITIZER=0 BENCH=1 TESTS=1 E2E=0 EVAL=0 QUICK=()
 for arg in "$@"; do
   case "$arg" in
     --baseline) BASELINE=1 ;;
     --no-build) BUILD=0 ;;
     --e2e) E2E=1 ;;
+    --eval) EVAL=1 ;;
     --sanitizer) SANITIZER=1 ;;
     --no-bench) BENCH=0 ;;
     --no-tests) TESTS=0 ;;
@@ -80,6 +86,28 @@ build_extension() {
   "$PYTHON" -m pip install -q --no-index --no-deps .whl/nvidia_cutlass-*.whl || return 1
   "$PYTHON" -m pip install --no-build-isolation --no-deps --no-index -e . || return 1
   "$PYTHON" -c "import quamba._C; print('quamba._C built')"
+}
+
+# lm-eval for the GPU image, offline (pure-Python wheels: --no-deps, the rest is in the image).
+install_eval_packages() {
+  "$PYTHON" -m pip install -q --no-index --no-deps .whl/eval/*.whl || return 1
+  "$PYTHON" -c "import lm_eval, datasets; print('lm-eval', lm_eval.__version__, 'datasets', datasets.__version__)"
+}
+
+# The README's main command (Quantize and evaluate) on DEVICE, its run JSON under $LOG_DIR/DEVICE.
+readme_main() {
+  local device=$1 out=$LOG_DIR/readme_$1
+  rm -rf "$out"
+  HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 HF_DATASETS_CACHE=$(mktemp -d) "$PYTHON" main.py \
+    tests/fixtures/tiny-mamba --quantize \
+    --calib_data ../shared/data/text/c4_sample.jsonl --calib_data_num 64 --calib_seqlen 256 \
+    --eval_zero_shot --task_list lambada_openai,piqa --testing \
+    --task_data ../shared/data/eval --log_dir "$out" --device "$device"
+}
+
+readme_agreement() {
+  "$PYTHON" -m quamba.eval.agreement "$LOG_DIR"/readme_cpu/*.json "$LOG_DIR"/readme_cuda/*.json \
+    --out "$LOG_DIR" && cat "$LOG_DIR/agreement.md"
 }
 
 # The GPU tests: the test_cuda_* files, and the Triton kernels' files whose small cases also run
@@ -146,6 +174,12 @@ BUILT=1
 [ "$BASELINE" = 1 ] && [ "$BUILD" = 1 ] && step build-baseline wait_for_baseline
 if [ "$BUILT" = 1 ]; then
   step environment "$PYTHON" -m quamba.env --strict  # quamba._C loads and runs every quantized op
+  if [ "$EVAL" = 1 ]; then
+    step eval-packages install_eval_packages
+    step readme-main-cuda readme_main cuda
+    step readme-main-cpu readme_main cpu
+    step agreement readme_agreement
+  fi
   [ "$TESTS" = 1 ] && step gpu-tests run_tests
   [ "$BENCH" = 1 ] && step benchmarks run_benchmarks
   [ "$E2E" = 1 ] && step e2e run_e2e

@@ -78,7 +78,10 @@ def _task_source(config: dict) -> dict:
 
 def per_sample_correctness(samples: dict) -> dict:
     """Per task: ``doc_id`` and, per 0/1 metric (keyed ``metric,filter`` as lm-eval's results),
-    each document's value, sorted by document id."""
+    each document's value, sorted by document id. Where every document's responses are
+    log-likelihoods (multiple choice, lambada), also ``loglikelihoods``: each document's, one
+    per choice, and, where the gold answer is a choice's index, ``gold``: what two runs'
+    per-document agreement is explained by (quamba.eval.agreement)."""
     table = {}
     for task, rows in samples.items():
         rows = sorted(rows, key=lambda row: (row["doc_id"], row.get("filter", "none")))
@@ -88,7 +91,22 @@ def per_sample_correctness(samples: dict) -> dict:
                 columns.setdefault(f"{metric},{row.get('filter', 'none')}", []).append(row.get(metric))
         table[task] = {key: [int(v) for v in values] if key != "doc_id" else values
                        for key, values in columns.items() if key == "doc_id" or _all_binary(values)}
+        table[task].update(_loglikelihood_columns([r for r in rows if r.get("filter", "none") == "none"]))
     return table
+
+
+def _loglikelihood_columns(rows: list[dict]) -> dict:
+    """``loglikelihoods`` (and ``gold``) of one task's unfiltered rows, or {} where a response is
+    not a (log-likelihood, is_greedy) pair (generation tasks)."""
+    responses = [row.get("filtered_resps") for row in rows]
+    if not rows or not all(isinstance(r, (list, tuple)) and r and all(
+            isinstance(choice, (list, tuple)) and len(choice) == 2 for choice in r) for r in responses):
+        return {}
+    columns = {"loglikelihoods": [[float(choice[0]) for choice in r] for r in responses]}
+    golds = [row.get("target") for row in rows]
+    if all(isinstance(gold, int) and not isinstance(gold, bool) for gold in golds):
+        columns["gold"] = golds
+    return columns
 
 
 def _all_binary(values) -> bool:
@@ -306,4 +324,6 @@ def _evaluate(request, plan: EvalPlan, config: dict | None) -> tuple[dict, str]:
         record["image_classification"] = evaluate_images(prepared.model, images, plan.batch_size)
         timings["image_classification_s"] = time.perf_counter() - began
     timings["total_s"] = time.perf_counter() - started
+    if hasattr(prepared.model, "op_backends"):  # which backend each op ran on, as profiles record
+        record["model"]["op_backends"] = prepared.model.op_backends()
     return record, prepared.name

@@ -51,3 +51,18 @@ def test_run_file_names_are_unique(tmp_path):
 def test_summary_lines_show_metrics_with_stderr():
     lines = summary_lines({"piqa": {"alias": "piqa", "acc,none": 0.5, "acc_stderr,none": 0.25}})
     assert lines == ["piqa: acc 0.5000 ± 0.2500"]
+
+
+def test_per_sample_records_each_documents_loglikelihoods_and_gold_choice():
+    rows = [{"doc_id": 1, "filter": "none", "metrics": ["acc"], "acc": 0.0, "target": 1,
+             "filtered_resps": [(-1.5, False), (-2.0, False)]},
+            {"doc_id": 0, "filter": "none", "metrics": ["acc"], "acc": 1.0, "target": 0,
+             "filtered_resps": [(-0.5, True), (-3.0, False)]}]
+    assert per_sample_correctness({"piqa": rows})["piqa"] == {
+        "doc_id": [0, 1], "acc,none": [1, 0], "loglikelihoods": [[-0.5, -3.0], [-1.5, -2.0]],
+        "gold": [0, 1]}
+    lambada = [{**rows[0], "target": " word", "filtered_resps": [(-9.0, False)]}]
+    assert per_sample_correctness({"lambada": lambada})["lambada"]["loglikelihoods"] == [[-9.0]]
+    assert "gold" not in per_sample_correctness({"lambada": lambada})["lambada"]
+    generated = [{**rows[0], "filtered_resps": ["some text"]}]
+    assert "loglikelihoods" not in per_sample_correctness({"gen": generated})["gen"]
