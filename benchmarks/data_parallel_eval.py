@@ -71,13 +71,19 @@ def run_record(log_dir: Path) -> dict:
 
 
 def differing_documents(one: dict, many: dict) -> dict:
-    """Per task: how many documents' records (0/1 metrics and log-likelihoods) differ."""
+    """Per task: how many documents' 0/1 metrics differ (``correctness``), and how many
+    documents' log-likelihoods differ at all (``loglikelihoods``: batches of other neighbours
+    round differently)."""
     counts = {}
     for task, samples in one["zero_shot"]["per_sample"].items():
         other = many["zero_shot"]["per_sample"][task]
-        rows = zip(*(samples[key] for key in samples), strict=True)
-        other_rows = zip(*(other[key] for key in samples), strict=True)
-        counts[task] = sum(a != b for a, b in zip(rows, other_rows))
+        metrics = [key for key in samples if "," in key]
+        correctness = zip(*(samples[key] for key in metrics), strict=True)
+        other_correctness = zip(*(other[key] for key in metrics), strict=True)
+        counts[task] = {
+            "correctness": sum(a != b for a, b in zip(correctness, other_correctness)),
+            "loglikelihoods": sum(a != b for a, b in zip(samples.get("loglikelihoods", []),
+                                                         other.get("loglikelihoods", [])))}
     return counts
 
 
