@@ -271,8 +271,12 @@ def _capture_decoder(model, batch_size: int, device, max_seqlen: int, pool) -> _
     cache = model.allocate_cache(batch_size, device=device, max_seqlen=max_seqlen)
 
     def step_fn(input_ids):
-        cache.seqlen_offset = 1  # any offset > 0 selects the decode path; positions are on the device
-        return model(input_ids, cache=cache)[:, -1]
+        # any offset > 0 selects the decode path (the positions are on the device); the host's
+        # count of the tokens is GraphedStep's to keep
+        offset, cache.seqlen_offset = cache.seqlen_offset, 1
+        logits = model(input_ids, cache=cache)[:, -1]
+        cache.seqlen_offset = offset
+        return logits
 
     step = GraphedStep(step_fn, batch_size, device, pool, cache=cache)
     return _DecoderGraphs(cache, step, LRUCache(PREFILL_GRAPHS_PER_BATCH))
