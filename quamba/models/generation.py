@@ -32,10 +32,12 @@ PREFILL_GRAPHS_PER_BATCH = 4
 # constants, W4A8's overflow check), and each costs a whole prefill's time at capture.
 PREFILL_WARMUPS = 1
 
-# The fewest tokens a decode graph's KV caches hold (hybrids): a graph's cache holds a power of two
-# of tokens, at least this many, so that prompts and generations of other lengths replay the same
-# graph. Its attention runs over the whole buffer (the unused positions masked out).
-GRAPH_MIN_SEQLEN = 256
+# The fewest tokens that generate's KV caches hold (hybrids): a cache holds a power of two of
+# tokens, at least this many, so that a decode graph serves prompts and generations of other
+# lengths. The attention runs over the whole buffer (the unused positions masked out), and eager
+# decoding allocates the same length, so that both attend over buffers of one length and give the
+# same tokens (sums over another length may round differently).
+MIN_CACHE_SEQLEN = 256
 
 
 def sample_next(logits, temperature: float = 1.0, top_k: int = 1, top_p: float = 1.0,
@@ -209,7 +211,7 @@ def graphed_decoder(model, batch_size: int, device, max_seqlen: int = DEFAULT_MA
     """``(cache, step)`` for ``model`` at ``batch_size``: a preallocated cache and its decode step
     as a GraphedStep, captured on first use and kept on the model (per batch size, device, SSM
     mode and state cache format; the graphs share one memory pool). A hybrid's KV caches hold at
-    least ``max_seqlen`` tokens (prompt and new ones; graph_seqlen); asked for more, the model
+    least ``max_seqlen`` tokens (prompt and new ones; cache_seqlen); asked for more, the model
     captures a larger cache's step in place of the kept one. Prefill into ``cache`` after
     resetting its ``seqlen_offset`` to 0 (or with :func:`graphed_prefill`), then call ``step``."""
     entry = _decoder_graphs(model, batch_size, device, max_seqlen)
@@ -260,7 +262,7 @@ def _decoder_graphs(model, batch_size: int, device,
         if graphs.pool is None:
             graphs.pool = torch.cuda.graph_pool_handle()
         # made before the kept entry is dropped, so that the decode pool keeps a live graph
-        graphs[key] = _capture_decoder(model, batch_size, device, graph_seqlen(max_seqlen),
+        graphs[key] = _capture_decoder(model, batch_size, device, cache_seqlen(max_seqlen),
                                        graphs.pool)
         if kept is not None:  # its prefill graphs go with it: later ones take a fresh pool
             graphs.prefill_pool = None
@@ -282,10 +284,10 @@ def _capture_decoder(model, batch_size: int, device, max_seqlen: int, pool) -> _
     return _DecoderGraphs(cache, step, LRUCache(PREFILL_GRAPHS_PER_BATCH))
 
 
-def graph_seqlen(tokens: int) -> int:
-    """The tokens a decode graph's KV caches hold for sequences of ``tokens``: the next power of
-    two, at least GRAPH_MIN_SEQLEN."""
-    return max(GRAPH_MIN_SEQLEN, 1 << (tokens - 1).bit_length())
+def cache_seqlen(tokens: int) -> int:
+    """The tokens that generate's KV caches hold for sequences of ``tokens``: the next power of
+    two, at least MIN_CACHE_SEQLEN."""
+    return max(MIN_CACHE_SEQLEN, 1 << (tokens - 1).bit_length())
 
 
 def _check_graphable(model) -> None:
@@ -356,7 +358,7 @@ def generate(model, input_ids, max_new_tokens: int | None = None, max_length: in
         eos_check_every = GRAPH_EOS_CHECK_EVERY if cache_graph else 1
     if eos_token_id is None:
         eos_token_id = model.config.eos_token_id
-    max_seqlen = prompt_len + max_new_tokens
+    max_seqlen = cache_seqlen(prompt_len + max_new_tokens)
     if cache_graph:
         cache, step = graphed_decoder(model, input_ids.shape[0], input_ids.device, max_seqlen)
         cache.seqlen_offset = 0

@@ -167,13 +167,16 @@ def test_a_mamba_state_has_no_length_limit():
 
 
 def test_generate_allocates_the_prompt_and_the_new_tokens(monkeypatch):
+    """In a power of two of tokens, at least 256: the length that a decode graph's cache holds."""
     model = fp_model("zamba2")
     caches = []
     allocate = model.allocate_cache
     monkeypatch.setattr(model, "allocate_cache",
                         lambda *args, **kw: caches.append(allocate(*args, **kw)) or caches[-1])
-    out = model.generate(token_ids(VOCAB, 2, 5, seed=6), max_new_tokens=7, eos_token_id=-1)
-    assert out.shape == (2, 12) and caches[0].max_seqlen == 12
+    for new_tokens, max_seqlen in ((7, 256), (300, 512)):
+        out = model.generate(token_ids(VOCAB, 2, 5, seed=6), max_new_tokens=new_tokens,
+                             eos_token_id=-1)
+        assert out.shape == (2, 5 + new_tokens) and caches[-1].max_seqlen == max_seqlen
 
 
 @pytest.fixture
@@ -212,8 +215,8 @@ def test_a_graphed_step_past_the_kv_cache_is_refused(stand_in_graphs):
             step(torch.zeros(1, dtype=torch.long))
 
 
-def test_graph_seqlen_is_a_power_of_two_from_256():
-    assert [generation.graph_seqlen(n) for n in (1, 256, 257, 1152)] == [256, 256, 512, 2048]
+def test_cache_seqlen_is_a_power_of_two_from_256():
+    assert [generation.cache_seqlen(n) for n in (1, 256, 257, 1152)] == [256, 256, 512, 2048]
 
 
 @pytest.mark.parametrize("family", ["nemotron_h", "granite"])
