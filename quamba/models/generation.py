@@ -100,10 +100,12 @@ class PrefillGraph:
     hundreds of kernels.
 
     Every mixer's prefill overwrites the whole of its state in the cache (conv state, SSM state and
-    the foh drive; tests/models/test_prefill_graph.py checks each mixer), so a replay resets the
-    cache whatever it held. Calling it with input_ids [batch, prompt_len] returns the last
-    position's logits [batch, vocab] in a static tensor that its next call overwrites, and leaves
-    the cache as an eager prefill does (``seqlen_offset`` = prompt_len).
+    the foh drive; tests/models/test_prefill_graph.py checks each mixer; an attention layer's
+    first prompt_len positions and its length, the positions past it masked out:
+    tests/models/test_kv_cache.py), so a replay resets the cache whatever it held. Calling it with
+    input_ids [batch, prompt_len] returns the last position's logits [batch, vocab] in a static
+    tensor that its next call overwrites, and leaves the cache as an eager prefill does
+    (``seqlen_offset`` = prompt_len).
 
     Its static input ids and logits are allocated outside ``pool``: what the graphs sharing the
     pool keep there is only scratch that each replay writes before reading, so the graphs may be
@@ -223,10 +225,11 @@ def graphed_prefill(model, input_ids: torch.Tensor,
                     max_seqlen: int = DEFAULT_MAX_SEQLEN) -> torch.Tensor:
     """The last position's logits [batch, vocab] of a prefill of ``input_ids`` [batch,
     prompt_len], replayed from a PrefillGraph into the cache of ``graphed_decoder(model, batch,
-    device, max_seqlen)``, which it leaves ready for that decoder's steps. The first prompt of each length
-    captures the graph (a warm-up prefill, the capture and a replay); later prompts of that length
-    replay it. PREFILL_GRAPHS_PER_BATCH lengths are kept per batch size, the least recently used
-    dropped first. The logits are a static tensor that the graph's next replay overwrites."""
+    device, max_seqlen)``, which it leaves ready for that decoder's steps. The first prompt of
+    each length captures the graph (a warm-up prefill, the capture and a replay); later prompts of
+    that length replay it. PREFILL_GRAPHS_PER_BATCH lengths are kept per batch size, the least
+    recently used dropped first. The logits are a static tensor that the graph's next replay
+    overwrites."""
     _check_prompt(input_ids)
     batch_size, prompt_len = input_ids.shape
     device = _cuda_device(input_ids.device)
