@@ -106,7 +106,9 @@ class Attention(nn.Module):
         heads, 1, head_dim]: k and v written at position ``state.length`` of the cache, then q
         over the whole buffer with the positions past the new token masked out. No host value
         that changes per step is read, so a CUDA graph replays it (the masked positions add
-        exact zeros to the softmax's sums; what the longer sums may change is their order)."""
+        exact zeros to the softmax's sums; what the longer sums may change is their order). The
+        query heads that share a KV head attend as the rows of one query, so the buffer is read
+        as it is, not repeated for each head of a group."""
         position = state.length
         if self.rotary is not None:
             q, k = self.rotary(q, position), self.rotary(k, position)
@@ -114,8 +116,11 @@ class Attention(nn.Module):
         state.value.index_copy_(2, position, v)
         state.length.add_(1)
         valid = (torch.arange(state.max_seqlen, device=q.device) < state.length).view(1, 1, 1, -1)
-        return F.scaled_dot_product_attention(q, state.key, state.value, attn_mask=valid,
-                                              scale=self.scale, enable_gqa=True)
+        batch, heads = q.shape[:2]
+        grouped = q.reshape(batch, self.num_kv_heads, heads // self.num_kv_heads, self.head_dim)
+        out = F.scaled_dot_product_attention(grouped, state.key, state.value, attn_mask=valid,
+                                             scale=self.scale)
+        return out.reshape(batch, heads, 1, self.head_dim)
 
 
 def keep_prefill(state: AttentionState, k: torch.Tensor, v: torch.Tensor) -> None:
