@@ -21,6 +21,7 @@ import torch
 from main import add_model_arguments, check_model_arguments, model_request
 from quamba import QuambaError
 from quamba.cli_support import prepare_model
+from quamba.models.generation import graphed_decoder, graphed_prefill
 from quamba.ops import backend
 
 
@@ -113,8 +114,9 @@ def generate(args) -> None:
         print(args.prompt if args.promptlen is None else "", end="", flush=True)
         kwargs["streamer"] = _Printer(tokenizer)
     with backend.recording() as ran:
-        capture_seconds = _capture_graphs(model, ids, args.prefill_graph, prepared.device) \
-            if args.cache_graph else None  # outside the timed run
+        capture_seconds = _capture_graphs(model, ids, args.genlen, args.prefill_graph,
+                                          prepared.device) if args.cache_graph else None
+        # (outside the timed run)
         start = _now(prepared.device)
         output = model.generate(ids, **kwargs)
         seconds = _now(prepared.device) - start
@@ -136,12 +138,15 @@ def generate(args) -> None:
     print(backends_line(ran, prepared.device), file=sys.stderr)
 
 
-def _capture_graphs(model, ids, prefill_graph: bool, device) -> float:
-    """Captures the decode graph (and with ``prefill_graph`` the prefill graph of ``ids``' length)
-    by a one-token generation; returns the seconds it took."""
+@torch.inference_mode()
+def _capture_graphs(model, ids, genlen: int, prefill_graph: bool, device) -> float:
+    """Captures the decode graph whose cache holds ``ids`` and ``genlen`` new tokens (a hybrid's
+    KV caches; generate then reuses it) and with ``prefill_graph`` the prefill graph of ``ids``'
+    length; returns the seconds it took."""
     start = _now(device)
-    model.generate(ids if prefill_graph else ids[:, :1], max_new_tokens=1, cache_graph=True,
-                   prefill_graph=prefill_graph)
+    graphed_decoder(model, ids.shape[0], device, ids.shape[1] + genlen)
+    if prefill_graph:
+        graphed_prefill(model, ids, ids.shape[1] + genlen)
     return _now(device) - start
 
 

@@ -38,7 +38,7 @@ class DecodePath(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids, num_last_tokens: int = 0):
-        cache = self.model.allocate_cache(input_ids.shape[0], input_ids.device)
+        cache = self.model.allocate_cache(input_ids.shape[0], input_ids.device, input_ids.shape[1])
         logits = torch.cat([self.model(input_ids[:, :1], cache=cache),
                             self.model(input_ids[:, 1:], cache=cache)], dim=1)
         return logits[:, -num_last_tokens:] if num_last_tokens > 0 else logits

@@ -79,7 +79,7 @@ def calibrate(model, calib: CalibrationSet | torch.Tensor,
     with _observing(model, recorder), _observing_head(model, recorder, observe_head):
         for start in tqdm(batches, desc="calibrating", unit="batch", disable=not progress):
             ids = tokens[start:start + batch_size].to(device)
-            cache = model.allocate_cache(ids.shape[0], device)
+            cache = model.allocate_cache(ids.shape[0], device, max_seqlen=ids.shape[1])
             model(ids, cache=cache, num_last_tokens=1)
             for layer, state in enumerate(cache.states):
                 if isinstance(state, MixerState):  # not a hybrid's attention or MLP layer

@@ -30,6 +30,7 @@ import torch
 from quamba.layers.base import QuantModule
 from quamba.layers.qlinear import W4A8Linear, W8A8Linear, output_scale
 from quamba.models.mamba import MixerState
+from quamba.models.state import DEFAULT_MAX_SEQLEN
 from quamba.ops import backend
 from quamba.ops.conv.causal_conv1d import (
     causal_conv1d,
@@ -183,7 +184,9 @@ class QMambaMixer(QuantModule):
         mode it is then fake-quantized fp32."""
         return self.state_cache == "int8"
 
-    def allocate_state(self, batch_size: int, device=None) -> MixerState:
+    def allocate_state(self, batch_size: int, device=None,
+                       max_seqlen: int = DEFAULT_MAX_SEQLEN) -> MixerState:
+        """The conv and SSM states (their size does not depend on ``max_seqlen``)."""
         device = device or self.conv_weight.device
         dtype = torch.float32 if self.simulate else torch.int8
         state_dtype = torch.int8 if self.int8_state and not self.simulate else torch.float32

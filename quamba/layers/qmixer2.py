@@ -19,7 +19,7 @@ from quamba.layers.qlinear import W4A8Linear, W8A8Linear
 from quamba.layers.qmixer import out_projection, project_codes
 from quamba.models.config import MambaConfig
 from quamba.models.mamba2 import GatedRMSNorm, Mamba2Mixer
-from quamba.models.state import MixerState
+from quamba.models.state import DEFAULT_MAX_SEQLEN, MixerState
 from quamba.ops.conv.causal_conv1d import (
     causal_conv1d,
     causal_conv1d_update,
@@ -168,7 +168,9 @@ class QMamba2Mixer(QuantModule):
         mode it is then fake-quantized fp32."""
         return self.state_cache == "int8"
 
-    def allocate_state(self, batch_size: int, device=None) -> MixerState:
+    def allocate_state(self, batch_size: int, device=None,
+                       max_seqlen: int = DEFAULT_MAX_SEQLEN) -> MixerState:
+        """The conv and SSM states (their size does not depend on ``max_seqlen``)."""
         device = device or self.conv_weight.device
         dtype = torch.float32 if self.simulate else torch.int8
         state_dtype = torch.int8 if self.int8_state and not self.simulate else torch.float32

@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from quamba.layers.base import QuantModule
 from quamba.layers.qlinear import W4A8Linear, W4A16Linear, W8A8Linear
-from quamba.models.state import AttentionState
+from quamba.models.state import DEFAULT_MAX_SEQLEN, AttentionState
 from quamba.models.transformer_layers import MLP, Attention, GatedMLP, GraniteMoE, MoE
 from quamba.ops.quant import INT8_MAX, SCALE_FLOOR, fake_quantize, quantize, scale_from_range
 
@@ -92,11 +92,10 @@ class QAttention(Attention):
     """Attention with quantized linears: its KV cache in ``kv_dtype`` (the model's float dtype),
     which its int8 weights no longer tell."""
 
-    def allocate_state(self, batch_size: int, device=None) -> AttentionState:
-        device = device or next(self.buffers()).device
-        empty = torch.zeros(batch_size, self.num_kv_heads, 0, self.head_dim, device=device,
-                            dtype=self.kv_dtype)
-        return AttentionState(key=empty, value=empty.clone())
+    def allocate_state(self, batch_size: int, device=None,
+                       max_seqlen: int = DEFAULT_MAX_SEQLEN) -> AttentionState:
+        return AttentionState.empty(batch_size, self.num_kv_heads, max_seqlen, self.head_dim,
+                                    device or next(self.buffers()).device, self.kv_dtype)
 
 
 def quantize_linears_(layer: nn.Module, w_bits: int, a_bits: int, group_size: int,

@@ -25,6 +25,7 @@ from quamba.models.config import ConfigError, _first_id
 from quamba.models.mamba import Block, MambaLMHeadModel, RMSNorm
 from quamba.models.mamba2 import init_mamba2_parameters
 from quamba.models.nemotron_h import NemotronHMamba2Mixer
+from quamba.models.state import DEFAULT_MAX_SEQLEN
 from quamba.models.transformer_layers import Attention, GatedMLP, RotaryEmbedding
 
 
@@ -175,9 +176,10 @@ class ParallelMixer(nn.Module):
                                    c.head_dim, c.attention_bias,
                                    RotaryEmbedding(c.head_dim, c.rope_theta), None, device, dtype)
 
-    def allocate_state(self, batch_size: int, device=None) -> tuple:
+    def allocate_state(self, batch_size: int, device=None,
+                       max_seqlen: int = DEFAULT_MAX_SEQLEN) -> tuple:
         return (self.mamba.allocate_state(batch_size, device),
-                self.self_attn.allocate_state(batch_size, device))
+                self.self_attn.allocate_state(batch_size, device, max_seqlen))
 
     def forward(self, h, state: tuple | None = None, step: bool = False):
         mamba_state, attention_state = state if state is not None else (None, None)

@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 
 from quamba.errors import QuambaError
-from quamba.models.state import InferenceCache
+from quamba.models.state import DEFAULT_MAX_SEQLEN, InferenceCache
 
 
 # Tokens between the checks for every row having finished, by default when decoding replays CUDA
@@ -31,6 +31,13 @@ PREFILL_GRAPHS_PER_BATCH = 4
 # prefill path happens in its first call (Triton's compilation and autotuning, the kernels' cached
 # constants, W4A8's overflow check), and each costs a whole prefill's time at capture.
 PREFILL_WARMUPS = 1
+
+# The fewest tokens that generate's KV caches hold (hybrids): a cache holds a power of two of
+# tokens, at least this many, so that a decode graph serves prompts and generations of other
+# lengths. The attention runs over the whole buffer (the unused positions masked out), and eager
+# decoding allocates the same length, so that both attend over buffers of one length and give the
+# same tokens (sums over another length may round differently).
+MIN_CACHE_SEQLEN = 256
 
 
 def sample_next(logits, temperature: float = 1.0, top_k: int = 1, top_p: float = 1.0,
@@ -64,18 +71,26 @@ class GraphedStep:
     tensors that outlive the graph (weights, a preallocated cache updated in place); it runs twice
     on a side stream before the capture (as CUDA graphs need), which changes the cache, so fill the
     cache (prefill) after building this. Calling it with the next ids [batch] returns the logits
-    in a static tensor that the next call overwrites.
+    in a static tensor that the next call overwrites. Given the ``cache`` that the step writes, a
+    call counts the token in its ``seqlen_offset`` and refuses a step past its KV caches, which
+    the replayed graph could not check.
     """
 
-    def __init__(self, step_fn: Callable, batch_size: int, device, pool=None, warmups: int = 2):
+    def __init__(self, step_fn: Callable, batch_size: int, device, pool=None, warmups: int = 2,
+                 cache: InferenceCache | None = None):
         device = _cuda_device(device)
+        self.cache = cache
         self.input_ids = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
         _warm_up(lambda: step_fn(self.input_ids), device, warmups)
         self.graph, self.logits = _capture(lambda: step_fn(self.input_ids), pool)
 
     def __call__(self, next_ids: torch.Tensor) -> torch.Tensor:
+        if self.cache is not None:
+            self.cache.check_room(1)
         self.input_ids.copy_(next_ids.view(-1, 1))
         self.graph.replay()
+        if self.cache is not None:
+            self.cache.seqlen_offset += 1
         return self.logits
 
 
@@ -85,10 +100,12 @@ class PrefillGraph:
     hundreds of kernels.
 
     Every mixer's prefill overwrites the whole of its state in the cache (conv state, SSM state and
-    the foh drive; tests/models/test_prefill_graph.py checks each mixer), so a replay resets the
-    cache whatever it held. Calling it with input_ids [batch, prompt_len] returns the last
-    position's logits [batch, vocab] in a static tensor that its next call overwrites, and leaves
-    the cache as an eager prefill does (``seqlen_offset`` = prompt_len).
+    the foh drive; tests/models/test_prefill_graph.py checks each mixer; an attention layer's
+    first prompt_len positions and its length, the positions past it masked out:
+    tests/models/test_kv_cache.py), so a replay resets the cache whatever it held. Calling it with
+    input_ids [batch, prompt_len] returns the last position's logits [batch, vocab] in a static
+    tensor that its next call overwrites, and leaves the cache as an eager prefill does
+    (``seqlen_offset`` = prompt_len).
 
     Its static input ids and logits are allocated outside ``pool``: what the graphs sharing the
     pool keep there is only scratch that each replay writes before reading, so the graphs may be
@@ -165,8 +182,9 @@ class LRUCache:
 
 @dataclass
 class _DecoderGraphs:
-    """What a model keeps per batch size (device, SSM mode, state cache format): the decode cache,
-    its graphed decode step, and the prefill graphs into that cache by prompt length."""
+    """What a model keeps per batch size (device, SSM mode, state cache format): the decode cache
+    (for a hybrid, with KV caches of ``cache.max_seqlen`` tokens), its graphed decode step, and
+    the prefill graphs into that cache by prompt length."""
 
     cache: InferenceCache
     step: GraphedStep
@@ -191,28 +209,32 @@ class _GraphCache(dict):
         return (_GraphCache, ())
 
 
-def graphed_decoder(model, batch_size: int, device):
+def graphed_decoder(model, batch_size: int, device, max_seqlen: int = DEFAULT_MAX_SEQLEN):
     """``(cache, step)`` for ``model`` at ``batch_size``: a preallocated cache and its decode step
     as a GraphedStep, captured on first use and kept on the model (per batch size, device, SSM
-    mode and state cache format; the graphs share one memory pool). Prefill into ``cache`` after
+    mode and state cache format; the graphs share one memory pool). A hybrid's KV caches hold at
+    least ``max_seqlen`` tokens (prompt and new ones; cache_seqlen); asked for more, the model
+    captures a larger cache's step in place of the kept one. Prefill into ``cache`` after
     resetting its ``seqlen_offset`` to 0 (or with :func:`graphed_prefill`), then call ``step``."""
-    entry = _decoder_graphs(model, batch_size, device)
+    entry = _decoder_graphs(model, batch_size, device, max_seqlen)
     return entry.cache, entry.step
 
 
 @torch.inference_mode()
-def graphed_prefill(model, input_ids: torch.Tensor) -> torch.Tensor:
+def graphed_prefill(model, input_ids: torch.Tensor,
+                    max_seqlen: int = DEFAULT_MAX_SEQLEN) -> torch.Tensor:
     """The last position's logits [batch, vocab] of a prefill of ``input_ids`` [batch,
     prompt_len], replayed from a PrefillGraph into the cache of ``graphed_decoder(model, batch,
-    device)``, which it leaves ready for that decoder's steps. The first prompt of each length
-    captures the graph (a warm-up prefill, the capture and a replay); later prompts of that length
-    replay it. PREFILL_GRAPHS_PER_BATCH lengths are kept per batch size, the least recently used
-    dropped first. The logits are a static tensor that the graph's next replay overwrites."""
+    device, max_seqlen)``, which it leaves ready for that decoder's steps. The first prompt of
+    each length captures the graph (a warm-up prefill, the capture and a replay); later prompts of
+    that length replay it. PREFILL_GRAPHS_PER_BATCH lengths are kept per batch size, the least
+    recently used dropped first. The logits are a static tensor that the graph's next replay
+    overwrites."""
     _check_prompt(input_ids)
     batch_size, prompt_len = input_ids.shape
     device = _cuda_device(input_ids.device)
     graphs = _graph_cache(model)
-    entry = _decoder_graphs(model, batch_size, device)
+    entry = _decoder_graphs(model, batch_size, device, max_seqlen)
     if graphs.prefill_pool is None:
         graphs.prefill_pool = torch.cuda.graph_pool_handle()
     prefill = entry.prefills.get(prompt_len, lambda: PrefillGraph(
@@ -224,38 +246,62 @@ def _graph_cache(model) -> _GraphCache:
     return model.__dict__.setdefault("_decode_graphs", _GraphCache())
 
 
-def _decoder_graphs(model, batch_size: int, device) -> _DecoderGraphs:
-    """The _DecoderGraphs of ``model`` at ``batch_size`` on ``device``, its decode step captured on
-    first use. The key holds the state cache format because a cache allocated for one format does
-    not fit the other's prefill (QuantizedModel.set_state_cache), and whether the decode step is
-    fused (QuantizedModel.set_fused_decode, set_fused_layer, set_fused_ssm_step), which a captured
-    graph keeps."""
+def _decoder_graphs(model, batch_size: int, device,
+                    max_seqlen: int = DEFAULT_MAX_SEQLEN) -> _DecoderGraphs:
+    """The _DecoderGraphs of ``model`` at ``batch_size`` on ``device`` whose cache holds
+    ``max_seqlen`` tokens, its decode step captured on first use (and again, for a larger cache,
+    when a longer sequence is asked for). The key holds the state cache format because a cache
+    allocated for one format does not fit the other's prefill (QuantizedModel.set_state_cache),
+    and whether the decode step is fused (QuantizedModel.set_fused_decode, set_fused_layer,
+    set_fused_ssm_step), which a captured graph keeps."""
     _check_graphable(model)
     device = _cuda_device(device)
     graphs = _graph_cache(model)
     key = (batch_size, str(device), getattr(model, "ssm_mode", None),
            getattr(model, "state_cache", None), getattr(model, "fused_decode", None),
            getattr(model, "fused_layer", None), getattr(model, "fused_ssm_step", None))
-    if key not in graphs:
-        cache = model.allocate_cache(batch_size, device=device)
-
-        def step_fn(input_ids):
-            cache.seqlen_offset = 1  # any offset > 0 selects the decode path; Mamba has no positions
-            return model(input_ids, cache=cache)[:, -1]
-
+    kept = graphs.get(key)
+    if kept is None or not kept.cache.holds(max_seqlen):
         if graphs.pool is None:
             graphs.pool = torch.cuda.graph_pool_handle()
-        graphs[key] = _DecoderGraphs(cache, GraphedStep(step_fn, batch_size, device, graphs.pool),
-                                     LRUCache(PREFILL_GRAPHS_PER_BATCH))
+        # made before the kept entry is dropped, so that the decode pool keeps a live graph
+        graphs[key] = _capture_decoder(model, batch_size, device, cache_seqlen(max_seqlen),
+                                       graphs.pool)
+        if kept is not None:  # its prefill graphs go with it: later ones take a fresh pool
+            graphs.prefill_pool = None
     return graphs[key]
 
 
+def _capture_decoder(model, batch_size: int, device, max_seqlen: int, pool) -> _DecoderGraphs:
+    cache = model.allocate_cache(batch_size, device=device, max_seqlen=max_seqlen)
+
+    def step_fn(input_ids):
+        # any offset > 0 selects the decode path (the positions are on the device); the host's
+        # count of the tokens is GraphedStep's to keep
+        offset, cache.seqlen_offset = cache.seqlen_offset, 1
+        logits = model(input_ids, cache=cache)[:, -1]
+        cache.seqlen_offset = offset
+        return logits
+
+    step = GraphedStep(step_fn, batch_size, device, pool, cache=cache)
+    return _DecoderGraphs(cache, step, LRUCache(PREFILL_GRAPHS_PER_BATCH))
+
+
+def cache_seqlen(tokens: int) -> int:
+    """The tokens that generate's KV caches hold for sequences of ``tokens``: the next power of
+    two, at least MIN_CACHE_SEQLEN."""
+    return max(MIN_CACHE_SEQLEN, 1 << (tokens - 1).bit_length())
+
+
 def _check_graphable(model) -> None:
-    """A QuambaError for a model with a layer whose decode state grows every step (attention's KV
-    cache, ``cache_grows``): a replayed graph would keep the shapes of its capture."""
-    if any(getattr(module, "cache_grows", False) for module in model.modules()):
-        raise QuambaError(f"{type(model).__name__} cannot decode from CUDA graphs yet: its "
-                          "attention layers' KV cache grows every step")
+    """A QuambaError for a model with a layer whose decode step a CUDA graph cannot capture
+    (``capture_safe = False``: the MoE layers, whose routing reads the chosen experts on the
+    host)."""
+    unsafe = sorted({type(module).__name__ for module in model.modules()
+                     if not getattr(module, "capture_safe", True)})
+    if unsafe:
+        raise QuambaError(f"{type(model).__name__} cannot decode from CUDA graphs: its "
+                          f"{', '.join(unsafe)} layers read their expert routing on the host")
 
 
 def _check_prompt(input_ids: torch.Tensor) -> None:
@@ -315,16 +361,18 @@ def generate(model, input_ids, max_new_tokens: int | None = None, max_length: in
         eos_check_every = GRAPH_EOS_CHECK_EVERY if cache_graph else 1
     if eos_token_id is None:
         eos_token_id = model.config.eos_token_id
+    max_seqlen = cache_seqlen(prompt_len + max_new_tokens)
     if cache_graph:
-        cache, step = graphed_decoder(model, input_ids.shape[0], input_ids.device)
+        cache, step = graphed_decoder(model, input_ids.shape[0], input_ids.device, max_seqlen)
         cache.seqlen_offset = 0
     else:
-        cache = model.allocate_cache(input_ids.shape[0], device=input_ids.device)
+        cache = model.allocate_cache(input_ids.shape[0], device=input_ids.device,
+                                     max_seqlen=max_seqlen)
 
         def step(next_ids):
             return model(next_ids[:, None], cache=cache)[:, -1]
     if prefill_graph:
-        logits = graphed_prefill(model, input_ids)
+        logits = graphed_prefill(model, input_ids, max_seqlen)
     else:
         logits = model(input_ids, cache=cache, num_last_tokens=1)[:, -1]
     tokens = [input_ids]

@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from quamba.models.config import MambaConfig
 from quamba.models.generation import generate
 from quamba.models.mamba2 import Mamba2Mixer, init_mamba2_parameters
-from quamba.models.state import InferenceCache, MixerState
+from quamba.models.state import DEFAULT_MAX_SEQLEN, InferenceCache, MixerState
+from quamba.models.transformer_layers import Attention
 from quamba.ops import backend
 from quamba.ops.conv.causal_conv1d import (
     causal_conv1d,
@@ -91,7 +92,9 @@ class MambaMixer(nn.Module):
         self.online_hadamard = nn.Identity()
         self.taps: dict | None = None  # set to {} to record intermediates (mode comparisons)
 
-    def allocate_state(self, batch_size: int, device=None) -> MixerState:
+    def allocate_state(self, batch_size: int, device=None,
+                       max_seqlen: int = DEFAULT_MAX_SEQLEN) -> MixerState:
+        """The conv and SSM states (their size does not depend on ``max_seqlen``)."""
         device = device or self.in_proj.weight.device
         return MixerState(
             conv=torch.zeros(batch_size, self.d_inner, self.d_conv - 1, device=device,
@@ -261,8 +264,18 @@ class MambaLMHeadModel(nn.Module):
     def mixers(self):
         return [block.mixer for block in self.backbone.layers]
 
-    def allocate_cache(self, batch_size: int, device=None) -> InferenceCache:
-        return InferenceCache([m.allocate_state(batch_size, device) for m in self.mixers()])
+    def allocate_cache(self, batch_size: int, device=None,
+                       max_seqlen: int = DEFAULT_MAX_SEQLEN) -> InferenceCache:
+        """A fresh decode cache; ``max_seqlen``: the tokens that the KV caches of a hybrid's
+        attention layers hold (prompt and new tokens; more is an error)."""
+        return self.new_cache([m.allocate_state(batch_size, device, max_seqlen)
+                               for m in self.mixers()], max_seqlen)
+
+    def new_cache(self, states: list, max_seqlen: int) -> InferenceCache:
+        """An InferenceCache of ``states``, limited to ``max_seqlen`` tokens if this model has
+        attention layers (a Mamba state holds any number)."""
+        has_kv_cache = any(isinstance(module, Attention) for module in self.modules())
+        return InferenceCache(states, max_seqlen=max_seqlen if has_kv_cache else None)
 
     def forward(self, input_ids, cache: InferenceCache | None = None, num_last_tokens: int = 0):
         """Logits [batch, seqlen or num_last_tokens, vocab] in the model dtype.
@@ -270,6 +283,8 @@ class MambaLMHeadModel(nn.Module):
         Without ``cache``: a plain forward. With a fresh cache (seqlen_offset 0): a prefill that
         fills it. With a used cache: one decode step per input token, updating it in place.
         """
+        if cache is not None:
+            cache.check_room(input_ids.shape[1])
         hidden = self.backbone.embedding(input_ids)
         if cache is not None and cache.seqlen_offset > 0:
             logits = [self._step(hidden[:, t:t + 1], cache) for t in range(input_ids.shape[1])]

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 from quamba.models.config import MambaConfig
-from quamba.models.state import MixerState
+from quamba.models.state import DEFAULT_MAX_SEQLEN, MixerState
 from quamba.ops.conv.causal_conv1d import (
     causal_conv1d,
     causal_conv1d_update,
@@ -67,7 +67,9 @@ class Mamba2Mixer(nn.Module):
         self.online_hadamard: nn.Module = nn.Identity()
         self.taps: dict | None = None  # set to {} to record intermediates (mode comparisons)
 
-    def allocate_state(self, batch_size: int, device=None) -> MixerState:
+    def allocate_state(self, batch_size: int, device=None,
+                       max_seqlen: int = DEFAULT_MAX_SEQLEN) -> MixerState:
+        """The conv and SSM states (their size does not depend on ``max_seqlen``)."""
         device = device or self.in_proj.weight.device
         return MixerState(
             conv=torch.zeros(batch_size, self.conv_dim, self.d_conv - 1, device=device,

@@ -34,6 +34,7 @@ from quamba.models.config import MambaConfig
 from quamba.models.hub import quantized_format
 from quamba.models.loading import load_model
 from quamba.models.mamba import Block, MambaLMHeadModel, RMSNorm
+from quamba.models.state import DEFAULT_MAX_SEQLEN
 from quamba.ops.fused_decode.layer_step import qmamba_layer_step
 from quamba.ops.fused_decode.w4a16_step import w4a16_layer_step
 
@@ -188,10 +189,10 @@ class QuantizedMambaLM(QuantizedModel, MambaLMHeadModel):
             return self._fp()(input_ids, cache=cache, num_last_tokens=num_last_tokens)
         return super().forward(input_ids, cache=cache, num_last_tokens=num_last_tokens)
 
-    def allocate_cache(self, batch_size: int, device=None):
+    def allocate_cache(self, batch_size: int, device=None, max_seqlen: int = DEFAULT_MAX_SEQLEN):
         if self._runs_fp_model:
-            return self._fp().allocate_cache(batch_size, device)
-        return super().allocate_cache(batch_size, device)
+            return self._fp().allocate_cache(batch_size, device, max_seqlen)
+        return super().allocate_cache(batch_size, device, max_seqlen)
 
 
 def _empty_final_norm(config: MambaConfig, quant_config, dtype, device) -> nn.Module:

@@ -2,8 +2,13 @@
 modules so that quantization can later swap each linear for a quantized one.
 
 Each honours the mixer interface of quamba.models.mamba's Block: ``forward(h, state=None,
-step=False)`` with h [batch, seqlen, d_model], and ``allocate_state(batch, device)``: attention's
-decode state is its KV cache (AttentionState, in the model dtype); the MLP and MoE keep none.
+step=False)`` with h [batch, seqlen, d_model], and ``allocate_state(batch, device, max_seqlen)``:
+attention's decode state is its KV cache (AttentionState: preallocated buffers of max_seqlen
+tokens, in the model dtype); the MLP and MoE keep none.
+
+``capture_safe = False`` marks a layer whose decode step cannot be captured in a CUDA graph
+(quamba.models.generation refuses to graph a model holding one): the MoE layers, whose routing
+reads the chosen experts on the host.
 """
 from __future__ import annotations
 
@@ -11,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from quamba.models.state import AttentionState
+from quamba.models.state import DEFAULT_MAX_SEQLEN, AttentionState
 
 
 def relu2(x: torch.Tensor) -> torch.Tensor:
@@ -33,11 +38,12 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.rotary_dim, self.theta = rotary_dim, theta
 
-    def forward(self, x: torch.Tensor, offset: int) -> torch.Tensor:
-        """x [batch, heads, seqlen, head_dim] at positions offset, offset + 1, ..."""
+    def forward(self, x: torch.Tensor, offset: int | torch.Tensor) -> torch.Tensor:
+        """x [batch, heads, seqlen, head_dim] at positions offset, offset + 1, ... (``offset`` an
+        int or a device tensor [1], as a decode step's KV cache length)."""
         dim = self.rotary_dim
         inv_freq = 1.0 / self.theta ** (torch.arange(0, dim, 2, device=x.device).float() / dim)
-        positions = torch.arange(offset, offset + x.shape[2], device=x.device).float()
+        positions = (torch.arange(x.shape[2], device=x.device) + offset).float()
         freqs = positions[:, None] * inv_freq
         angles = torch.cat((freqs, freqs), dim=-1)
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
@@ -48,10 +54,9 @@ class RotaryEmbedding(nn.Module):
 class Attention(nn.Module):
     """Causal multi-head attention with grouped KV heads: without ``rotary``, no positional
     encoding (Nemotron-H's: its position comes from the Mamba layers); with it, RoPE on q and k
-    (Bamba's). Scale ``scale``, by default 1/sqrt(head_dim). Its KV cache grows every step, so
-    decoding cannot replay a CUDA graph (quamba.models.generation)."""
-
-    cache_grows = True
+    (Bamba's). Scale ``scale``, by default 1/sqrt(head_dim). Its KV cache is preallocated and its
+    decode step reads the position from the device (AttentionState), so the step can be replayed
+    from a CUDA graph (quamba.models.generation)."""
 
     def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  bias: bool = False, rotary: RotaryEmbedding | None = None,
@@ -65,35 +70,67 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(d_model, num_kv_heads * head_dim, **kw)
         self.o_proj = nn.Linear(num_heads * head_dim, d_out or d_model, **kw)
 
-    def allocate_state(self, batch_size: int, device=None) -> AttentionState:
+    def allocate_state(self, batch_size: int, device=None,
+                       max_seqlen: int = DEFAULT_MAX_SEQLEN) -> AttentionState:
         weight = self.k_proj.weight
-        empty = torch.zeros(batch_size, self.num_kv_heads, 0, self.head_dim,
-                            device=device or weight.device, dtype=weight.dtype)
-        return AttentionState(key=empty, value=empty.clone())
+        return AttentionState.empty(batch_size, self.num_kv_heads, max_seqlen, self.head_dim,
+                                    device or weight.device, weight.dtype)
 
     def _heads(self, projected: torch.Tensor) -> torch.Tensor:
         """[batch, seqlen, heads · head_dim] → [batch, heads, seqlen, head_dim]."""
         return projected.unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
 
     def forward(self, h, state: AttentionState | None = None, step: bool = False):
-        """A prefill attends causally and, with ``state``, replaces its keys and values; a step
-        appends the new token's to them and attends to all."""
+        """A prefill attends causally and, with ``state``, writes its keys and values at the
+        first positions of the cache; a step writes the new token's after them and attends to
+        all (attend_step)."""
         return self.attend(self.q_proj(h), self.k_proj(h), self.v_proj(h), state, step)
 
     def attend(self, q, k, v, state: AttentionState | None, step: bool):
         """forward's attention and o_proj, from the projections q, k, v [batch, seqlen,
         heads · head_dim] (Zamba2 adds its adapters' to them)."""
         q, k, v = (self._heads(x) for x in (q, k, v))
-        if self.rotary is not None:
-            offset = state.key.shape[2] if step else 0
-            q, k = self.rotary(q, offset), self.rotary(k, offset)
         if step:
-            k, v = torch.cat([state.key, k], dim=2), torch.cat([state.value, v], dim=2)
-        if state is not None:
-            state.key, state.value = k, v
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=not step, scale=self.scale,
-                                             enable_gqa=True)
+            out = self.attend_step(q, k, v, state)
+        else:
+            if self.rotary is not None:
+                q, k = self.rotary(q, 0), self.rotary(k, 0)
+            if state is not None:
+                keep_prefill(state, k, v)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
+                                                 enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).flatten(-2))
+
+    def attend_step(self, q, k, v, state: AttentionState) -> torch.Tensor:
+        """One token's attention output [batch, heads, 1, head_dim] from its q, k, v [batch,
+        heads, 1, head_dim]: k and v written at position ``state.length`` of the cache, then q
+        over the whole buffer with the positions past the new token masked out. No host value
+        that changes per step is read, so a CUDA graph replays it (the masked positions add
+        exact zeros to the softmax's sums; what the longer sums may change is their order). The
+        query heads that share a KV head attend as the rows of one query, so the buffer is read
+        as it is, not repeated for each head of a group."""
+        position = state.length
+        if self.rotary is not None:
+            q, k = self.rotary(q, position), self.rotary(k, position)
+        state.key.index_copy_(2, position, k)
+        state.value.index_copy_(2, position, v)
+        state.length.add_(1)
+        valid = (torch.arange(state.max_seqlen, device=q.device) < state.length).view(1, 1, 1, -1)
+        batch, heads = q.shape[:2]
+        grouped = q.reshape(batch, self.num_kv_heads, heads // self.num_kv_heads, self.head_dim)
+        out = F.scaled_dot_product_attention(grouped, state.key, state.value, attn_mask=valid,
+                                             scale=self.scale)
+        return out.reshape(batch, heads, 1, self.head_dim)
+
+
+def keep_prefill(state: AttentionState, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Write a prefill's keys and values [batch, kv heads, seqlen, head_dim] at positions
+    [0, seqlen) of the cache and set its length: whatever the cache held before is dropped (the
+    positions after seqlen stay, masked out by the length)."""
+    seqlen = k.shape[2]
+    state.key[:, :, :seqlen].copy_(k)
+    state.value[:, :, :seqlen].copy_(v)
+    state.length.fill_(seqlen)
 
 
 class MLP(nn.Module):
@@ -106,7 +143,8 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(d_model, intermediate_size, **kw)
         self.down_proj = nn.Linear(intermediate_size, d_model, **kw)
 
-    def allocate_state(self, batch_size: int, device=None) -> None:
+    def allocate_state(self, batch_size: int, device=None,
+                       max_seqlen: int = DEFAULT_MAX_SEQLEN) -> None:
         return None
 
     def forward(self, h, state=None, step: bool = False):
@@ -124,7 +162,8 @@ class GatedMLP(nn.Module):
         self.up_proj = nn.Linear(d_model, intermediate_size, **kw)
         self.down_proj = nn.Linear(intermediate_size, d_model, **kw)
 
-    def allocate_state(self, batch_size: int, device=None) -> None:
+    def allocate_state(self, batch_size: int, device=None,
+                       max_seqlen: int = DEFAULT_MAX_SEQLEN) -> None:
         return None
 
     def forward(self, h, state=None, step: bool = False):
@@ -186,6 +225,8 @@ class MoE(nn.Module):
     router's top_k, weighted) plus, where ``shared_size`` is not 0, one shared expert MLP that
     every token takes: Nemotron-H's MoE layer (Jamba's: GatedMLP experts, no shared expert)."""
 
+    capture_safe = False  # experts.unique().tolist() reads the routing on the host
+
     def __init__(self, d_model: int, num_experts: int, expert_size: int, shared_size: int,
                  router: nn.Module, bias: bool = False, device=None, dtype=None,
                  expert: type = MLP):
@@ -196,7 +237,8 @@ class MoE(nn.Module):
                                      for _ in range(num_experts))
         self.shared_experts = MLP(d_model, shared_size, bias=bias, **kw) if shared_size else None
 
-    def allocate_state(self, batch_size: int, device=None) -> None:
+    def allocate_state(self, batch_size: int, device=None,
+                       max_seqlen: int = DEFAULT_MAX_SEQLEN) -> None:
         return None
 
     def forward(self, h, state=None, step: bool = False):
@@ -215,6 +257,8 @@ class GraniteMoE(nn.Module):
     """Granite-4.0-H's MoE layer: the router's top_k logits softmaxed (in fp32) into the weights
     of GatedMLP experts, plus the shared GatedMLP that every token takes."""
 
+    capture_safe = False  # experts.unique().tolist() reads the routing on the host
+
     def __init__(self, d_model: int, num_experts: int, top_k: int, expert_size: int,
                  shared_size: int, device=None, dtype=None):
         super().__init__()
@@ -225,7 +269,8 @@ class GraniteMoE(nn.Module):
                                      for _ in range(num_experts))
         self.shared_mlp = GatedMLP(d_model, shared_size, **kw)
 
-    def allocate_state(self, batch_size: int, device=None) -> None:
+    def allocate_state(self, batch_size: int, device=None,
+                       max_seqlen: int = DEFAULT_MAX_SEQLEN) -> None:
         return None
 
     def forward(self, h, state=None, step: bool = False):

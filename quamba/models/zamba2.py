@@ -24,7 +24,12 @@ import torch.nn.functional as F
 from quamba.models.config import ConfigError, _first_id
 from quamba.models.mamba import MambaLMHeadModel, RMSNorm
 from quamba.models.nemotron_h import NemotronHMamba2Mixer
-from quamba.models.state import AttentionState, InferenceCache, MixerState
+from quamba.models.state import (
+    DEFAULT_MAX_SEQLEN,
+    AttentionState,
+    InferenceCache,
+    MixerState,
+)
 from quamba.models.transformer_layers import Attention, RotaryEmbedding
 
 # transformers' layer kinds, old names and transformers 5's
@@ -229,11 +234,12 @@ class Zamba2Layer(nn.Module):
     def shared(self) -> Zamba2SharedBlock | None:
         return self._shared[0]
 
-    def allocate_state(self, batch_size: int, device=None):
+    def allocate_state(self, batch_size: int, device=None, max_seqlen: int = DEFAULT_MAX_SEQLEN):
         state = self.mixer.allocate_state(batch_size, device)
         if self.shared is None:
             return state
-        return HybridState(state, self.shared.attention.allocate_state(batch_size, device))
+        return HybridState(state, self.shared.attention.allocate_state(batch_size, device,
+                                                                       max_seqlen))
 
     def forward(self, hidden, residual=None, state=None, step=False, ssm_A=None,
                 embedding=None):
@@ -283,9 +289,10 @@ class Zamba2LM(MambaLMHeadModel):
     def model_type(self) -> str:
         return "zamba2"
 
-    def allocate_cache(self, batch_size: int, device=None) -> InferenceCache:
-        return InferenceCache([layer.allocate_state(batch_size, device)
-                               for layer in self.backbone.layers])
+    def allocate_cache(self, batch_size: int, device=None,
+                       max_seqlen: int = DEFAULT_MAX_SEQLEN) -> InferenceCache:
+        return self.new_cache([layer.allocate_state(batch_size, device, max_seqlen)
+                               for layer in self.backbone.layers], max_seqlen)
 
     def _layer_kwargs(self, embedding) -> dict:
         return {"embedding": embedding}

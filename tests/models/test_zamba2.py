@@ -85,7 +85,7 @@ def test_decode_steps_follow_the_prefill(model):
         cache = model.allocate_cache(3)
         model(tokens[:, :17], cache=cache)
         steps = model(tokens[:, 17:], cache=cache)
-        assert cache.states[1].attention.key.shape[2] == 29
+        assert cache.states[1].attention.length.item() == 29
         assert cache.states[1].attention.key is not cache.states[4].attention.key
     assert rel(steps, full[:, 17:]) < 1e-5
 
@@ -137,9 +137,7 @@ def test_quantizing_is_refused_in_one_line(model):
         quamba.quantize(model, None, quamba.QuantConfig(), calib_data=ids(2, 16))
 
 
-def test_saving_in_a_hub_layout_and_graph_decoding_are_refused(model, tmp_path):
+def test_saving_in_a_hub_layout_is_refused(model, tmp_path):
     with pytest.raises(CheckpointError, match="saving a Zamba2LM in a Hub layout"):
         quamba.save_model(model, tmp_path / "out")
     assert not (tmp_path / "out").exists()
-    with pytest.raises(quamba.QuambaError, match="Zamba2LM cannot decode from CUDA graphs yet"):
-        model.generate(ids(1, 4), max_new_tokens=2, cache_graph=True)
