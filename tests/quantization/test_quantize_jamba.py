@@ -174,10 +174,17 @@ def test_reload_in_bf16_casts_the_float_parts(quantized, recipe, tmp_path):
 @pytest.mark.parametrize("changes, message", [
     (dict(w_bits=4, mixed_precision=0.25), "mixed_precision is not supported for jamba yet"),
     (dict(w_bits=4, apply_gptq=True), "apply_gptq is not supported for jamba yet"),
+    (dict(learn_scales=True), "learn_scales is not supported for jamba yet"),
 ])
 def test_unsupported_recipes_are_refused_in_one_line(fp_model, changes, message):
     with pytest.raises(quamba.QuambaError, match=f"^{message}$"):
         quamba.quantize(fp_model, None, quamba.QuantConfig(**changes), calib_data=ids(2, 16, 0))
+
+
+def test_export_is_refused_in_one_line(quantized, tmp_path):
+    with pytest.raises(quamba.QuambaError,
+                       match="^exporting QuantizedJambaLM is not supported yet$"):
+        quamba.export(quantized["w8a8"], tmp_path / "out")
 
 
 def test_main_refuses_gptq_for_jamba(fp_dir, tmp_path, capsys):
