@@ -12,7 +12,8 @@ With the norms of dt, B and C (Falcon-Mamba, ``mixer_rms_eps``), x_proj's output
 int8: dt_low, B and C are normalized (quamba.ops.norm.mixer_norm, torch ops on every device),
 then quantized with the one scale calibrated on the normalized tensors (xdbl_scale), so dt_proj and
 the scan get int8 codes as before. Jamba's norms also multiply by their weights, kept as float
-buffers in the model dtype (MIXER_NORM_WEIGHTS) as the FP mixer applies them. The fused decode ops take no such mixer: its step runs op by op.
+buffers in the model dtype (MIXER_NORM_WEIGHTS) as the FP mixer applies them. The fused decode
+ops take no such mixer: its step runs op by op.
 
 A decode step (one token) runs conv update → x_proj → scan step op by op, dt_proj folded into
 the scan step up to batch 8 where the scan takes dt as int8 codes (qsscan_update's ``dt_proj``:

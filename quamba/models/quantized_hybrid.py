@@ -20,7 +20,6 @@ from quamba.layers.weight_only import empty_weight_only_linears_
 from quamba.models.bamba import ScaledEmbedding, ScaledLogits, block_mixer
 from quamba.models.jamba import jamba_block_mixer
 from quamba.models.mamba import Block, MambaMixer, RMSNorm
-from quamba.models.mamba2 import Mamba2Mixer
 from quamba.models.nemotron_h import dt_floor, nemotron_h_layer
 from quamba.models.quantized import QuantizedMambaLM
 
@@ -46,10 +45,7 @@ class QuantizedHybridLM(QuantizedMambaLM):
         if isinstance(mixer, MambaMixer):
             qmixer = _empty_mamba1_mixer(mixer, config.d_model, w_bits, group_size, dtype, device)
         else:
-            conv_ones = torch.ones(config.d_inner + 2 * config.ngroups * config.d_state)
-            qmixer = QMamba2Mixer(config, {name: 1.0 for name in ACTIVATION_SCALES}, conv_ones,
-                                  conv_ones, 1.0, False, dtype, device, w_bits, group_size,
-                                  dt_floor(config))
+            qmixer = _empty_mamba2_mixer(config, w_bits, group_size, dtype, device)
         return Block(QRMSNorm(config.d_model, config.norm_epsilon, False, 1.0, has_weight=True,
                               device=device), qmixer)
 
@@ -79,6 +75,13 @@ class QuantizedBambaLM(ScaledLogits, QuantizedHybridLM):
 class QuantizedJambaLM(QuantizedHybridLM):
     def fp_mixer(self, layer: int, device=None, dtype=None) -> nn.Module:
         return jamba_block_mixer(layer, self.config, device, dtype)
+
+
+def _empty_mamba2_mixer(config, w_bits: int, group_size: int, dtype, device) -> QMamba2Mixer:
+    """An empty QMamba2Mixer (no rotation, Δ's floor) of ``config``'s Mamba2 shapes."""
+    conv_ones = torch.ones(config.d_inner + 2 * config.ngroups * config.d_state)
+    return QMamba2Mixer(config, {name: 1.0 for name in ACTIVATION_SCALES}, conv_ones, conv_ones,
+                        1.0, False, dtype, device, w_bits, group_size, dt_floor(config))
 
 
 def _empty_mamba1_mixer(mixer: MambaMixer, d_model: int, w_bits: int, group_size: int, dtype,
