@@ -253,8 +253,8 @@ def _x_proj_hook(recorder: _Recorder, layer: int, mixer, dt_proj, suffix: str = 
     """Observes x_proj's input and output, and dt: the mixer computes dt = dt_low @ dt_proj.weight.T
     with F.linear (no module call, the bias is added in the scan), so it is recomputed here the
     same way. x_proj's output is observed as the mixer's SSM reads it: dt_low, B and C normalized
-    where the model has their norms (Falcon-Mamba). ``suffix`` "_b" names a backward branch's
-    kinds."""
+    where the model has their norms (Falcon-Mamba; Jamba's times their weights). ``suffix`` "_b"
+    names a backward branch's kinds."""
     def hook(module, inputs, output):
         recorder.observe(layer, f"x_proj{suffix}.input", inputs[0])
         if mixer.mixer_rms_eps is None:

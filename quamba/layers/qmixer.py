@@ -11,7 +11,9 @@ Data flow of the int8 mode (prefill; shapes [batch, seqlen, ·] unless noted):
 With the norms of dt, B and C (Falcon-Mamba, ``mixer_rms_eps``), x_proj's output is float, not
 int8: dt_low, B and C are normalized (quamba.ops.norm.mixer_norm, torch ops on every device),
 then quantized with the one scale calibrated on the normalized tensors (xdbl_scale), so dt_proj and
-the scan get int8 codes as before. The fused decode ops take no such mixer: its step runs op by op.
+the scan get int8 codes as before. Jamba's norms also multiply by their weights, kept as float
+buffers in the model dtype (MIXER_NORM_WEIGHTS) as the FP mixer applies them. The fused decode
+ops take no such mixer: its step runs op by op.
 
 A decode step (one token) runs conv update → x_proj → scan step op by op, dt_proj folded into
 the scan step up to batch 8 where the scan takes dt as int8 codes (qsscan_update's ``dt_proj``:
@@ -62,6 +64,8 @@ FOLD_DT_PROJ_MAX_BATCH = 8
 
 # Activation scales of a mixer, named after the tensor each one quantizes.
 ACTIVATION_SCALES = ("xz_scale", "u_scale", "xdbl_scale", "dt_scale", "state_scale", "y_scale")
+# The float weights of the norms of dt_low, B and C where the model's carry weights (Jamba's)
+MIXER_NORM_WEIGHTS = ("dt_norm_weight", "B_norm_weight", "C_norm_weight")
 
 
 class QMambaMixer(QuantModule):
@@ -69,12 +73,14 @@ class QMambaMixer(QuantModule):
     ``allocate_state(batch, device)``. Its input h is what QRMSNorm returns (int8 codes, or
     fake-quantized floats in float-sim mode). Its scan discretizes as ``discretization`` says
     (quamba.ops.scan.discretization), in every SSM mode; ``mixer_rms_eps`` adds Falcon-Mamba's
-    norms of dt, B and C (see the module's docstring)."""
+    norms of dt, B and C (see the module's docstring), ``mixer_norm_weights`` their weights
+    (Jamba's)."""
 
     def __init__(self, d_model: int, d_inner: int, d_state: int, d_conv: int, dt_rank: int,
                  scales: dict[str, float], h_scale: float, hadamard: bool, out_dtype,
                  device=None, weight_bits: int = 8, group_size: int = 128,
-                 discretization: str = DEFAULT_DISCRETIZATION, mixer_rms_eps: float | None = None):
+                 discretization: str = DEFAULT_DISCRETIZATION, mixer_rms_eps: float | None = None,
+                 mixer_norm_weights: bool = False):
         super().__init__()
         self.d_inner, self.d_state, self.d_conv, self.dt_rank = d_inner, d_state, d_conv, dt_rank
         self.discretization = check_discretization(discretization)
@@ -87,6 +93,8 @@ class QMambaMixer(QuantModule):
         self.in_proj = self._linear(d_model, 2 * d_inner, h_scale, scales["xz_scale"], device)
         self.out_proj = self._linear(d_inner, d_model, scales["y_scale"], None, device, out_dtype)
         self._add_branch("", scales, device)
+        if mixer_norm_weights:
+            self._add_norm_weights(device)
         self.taps: dict | None = None
         self.state_cache = "int8"  # or "fp32": QuantConfig.state_cache
         # True: the int8 decode step's SSM side as one op (qmixer_ssm_step) where it applies
@@ -125,6 +133,18 @@ class QMambaMixer(QuantModule):
             self.register_buffer(name + suffix, torch.zeros(*shape, **int8))
             self.register_scale(name + suffix + "_scale", 1.0)
 
+    def _add_norm_weights(self, device) -> None:
+        """MIXER_NORM_WEIGHTS: ones of dt_rank, d_state and d_state in the output dtype."""
+        for name, dim in zip(MIXER_NORM_WEIGHTS, (self.dt_rank, self.d_state, self.d_state)):
+            self.register_buffer(name, torch.ones(dim, dtype=self.out_dtype, device=device))
+
+    @property
+    def mixer_norm_weights(self) -> tuple | None:
+        """The weights of the norms of dt_low, B and C (as MambaMixer.mixer_norm_weights)."""
+        if not hasattr(self, MIXER_NORM_WEIGHTS[0]):
+            return None
+        return tuple(getattr(self, name) for name in MIXER_NORM_WEIGHTS)
+
     # --- construction ----------------------------------------------------------------------
 
     @classmethod
@@ -132,10 +152,13 @@ class QMambaMixer(QuantModule):
                    weight_bits: int = 8, group_size: int = 128):
         """Quantize an FP MambaMixer (already rotated if ``hadamard``) with calibrated scales;
         4-bit weights round to nearest (GPTQ replaces their codes afterwards)."""
-        weight = mixer.in_proj.weight
+        weight, norm_weights = mixer.in_proj.weight, mixer.mixer_norm_weights
         q = cls(weight.shape[1], mixer.d_inner, mixer.d_state, mixer.d_conv, mixer.dt_rank,
                 scales, h_scale, hadamard, weight.dtype, weight.device, weight_bits, group_size,
-                discretization=mixer.discretization, mixer_rms_eps=mixer.mixer_rms_eps)
+                discretization=mixer.discretization, mixer_rms_eps=mixer.mixer_rms_eps,
+                mixer_norm_weights=norm_weights is not None)
+        for buffer, norm_weight in zip(q.mixer_norm_weights or (), norm_weights or ()):
+            buffer.copy_(norm_weight.detach())
         for name in ("in_proj", "out_proj"):
             getattr(q, name).load_float_weight(getattr(mixer, name).weight)
         q._load_branch("", mixer.conv1d, mixer.x_proj, mixer.dt_proj, mixer.A_log, mixer.D)
@@ -208,7 +231,8 @@ class QMambaMixer(QuantModule):
         parts = torch.split(x_dbl, [self.dt_rank, self.d_state, self.d_state], dim=-1)
         if self.mixer_rms_eps is None:
             return parts
-        normed = mixer_rms_norm(*parts, self.mixer_rms_eps, backend_name=self.backend)
+        normed = mixer_rms_norm(*parts, self.mixer_rms_eps, backend_name=self.backend,
+                                weights=self.mixer_norm_weights)
         to_int8 = fake_quantize if self.simulate else quantize
         return tuple(to_int8(part, self._scale("xdbl_scale", suffix)) for part in normed)
 

@@ -5,9 +5,9 @@ float after q_proj and k_proj), the KV cache (float, the model dtype) and the Mo
 TopkRouter; Granite's nn.Linear router, FLOAT_LINEARS) stay as they are.
 
 Input scales: static per tensor from calibration, except down_proj's input (relu² or SwiGLU
-outputs, large range), quantized per token at run time (DYNAMIC_INPUTS): that quantizer is a
-torch op, with no kernel yet; the GEMM after it is the W8A8 / W4A8 kernel with an input scale of
-1, its fp32 output times each token's scale.
+outputs, large range), quantized per token at run time (DYNAMIC_INPUTS; a family's config may
+name others: Jamba's adds o_proj): that quantizer is a torch op, with no kernel yet; the GEMM after
+it is the W8A8 / W4A8 kernel with an input scale of 1, its fp32 output times each token's scale.
 """
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ from quamba.ops.quant import INT8_MAX, SCALE_FLOOR, fake_quantize, quantize, sca
 TRANSFORMER_LAYERS = (Attention, MLP, GatedMLP, MoE, GraniteMoE)
 # nn.Linear modules left float and uncalibrated (by the end of the name): Granite's router
 FLOAT_LINEARS = ("router",)
-# Linears whose input is quantized per token at run time (by the end of the name)
+# Linears whose input is quantized per token at run time (by the end of the name), unless the
+# family's config names its own (HybridConfig.dynamic_inputs)
 DYNAMIC_INPUTS = ("down_proj",)
 # Linears that read the layer's normed input (their static scale is the layer's "in_proj.input")
 LAYER_INPUTS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
@@ -36,8 +37,10 @@ def quantized_linears(layer: nn.Module) -> list[tuple[str, nn.Linear]]:
             if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] not in FLOAT_LINEARS]
 
 
-def is_dynamic(name: str) -> bool:
-    return name.rsplit(".", 1)[-1] in DYNAMIC_INPUTS
+def is_dynamic(name: str, dynamic_inputs: tuple | None = None) -> bool:
+    """Whether linear ``name``'s input is quantized per token: its name ends in one of
+    ``dynamic_inputs`` (None: DYNAMIC_INPUTS)."""
+    return name.rsplit(".", 1)[-1] in (DYNAMIC_INPUTS if dynamic_inputs is None else dynamic_inputs)
 
 
 def input_kind(name: str) -> str:
@@ -71,11 +74,12 @@ class QInputLinear(QuantModule):
         return f"input={'per-token dynamic' if self.dynamic else 'static'}"
 
 
-def empty_linear(fp_linear: nn.Linear, name: str, w_bits: int, a_bits: int, group_size: int,
+def empty_linear(fp_linear: nn.Linear, dynamic: bool, w_bits: int, a_bits: int, group_size: int,
                  in_scale: float = 1.0) -> nn.Module:
-    """The quantized form of ``fp_linear`` (named ``name`` in its layer), weights still zero."""
+    """The quantized form of ``fp_linear`` (its input per token if ``dynamic``), weights still
+    zero."""
     shape = (fp_linear.in_features, fp_linear.out_features)
-    device, dynamic = fp_linear.weight.device, is_dynamic(name)
+    device = fp_linear.weight.device
     if a_bits == 16:
         return W4A16Linear(*shape, group_size, device)
     # a dynamic input's GEMM writes fp32 (then times each token's scale), a static one the
@@ -99,20 +103,21 @@ class QAttention(Attention):
 
 
 def quantize_linears_(layer: nn.Module, w_bits: int, a_bits: int, group_size: int,
-                      ranges: dict | None = None, load: bool = True) -> nn.Module:
+                      ranges: dict | None = None, load: bool = True,
+                      dynamic_inputs: tuple | None = None) -> nn.Module:
     """Replace every nn.Linear of ``layer`` (attention, MLP or MoE) but a router
     (quantized_linears) in place by its quantized form, its weights quantized if ``load``, its
     static input scales from ``ranges`` (the layer's calibrated clipping ranges; None for W4A16
-    or an empty layer)."""
+    or an empty layer), per token where is_dynamic(name, ``dynamic_inputs``)."""
     if isinstance(layer, Attention):
         layer.__class__, layer.kv_dtype = QAttention, layer.k_proj.weight.dtype
     for name, fp_linear in quantized_linears(layer):
         if fp_linear.bias is not None:
             raise ValueError(f"{name}: quantized linears of hybrid layers take no bias")
-        scale = 1.0
-        if ranges is not None and a_bits != 16 and not is_dynamic(name):
+        scale, dynamic = 1.0, is_dynamic(name, dynamic_inputs)
+        if ranges is not None and a_bits != 16 and not dynamic:
             scale = scale_from_range(ranges[input_kind(name)])
-        linear = empty_linear(fp_linear, name, w_bits, a_bits, group_size, scale)
+        linear = empty_linear(fp_linear, dynamic, w_bits, a_bits, group_size, scale)
         if load:
             inner = linear if a_bits == 16 else linear.linear
             inner.load_float_weight(fp_linear.weight.detach())

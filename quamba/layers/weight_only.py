@@ -135,13 +135,19 @@ def weight_only_mixer(config: MambaConfig, group_size: int, hadamard: bool, dtyp
     """An empty weight-only mixer with ``config``'s shapes (a checkpoint's tensors fill it);
     ``hadamard``: the model is rotated, so y is rotated online before out_proj."""
     mixer_class = Mamba2Mixer if config.layer == "Mamba2" else WeightOnlyMambaMixer
-    mixer = mixer_class(config, device, dtype)
+    mixer = empty_weight_only_linears_(mixer_class(config, device, dtype), group_size)
+    if hadamard:
+        mixer.online_hadamard = HadamardTransform(config.d_inner)
+    return mixer
+
+
+def empty_weight_only_linears_(mixer: nn.Module, group_size: int) -> nn.Module:
+    """``mixer`` (an FP Mamba1 or Mamba2 mixer) with empty W4A16 linears in place of its
+    WEIGHT_ONLY_LINEARS, for a checkpoint's tensors to fill."""
     for name in _linear_names(mixer):
         fp_linear = getattr(mixer, name)
         setattr(mixer, name, W4A16Linear(fp_linear.in_features, fp_linear.out_features,
-                                         group_size, device))
-    if hadamard:
-        mixer.online_hadamard = HadamardTransform(config.d_inner)
+                                         group_size, fp_linear.weight.device))
     return mixer
 
 

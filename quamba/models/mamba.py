@@ -104,12 +104,18 @@ class MambaMixer(nn.Module):
                    if self.discretization == "foh" else None),
         )
 
+    @property
+    def mixer_norm_weights(self) -> tuple | None:
+        """The weights of the norms of dt_low, B and C (Jamba's), or None: weightless norms
+        (Falcon-Mamba's) or none."""
+        return None
+
     def split_x_dbl(self, x_dbl) -> tuple:
         """dt_low, B and C of x_proj's output, normalized where the model has their norms."""
         dt_low, B, C = torch.split(x_dbl, [self.dt_rank, self.d_state, self.d_state], dim=-1)
         if self.mixer_rms_eps is None:
             return dt_low, B, C
-        return mixer_rms_norm(dt_low, B, C, self.mixer_rms_eps)
+        return mixer_rms_norm(dt_low, B, C, self.mixer_rms_eps, weights=self.mixer_norm_weights)
 
     def _ssm_params(self, x_dbl):
         dt_low, B, C = self.split_x_dbl(x_dbl)

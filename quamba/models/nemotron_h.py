@@ -35,6 +35,9 @@ class HybridConfig:
     and the quantized checkpoint's dict (``model_type`` names the family)."""
 
     model_type: str
+    # The quantized linears whose input is quantized per token (by the end of the name); None:
+    # quamba.layers.qtransformer.DYNAMIC_INPUTS
+    dynamic_inputs: tuple | None = None
 
     @property
     def padded_vocab_size(self) -> int:

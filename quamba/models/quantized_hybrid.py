@@ -1,21 +1,25 @@
-"""Hybrids with quantized blocks (QuantizedHybridLM: Nemotron-H, Bamba, Granite-4.0-H). Their
-Mamba2 layers are Quamba2's (QMamba2Mixer with Δ's floor, or the W4A16 mixer); their attention,
-MLP and MoE layers keep their float RMSNorm and forward, with quantized linears
-(quamba.layers.qtransformer); MoE routers stay float. Everything else (SSM modes, state cache,
-forward, decode, generate, checkpoints) is QuantizedMambaLM's. A family adds only ``fp_mixer``:
-its FP mixer of a block (Granite: and its µP embedding and logits multipliers, in float)."""
+"""Hybrids with quantized blocks (QuantizedHybridLM: Nemotron-H, Bamba, Granite-4.0-H, Jamba).
+Their Mamba2 layers are Quamba2's (QMamba2Mixer with Δ's floor), their Mamba1 layers (Jamba's)
+Quamba's (QMambaMixer, with the weighted norms of dt, B and C), neither rotated; W4A16 keeps the
+FP mixer with 4-bit in_proj and out_proj (Mamba1: and x_proj). Their attention, MLP and MoE
+layers keep their float RMSNorm and forward, with quantized linears (quamba.layers.qtransformer);
+MoE routers stay float. Everything else (SSM modes, state cache, forward, decode, generate,
+checkpoints) is QuantizedMambaLM's. A family adds only ``fp_mixer``: its FP mixer of a block
+(Granite: and its µP embedding and logits multipliers, in float)."""
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
 
-from quamba.layers.qlinear import W4A16Linear
+from quamba.layers.qmixer import ACTIVATION_SCALES as MAMBA1_ACTIVATION_SCALES
+from quamba.layers.qmixer import QMambaMixer
 from quamba.layers.qmixer2 import ACTIVATION_SCALES, QMamba2Mixer
 from quamba.layers.qnorm import QRMSNorm
-from quamba.layers.qtransformer import quantize_linears_
+from quamba.layers.qtransformer import TRANSFORMER_LAYERS, quantize_linears_
+from quamba.layers.weight_only import empty_weight_only_linears_
 from quamba.models.bamba import ScaledEmbedding, ScaledLogits, block_mixer
-from quamba.models.mamba import Block, RMSNorm
-from quamba.models.mamba2 import Mamba2Mixer
+from quamba.models.jamba import jamba_block_mixer
+from quamba.models.mamba import Block, MambaMixer, RMSNorm
 from quamba.models.nemotron_h import dt_floor, nemotron_h_layer
 from quamba.models.quantized import QuantizedMambaLM
 
@@ -33,16 +37,17 @@ class QuantizedHybridLM(QuantizedMambaLM):
         w_bits, a_bits = self.quant_config.bits_of(layer)
         norm = RMSNorm(config.d_model, config.norm_epsilon, False, device=device, dtype=dtype)
         mixer = self.fp_mixer(layer, device, dtype)
-        if not isinstance(mixer, Mamba2Mixer):
-            return Block(norm, quantize_linears_(mixer, w_bits, a_bits, group_size, load=False))
+        if isinstance(mixer, TRANSFORMER_LAYERS):
+            return Block(norm, quantize_linears_(mixer, w_bits, a_bits, group_size, load=False,
+                                                 dynamic_inputs=config.dynamic_inputs))
         if a_bits == 16:
-            return Block(norm, _weight_only_mixer(mixer, group_size, device))
-        conv_ones = torch.ones(config.d_inner + 2 * config.ngroups * config.d_state)
-        mixer = QMamba2Mixer(config, {name: 1.0 for name in ACTIVATION_SCALES}, conv_ones,
-                             conv_ones, 1.0, False, dtype, device, w_bits, group_size,
-                             dt_floor(config))
+            return Block(norm, empty_weight_only_linears_(mixer, group_size))
+        if isinstance(mixer, MambaMixer):
+            qmixer = _empty_mamba1_mixer(mixer, config.d_model, w_bits, group_size, dtype, device)
+        else:
+            qmixer = _empty_mamba2_mixer(config, w_bits, group_size, dtype, device)
         return Block(QRMSNorm(config.d_model, config.norm_epsilon, False, 1.0, has_weight=True,
-                              device=device), mixer)
+                              device=device), qmixer)
 
 
 class QuantizedNemotronHLM(QuantizedHybridLM):
@@ -67,9 +72,23 @@ class QuantizedBambaLM(ScaledLogits, QuantizedHybridLM):
         return block_mixer(self.config, layer, device, dtype)
 
 
-def _weight_only_mixer(mixer: Mamba2Mixer, group_size: int, device=None) -> Mamba2Mixer:
-    """An empty FP Mamba2 mixer made W4A16: 4-bit in_proj and out_proj, the rest float."""
-    for name in ("in_proj", "out_proj"):
-        fp = getattr(mixer, name)
-        setattr(mixer, name, W4A16Linear(fp.in_features, fp.out_features, group_size, device))
-    return mixer
+class QuantizedJambaLM(QuantizedHybridLM):
+    def fp_mixer(self, layer: int, device=None, dtype=None) -> nn.Module:
+        return jamba_block_mixer(layer, self.config, device, dtype)
+
+
+def _empty_mamba2_mixer(config, w_bits: int, group_size: int, dtype, device) -> QMamba2Mixer:
+    """An empty QMamba2Mixer (no rotation, Δ's floor) of ``config``'s Mamba2 shapes."""
+    conv_ones = torch.ones(config.d_inner + 2 * config.ngroups * config.d_state)
+    return QMamba2Mixer(config, {name: 1.0 for name in ACTIVATION_SCALES}, conv_ones, conv_ones,
+                        1.0, False, dtype, device, w_bits, group_size, dt_floor(config))
+
+
+def _empty_mamba1_mixer(mixer: MambaMixer, d_model: int, w_bits: int, group_size: int, dtype,
+                        device) -> QMambaMixer:
+    """An empty QMambaMixer (no rotation) of the FP Mamba1 ``mixer``'s shapes and norms."""
+    return QMambaMixer(d_model, mixer.d_inner, mixer.d_state, mixer.d_conv, mixer.dt_rank,
+                       {name: 1.0 for name in MAMBA1_ACTIVATION_SCALES}, 1.0, False, dtype,
+                       device, w_bits, group_size, discretization=mixer.discretization,
+                       mixer_rms_eps=mixer.mixer_rms_eps,
+                       mixer_norm_weights=mixer.mixer_norm_weights is not None)

@@ -51,7 +51,8 @@ def quantize_block_(block, fp_block, layer: int, ranges: dict, config: QuantConf
     if isinstance(fp_block.mixer, TRANSFORMER_LAYERS):
         block.norm = copy.deepcopy(fp_block.norm)
         block.mixer = quantize_linears_(copy.deepcopy(fp_block.mixer), w_bits, a_bits,
-                                        config.group_size, ranges and ranges[layer])
+                                        config.group_size, ranges and ranges[layer],
+                                        dynamic_inputs=model_config.dynamic_inputs)
         return
     if a_bits == 16:
         block.norm = copy.deepcopy(fp_block.norm)

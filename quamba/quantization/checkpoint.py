@@ -28,15 +28,18 @@ from quamba.errors import CheckpointError
 from quamba.layers.base import QuantModule
 from quamba.layers.qhead import QEmbedding
 from quamba.layers.qlinear import W4A16Linear, W8A8Linear
+from quamba.layers.qmixer import MIXER_NORM_WEIGHTS
 from quamba.layers.qnorm import QRMSNorm
 from quamba.layers.qtransformer import QInputLinear
 from quamba.models.config import MambaConfig
 from quamba.models.hub import (is_quamba_checkpoint, load_tokenizer, parse_dtype,
                                quantized_format, resolve_model_dir)
 from quamba.models.bamba import BambaConfig
+from quamba.models.jamba import JambaConfig
 from quamba.models.nemotron_h import NemotronHConfig
 from quamba.models.quantized import QuantizedMambaLM
-from quamba.models.quantized_hybrid import QuantizedBambaLM, QuantizedNemotronHLM
+from quamba.models.quantized_hybrid import (QuantizedBambaLM, QuantizedJambaLM,
+                                            QuantizedNemotronHLM)
 from quamba.models.quantized_vision import QuantizedVisionMamba
 from quamba.models.vision import VisionMambaConfig
 from quamba.quantization.config import QuantConfig
@@ -54,18 +57,28 @@ FORMAT_NAME = "quamba"
 # quamba.layers.qtransformer stores them) is written as 7, which older quambas refuse; a Bamba
 # hybrid ("model_type": "bamba": two blocks a layer, RoPE attention, GatedMLP) or a Granite-4.0-H
 # one ("granitemoehybrid": MoE of GatedMLPs, µP multipliers) as 8, which a quamba that knows
-# Nemotron-H only refuses.
+# Nemotron-H only refuses. A Jamba hybrid ("jamba": two blocks a layer, Mamba1 mixers whose norms
+# of dt, B and C carry weights, stored in the float dtype as each mixer's dt_norm_weight,
+# B_norm_weight and C_norm_weight, W4A16: dt_layernorm.weight, b_layernorm.weight and
+# c_layernorm.weight; attention, GatedMLP, MoE of GatedMLPs) is written as 9, which a quamba that
+# knows 8 at most refuses.
 FORMAT_VERSION = 5
 MIXER_NORMS_FORMAT_VERSION = 6
-NEWEST_FORMAT_VERSION = 8
+NEWEST_FORMAT_VERSION = 9
 # quantized hybrid class → the format version it is written as
-HYBRID_FORMAT_VERSIONS = {QuantizedNemotronHLM: 7, QuantizedBambaLM: 8}
+HYBRID_FORMAT_VERSIONS = {QuantizedNemotronHLM: 7, QuantizedBambaLM: 8, QuantizedJambaLM: 9}
 # model_type in the model config → (config class, quantized model class); absent: Mamba1/Mamba2
 MODEL_TYPES = {"vision_mamba": (VisionMambaConfig, QuantizedVisionMamba),
                "nemotron_h": (NemotronHConfig, QuantizedNemotronHLM),
                "bamba": (BambaConfig, QuantizedBambaLM),
-               "granitemoehybrid": (BambaConfig, QuantizedBambaLM)}
+               "granitemoehybrid": (BambaConfig, QuantizedBambaLM),
+               "jamba": (JambaConfig, QuantizedJambaLM)}
 WEIGHTS_FILE = "model.safetensors"
+# A W4A16 Jamba mixer's norms of dt, B and C (the FP mixer's modules)
+JAMBA_NORMS = ("dt_layernorm", "b_layernorm", "c_layernorm")
+# The float routers of the MoE layers (MoE's gate, GraniteMoE's router), cast with the float
+# parts unless they keep fp32 (Nemotron-H's)
+MOE_ROUTERS = ("gate", "router")
 
 
 def save_quantized(model: QuantizedMambaLM, out_dir, tokenizer=None):
@@ -212,14 +225,18 @@ def _cast_float_parts(model, dtype: torch.dtype) -> None:
     for block in model.backbone.layers:
         if not isinstance(block.mixer, QuantModule):  # W4A16: the FP parts of its mixer
             block.norm.to(dtype)
-            for name in ("conv1d", "dt_proj", "norm"):
-                if hasattr(block.mixer, name):
-                    getattr(block.mixer, name).to(dtype)
+            for name in ("conv1d", "dt_proj", "norm", *JAMBA_NORMS, *MOE_ROUTERS):
+                module = getattr(block.mixer, name, None)
+                if module is not None and not getattr(module, "keeps_fp32", False):
+                    module.to(dtype)
         else:
             block.mixer.out_dtype = dtype
             block.mixer.out_proj.out_dtype = dtype
             if getattr(block.mixer, "mixer_rms_eps", None) is not None:  # a float x_proj output
                 block.mixer.x_proj.out_dtype = dtype
+            for name in MIXER_NORM_WEIGHTS:  # Jamba's: applied to the float x_proj output
+                if hasattr(block.mixer, name):
+                    setattr(block.mixer, name, getattr(block.mixer, name).to(dtype))
 
 
 # load_model and QuantizedModel.save_pretrained reach this format here (models/ never imports it)

@@ -25,8 +25,9 @@ HF_CONFIG = dict(vocab_size=101, hidden_size=36, intermediate_size=22, num_hidde
                  use_mamba_kernels=False)
 
 
-def random_reference(seed: int = 0) -> JambaForCausalLM:
-    """Random weights of realistic scale, norm weights (those of dt, B and C too) near 1."""
+def random_reference(seed: int = 0, std: float = 0.2) -> JambaForCausalLM:
+    """Random weights of realistic scale (``std``), norm weights (those of dt, B and C too) near
+    1."""
     torch.manual_seed(seed)
     model = JambaForCausalLM(JambaConfig(**HF_CONFIG, experts_implementation="eager")).eval()
     with torch.no_grad():
@@ -38,7 +39,7 @@ def random_reference(seed: int = 0) -> JambaForCausalLM:
             elif "norm" in name:
                 param.copy_(1 + 0.1 * torch.randn_like(param))
             else:
-                param.copy_(torch.randn_like(param) * 0.2)
+                param.copy_(torch.randn_like(param) * std)
     return model
 
 
@@ -111,11 +112,6 @@ def test_unsupported_options_are_refused_before_any_weight_is_read(tmp_path, cha
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match="config.json: " + re.escape(message)):
         quamba.load_model(tmp_path, tokenizer=False)
-
-
-def test_quantizing_is_refused_in_one_line(model):
-    with pytest.raises(quamba.QuambaError, match="^quantizing jamba is not supported yet$"):
-        quamba.quantize(model, None, quamba.QuantConfig(), calib_data=ids(2, 16))
 
 
 def test_saving_in_a_hub_layout_and_graph_decoding_are_refused(model, tmp_path):
