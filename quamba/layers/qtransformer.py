@@ -5,9 +5,10 @@ float after q_proj and k_proj), the KV cache (float, the model dtype) and the Mo
 TopkRouter; Granite's nn.Linear router, FLOAT_LINEARS) stay as they are.
 
 Input scales: static per tensor from calibration, except down_proj's input (relu² or SwiGLU
-outputs, large range), quantized per token at run time (DYNAMIC_INPUTS): that quantizer is a
-torch op, with no kernel yet; the GEMM after it is the W8A8 / W4A8 kernel with an input scale of
-1, its fp32 output times each token's scale.
+outputs, large range), quantized per token at run time (DYNAMIC_INPUTS; a family may add its
+own, as Falcon-H1 adds o_proj): that quantizer is a torch op, with no kernel yet; the GEMM
+after it is the W8A8 / W4A8 kernel with an input scale of 1, its fp32 output times each token's
+scale.
 """
 from __future__ import annotations
 
@@ -36,8 +37,10 @@ def quantized_linears(layer: nn.Module) -> list[tuple[str, nn.Linear]]:
             if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] not in FLOAT_LINEARS]
 
 
-def is_dynamic(name: str) -> bool:
-    return name.rsplit(".", 1)[-1] in DYNAMIC_INPUTS
+def is_dynamic(name: str, also: tuple = ()) -> bool:
+    """Whether linear ``name``'s input is quantized per token: DYNAMIC_INPUTS, or a name in
+    ``also`` (a family's own, Falcon-H1's o_proj)."""
+    return name.rsplit(".", 1)[-1] in DYNAMIC_INPUTS + also
 
 
 def input_kind(name: str) -> str:
@@ -48,7 +51,9 @@ def input_kind(name: str) -> str:
 class QInputLinear(QuantModule):
     """int8 quantizer of a float input (static: the inner linear's in_scale; ``dynamic``: absmax
     per token) → W8A8Linear or W4A8Linear (float output: the model dtype, fp32 if ``dynamic``)
-    → the input's dtype."""
+    → the input's dtype. A static linear also takes int8 codes of its in_scale, quantized once
+    for several readers (Falcon-H1's normed input, which its Mamba2 mixer reads too): they go
+    to the GEMM as they are, its output in the model dtype."""
 
     def __init__(self, linear: QuantModule, dynamic: bool):
         super().__init__()
@@ -61,6 +66,8 @@ class QInputLinear(QuantModule):
         return self.linear.scales["in_scale"]
 
     def forward(self, x):
+        if x.dtype == torch.int8 and not self.dynamic:
+            return self.linear(x)
         scale = self._scale(x)
         if self.simulate:
             return self.linear(fake_quantize(x, scale)).to(x.dtype)
@@ -72,10 +79,11 @@ class QInputLinear(QuantModule):
 
 
 def empty_linear(fp_linear: nn.Linear, name: str, w_bits: int, a_bits: int, group_size: int,
-                 in_scale: float = 1.0) -> nn.Module:
-    """The quantized form of ``fp_linear`` (named ``name`` in its layer), weights still zero."""
+                 in_scale: float = 1.0, dynamic_inputs: tuple = ()) -> nn.Module:
+    """The quantized form of ``fp_linear`` (named ``name`` in its layer), weights still zero;
+    its input per token if is_dynamic(name, dynamic_inputs)."""
     shape = (fp_linear.in_features, fp_linear.out_features)
-    device, dynamic = fp_linear.weight.device, is_dynamic(name)
+    device, dynamic = fp_linear.weight.device, is_dynamic(name, dynamic_inputs)
     if a_bits == 16:
         return W4A16Linear(*shape, group_size, device)
     # a dynamic input's GEMM writes fp32 (then times each token's scale), a static one the
@@ -100,20 +108,22 @@ class QAttention(Attention):
 
 
 def quantize_linears_(layer: nn.Module, w_bits: int, a_bits: int, group_size: int,
-                      ranges: dict | None = None, load: bool = True) -> nn.Module:
+                      ranges: dict | None = None, load: bool = True,
+                      dynamic_inputs: tuple = ()) -> nn.Module:
     """Replace every nn.Linear of ``layer`` (attention, MLP or MoE) but a router
     (quantized_linears) in place by its quantized form, its weights quantized if ``load``, its
     static input scales from ``ranges`` (the layer's calibrated clipping ranges; None for W4A16
-    or an empty layer)."""
+    or an empty layer); ``dynamic_inputs`` names linears quantized per token besides
+    DYNAMIC_INPUTS."""
     if isinstance(layer, Attention):
         layer.__class__, layer.kv_dtype = QAttention, layer.k_proj.weight.dtype
     for name, fp_linear in quantized_linears(layer):
         if fp_linear.bias is not None:
             raise ValueError(f"{name}: quantized linears of hybrid layers take no bias")
         scale = 1.0
-        if ranges is not None and a_bits != 16 and not is_dynamic(name):
+        if ranges is not None and a_bits != 16 and not is_dynamic(name, dynamic_inputs):
             scale = scale_from_range(ranges[input_kind(name)])
-        linear = empty_linear(fp_linear, name, w_bits, a_bits, group_size, scale)
+        linear = empty_linear(fp_linear, name, w_bits, a_bits, group_size, scale, dynamic_inputs)
         if load:
             inner = linear if a_bits == 16 else linear.linear
             inner.load_float_weight(fp_linear.weight.detach())

@@ -24,12 +24,13 @@ from quamba.models.bamba import ScaledEmbedding, _rope, _time_step_limit
 from quamba.models.config import ConfigError, _first_id
 from quamba.models.mamba import Block, MambaLMHeadModel, RMSNorm
 from quamba.models.mamba2 import init_mamba2_parameters
-from quamba.models.nemotron_h import NemotronHMamba2Mixer
+from quamba.models.nemotron_h import HybridConfig, NemotronHMamba2Mixer
 from quamba.models.transformer_layers import Attention, GatedMLP, RotaryEmbedding
+from quamba.ops.quant import dequantize
 
 
 @dataclass
-class FalconH1Config:
+class FalconH1Config(HybridConfig):
     """Shape of a Falcon-H1 model; the Mamba2 fields carry Mamba2Mixer's names. The multipliers
     other than the embedding's and lm_head's are folded into the weights on load."""
 
@@ -147,10 +148,14 @@ def _multipliers(cfg: dict) -> dict:
 
 
 class SiluGate(nn.Module):
-    """y · SiLU(z), in fp32, returned in y's dtype: Falcon-H1's gate where it has no norm."""
+    """y · SiLU(z), in fp32, returned in ``out_dtype`` (default y's dtype): Falcon-H1's gate where
+    it has no norm. Called as GatedRMSNorm is, so that the quantized Mamba2 mixer (QMamba2Mixer)
+    takes it in its place: z float, or int8 codes of ``z_scale``; torch ops on every backend
+    (``backend_name`` is not read)."""
 
-    def forward(self, y, z):
-        return (y.float() * F.silu(z.float())).to(y.dtype)
+    def forward(self, y, z, z_scale=None, out_dtype=None, backend_name=None):
+        z = dequantize(z, z_scale) if z.dtype == torch.int8 else z.float()
+        return (y.float() * F.silu(z)).to(out_dtype or y.dtype)
 
 
 class FalconH1Mamba2Mixer(NemotronHMamba2Mixer):
@@ -202,7 +207,17 @@ class FalconH1Backbone(nn.Module):
         self.norm_f = RMSNorm(c.d_model, c.norm_epsilon, False, **kw)
 
 
-class FalconH1LM(MambaLMHeadModel):
+class LMHeadMultiplier:
+    """The LM head's logits times ``config.lm_head_multiplier`` (Falcon-H1's µP), for the FP and
+    the quantized model."""
+
+    def _head(self, hidden, residual):
+        logits = super()._head(hidden, residual)
+        multiplier = self.config.lm_head_multiplier
+        return logits if multiplier == 1 else logits * multiplier
+
+
+class FalconH1LM(LMHeadMultiplier, MambaLMHeadModel):
     """Falcon-H1 LM: embedding (times embedding_multiplier) → two blocks a layer → final RMSNorm
     → lm_head (logits times lm_head_multiplier). Forward, cache, decode and generate are
     MambaLMHeadModel's; the cache holds each parallel mixer's (MixerState, AttentionState), None
@@ -215,11 +230,6 @@ class FalconH1LM(MambaLMHeadModel):
         with torch.no_grad():
             for block in self.backbone.layers[::2]:
                 init_mamba2_parameters(block.mixer.mamba)
-
-    def _head(self, hidden, residual):
-        logits = super()._head(hidden, residual)
-        multiplier = self.config.lm_head_multiplier
-        return logits if multiplier == 1 else logits * multiplier
 
 
 # each transformers sub-layer: (which of the layer's two blocks, its name there)

@@ -19,7 +19,8 @@ from quamba.models.jamba import JambaLM
 from quamba.models.mamba import MambaLMHeadModel
 from quamba.models.nemotron_h import NemotronHLM
 from quamba.models.quantized import QuantizedMambaLM
-from quamba.models.quantized_hybrid import QuantizedBambaLM, QuantizedNemotronHLM
+from quamba.models.quantized_hybrid import (QuantizedBambaLM, QuantizedFalconH1LM,
+                                            QuantizedNemotronHLM)
 from quamba.models.vision import VisionMamba
 from quamba.models.zamba2 import Zamba2LM
 from quamba.ops.quant import scale_from_range
@@ -28,7 +29,8 @@ from quamba.quantization.config import QuantConfig
 
 log = logging.getLogger("quamba")
 # FP hybrid class → its quantized class (quamba.models.quantized_hybrid)
-QUANTIZED_HYBRIDS = {NemotronHLM: QuantizedNemotronHLM, BambaLM: QuantizedBambaLM}
+QUANTIZED_HYBRIDS = {NemotronHLM: QuantizedNemotronHLM, BambaLM: QuantizedBambaLM,
+                     FalconH1LM: QuantizedFalconH1LM}
 
 @torch.inference_mode(False)  # the quantized model's tensors stay ordinary ones (see below)
 def quantize(model: MambaLMHeadModel, tokenizer=None, config: QuantConfig | None = None,
@@ -110,8 +112,6 @@ def _check_quantizable(model, config: QuantConfig) -> None:
         raise QuambaError("quantizing zamba2 is not supported yet")
     if isinstance(model, JambaLM):
         raise QuambaError("quantizing jamba is not supported yet")
-    if isinstance(model, FalconH1LM):
-        raise QuambaError("quantizing falcon_h1 is not supported yet")
     if type(model) in QUANTIZED_HYBRIDS:
         _check_hybrid(model, config)
     elif isinstance(model, QuantizedMambaLM) or type(model) is not MambaLMHeadModel:
