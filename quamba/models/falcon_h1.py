@@ -10,7 +10,9 @@ forward, cache, decode and ``generate``. The Mamba2 mixer is Nemotron-H's (Δ fl
 attention has RoPE on all of each head. The µP multipliers: the embedding's and the logits' at
 run time, all others folded into the weights on load (from_falcon_h1_names): ssm_in and
 ssm_multipliers into in_proj, ssm_out into out_proj, attention_in into q/k/v, key_multiplier into
-k_proj, attention_out into o_proj, mlp_multipliers into gate_proj and down_proj.
+k_proj, attention_out into o_proj, mlp_multipliers into gate_proj and down_proj. Quantized, it
+is quamba.models.quantized_hybrid's QuantizedFalconH1LM (the folded multipliers quantized with
+their weights).
 """
 from __future__ import annotations
 

@@ -151,6 +151,20 @@ def test_reloaded_in_another_dtype(quantized, tmp_path):
     assert rel(out, logits(qmodel, tokens)) < 0.05
 
 
+@pytest.mark.parametrize("head, bound", [("int8", 0.07), ("int4", 0.15)])
+def test_a_quantized_lm_head_takes_the_logits_multiplier_after_it(fp_model, head, bound, tmp_path):
+    """Measured W8A8 with an int8 head 0.053, an int4 head 0.114."""
+    qmodel, tokens = quantized_model(fp_model, lm_head=head), ids(2, 37, seed=1)
+    assert rel(logits(qmodel, tokens), logits(fp_model, tokens)) < bound
+    assert_reload_is_bit_identical(qmodel, tmp_path, tokens, QuantizedFalconH1LM, 10, 8)
+
+
+def test_export_is_refused_in_one_line(quantized, tmp_path):
+    with pytest.raises(quamba.QuambaError,
+                       match="^exporting QuantizedFalconH1LM is not supported yet$"):
+        quamba.export(quantized["w8a8"], tmp_path)
+
+
 @pytest.mark.parametrize("changes, message", [
     (dict(w_bits=4, mixed_precision=0.25), "mixed_precision is not supported for falcon_h1 yet"),
     (dict(w_bits=4, apply_gptq=True), "apply_gptq is not supported for falcon_h1 yet"),
