@@ -50,10 +50,12 @@ def input_kind(name: str) -> str:
 
 class QInputLinear(QuantModule):
     """int8 quantizer of a float input (static: the inner linear's in_scale; ``dynamic``: absmax
-    per token) → W8A8Linear or W4A8Linear (float output: the model dtype, fp32 if ``dynamic``)
-    → the input's dtype. A static linear also takes int8 codes of its in_scale, quantized once
-    for several readers (Falcon-H1's normed input, which its Mamba2 mixer reads too): they go
-    to the GEMM as they are, its output in the model dtype."""
+    per token) → W8A8Linear or W4A8Linear: static, its output in the model dtype (the GEMM's
+    out_dtype); dynamic, fp32 times each token's scale, cast to the input's dtype. A static
+    linear also takes int8 codes of its in_scale, quantized once for several readers (Falcon-H1's
+    normed input, which its Mamba2 mixer reads too): they go to the GEMM as they are. In
+    float-sim mode those codes come as fake-quantized fp32 values, and the output dtypes stay
+    as in the int8 modes."""
 
     def __init__(self, linear: QuantModule, dynamic: bool):
         super().__init__()
@@ -70,9 +72,11 @@ class QInputLinear(QuantModule):
             return self.linear(x)
         scale = self._scale(x)
         if self.simulate:
-            return self.linear(fake_quantize(x, scale)).to(x.dtype)
-        y = self.linear(quantize(x, scale))
-        return (y * scale if self.dynamic else y).to(x.dtype)
+            y = self.linear(fake_quantize(x, scale))
+        else:
+            y = self.linear(quantize(x, scale))
+            y = y * scale if self.dynamic else y
+        return y.to(x.dtype) if self.dynamic else y
 
     def extra_repr(self) -> str:
         return f"input={'per-token dynamic' if self.dynamic else 'static'}"
