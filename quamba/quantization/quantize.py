@@ -93,8 +93,8 @@ def _hybrid_config(model, config: QuantConfig) -> QuantConfig:
 
 
 def _check_hybrid(model, config: QuantConfig) -> None:
-    """The recipes that a hybrid (Nemotron-H, Bamba, Granite) cannot take yet, refused in one
-    line."""
+    """The recipes that a hybrid (Nemotron-H, Bamba, Granite, Falcon-H1) cannot take yet,
+    refused in one line."""
     name = model.config.model_type
     for field in ("mixed_precision", "layer_bits", "apply_gptq", "learn_scales"):
         if getattr(config, field) not in (None, False):

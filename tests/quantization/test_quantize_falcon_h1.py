@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import quamba
+from quamba.calibrate import calibrate
 from quamba.errors import CheckpointError
 from quamba.layers.qmixer2 import QMamba2Mixer
 from quamba.layers.qnorm import QRMSNorm
@@ -79,6 +80,15 @@ def test_both_branches_read_one_int8_input(quantized):
     mlp = qmodel.backbone.layers[3].mixer
     assert attention.o_proj.dynamic and mlp.down_proj.dynamic
     assert not (mlp.gate_proj.dynamic or mlp.up_proj.dynamic)
+
+
+def test_calibration_observes_both_branches(fp_model):
+    """The parallel block: the Mamba2 mixer's kinds (its in_proj.input the normed input of both
+    branches) and the attention linears' inputs; the feed-forward block: the GatedMLP's."""
+    ranges = calibrate(fp_model, ids(2, 16, seed=0), progress=False)
+    kinds = {"in_proj.input", "z", "x", "ssm_state", "out_proj.input", "o_proj.input"}
+    assert kinds <= set(ranges[0])
+    assert {"in_proj.input", "down_proj.input"} <= set(ranges[1]) and "ssm_state" not in ranges[1]
 
 
 def test_int8_codes_into_a_static_linear_equal_its_float_input(quantized):
