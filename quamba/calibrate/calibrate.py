@@ -13,6 +13,7 @@ from quamba.calibrate.data import CalibrationSet
 from quamba.calibrate.errors import CalibrationError
 from quamba.calibrate.observers import ChannelAbsMaxObserver, ObserverSpec, make_observer
 from quamba.layers.qtransformer import TRANSFORMER_LAYERS, quantized_linears
+from quamba.models.falcon_h1 import ParallelMixer
 from quamba.models.mamba2 import Mamba2Mixer
 from quamba.models.state import MixerState
 from quamba.ops.conv.causal_conv1d import causal_conv1d
@@ -82,7 +83,8 @@ def calibrate(model, calib: CalibrationSet | torch.Tensor,
             cache = model.allocate_cache(ids.shape[0], device, max_seqlen=ids.shape[1])
             model(ids, cache=cache, num_last_tokens=1)
             for layer, state in enumerate(cache.states):
-                if isinstance(state, MixerState):  # not a hybrid's attention or MLP layer
+                state = _mixer_state(state)
+                if state is not None:  # not a hybrid's attention or MLP layer
                     recorder.observe(layer, "ssm_state", state.ssm)
     return recorder.results()
 
@@ -107,6 +109,14 @@ def calibrate_images(model, images: torch.Tensor, observers: dict[str, ObserverS
         for start in tqdm(batches, desc="calibrating", unit="batch", disable=not progress):
             model(images[start:start + batch_size].to(parameter.device, parameter.dtype))
     return recorder.results()
+
+
+def _mixer_state(state) -> MixerState | None:
+    """A block's SSM decode state: its own, that of Falcon-H1's parallel mixer (the pair
+    (MixerState, AttentionState)), or None (a hybrid's attention, MLP or MoE)."""
+    if isinstance(state, tuple):
+        state = state[0]
+    return state if isinstance(state, MixerState) else None
 
 
 def _check_batch_size(batch_size) -> None:
@@ -172,11 +182,11 @@ def _observing(model, recorder: _Recorder):
             if isinstance(mixer, TRANSFORMER_LAYERS):
                 handles += _linear_input_hooks(recorder, layer, mixer)
                 continue
+            if isinstance(mixer, ParallelMixer):
+                handles += _parallel_hooks(recorder, layer, mixer)
+                continue
             if isinstance(mixer, Mamba2Mixer):
-                handles += [
-                    mixer.in_proj.register_forward_hook(_mamba2_in_proj_hook(recorder, layer, mixer)),
-                    mixer.out_proj.register_forward_hook(_out_proj_hook(recorder, layer)),
-                ]
+                handles += _mamba2_hooks(recorder, layer, mixer)
                 continue
             handles += [
                 mixer.in_proj.register_forward_hook(_in_proj_hook(recorder, layer)),
@@ -214,12 +224,32 @@ def _linear_input_hooks(recorder: _Recorder, layer: int, mixer) -> list:
     """Forward pre-hooks on a hybrid's attention, MLP or MoE layer: its normed input as
     "in_proj.input" and each quantized linear's input as "<name>.input" (an expert's, over the
     tokens routed to it; a router's is not observed)."""
-    def observer(kind):
-        return lambda module, inputs: recorder.observe(layer, kind, inputs[0])
-    handles = [mixer.register_forward_pre_hook(observer("in_proj.input"))]
-    for name, module in quantized_linears(mixer):
-        handles.append(module.register_forward_pre_hook(observer(f"{name}.input")))
-    return handles
+    handles = [mixer.register_forward_pre_hook(_input_observer(recorder, layer, "in_proj.input"))]
+    return handles + _linears_hooks(recorder, layer, mixer)
+
+
+def _input_observer(recorder: _Recorder, layer: int, kind: str):
+    return lambda module, inputs: recorder.observe(layer, kind, inputs[0])
+
+
+def _linears_hooks(recorder: _Recorder, layer: int, mixer) -> list:
+    """Forward pre-hooks observing each quantized linear's input of ``mixer`` as
+    "<name>.input"."""
+    return [module.register_forward_pre_hook(_input_observer(recorder, layer, f"{name}.input"))
+            for name, module in quantized_linears(mixer)]
+
+
+def _mamba2_hooks(recorder: _Recorder, layer: int, mixer: Mamba2Mixer) -> list:
+    return [mixer.in_proj.register_forward_hook(_mamba2_in_proj_hook(recorder, layer, mixer)),
+            mixer.out_proj.register_forward_hook(_out_proj_hook(recorder, layer))]
+
+
+def _parallel_hooks(recorder: _Recorder, layer: int, mixer: ParallelMixer) -> list:
+    """Falcon-H1's parallel mixer: its Mamba2 mixer's kinds, whose "in_proj.input" is the normed
+    input that its attention reads too (observed once), and its attention's linears' inputs
+    ("o_proj.input" ...)."""
+    return _mamba2_hooks(recorder, layer, mixer.mamba) + _linears_hooks(recorder, layer,
+                                                                         mixer.self_attn)
 
 
 def _in_proj_hook(recorder: _Recorder, layer: int):

@@ -12,7 +12,10 @@ Data flow of the int8 mode (prefill; shapes [batch, seqlen, ·]):
 """
 from __future__ import annotations
 
+import copy
+
 import torch
+import torch.nn as nn
 
 from quamba.layers.base import QuantModule
 from quamba.layers.qlinear import W4A8Linear, W8A8Linear
@@ -49,11 +52,14 @@ class QMamba2Mixer(QuantModule):
     in_proj writes it (x, B, C one each); xbc_scale: fp32 [conv_dim], after the conv (x per
     channel, B and C per state group). ``dt_floor`` (Nemotron-H): dt is floored at dt_floor -
     dt_bias before the SSD, as NemotronHMamba2Mixer does, on its int8 codes (round is monotone,
-    so the codes of the floored dt are the floored codes) in every mode."""
+    so the codes of the floored dt are the floored codes) in every mode. ``gate``: a module that
+    gates y by z in place of Mamba2's gated RMSNorm, called as it is (Falcon-H1's SiluGate, no
+    norm and no weight); None: the gated RMSNorm."""
 
     def __init__(self, config: MambaConfig, scales: dict[str, float], xbc_in_scale: torch.Tensor,
                  xbc_scale: torch.Tensor, h_scale: float, hadamard: bool, out_dtype, device=None,
-                 weight_bits: int = 8, group_size: int = 128, dt_floor: float | None = None):
+                 weight_bits: int = 8, group_size: int = 128, dt_floor: float | None = None,
+                 gate: nn.Module | None = None):
         super().__init__()
         self.d_inner, self.d_state, self.d_conv = config.d_inner, config.d_state, config.d_conv
         self.nheads, self.headdim, self.ngroups = config.nheads, config.headdim, config.ngroups
@@ -61,8 +67,8 @@ class QMamba2Mixer(QuantModule):
         self.conv_dim = self.d_inner + 2 * self.ngroups * self.d_state
         self.hadamard, self.out_dtype = hadamard, out_dtype
         self.weight_bits, self.group_size = weight_bits, group_size
-        self.norm = GatedRMSNorm(self.d_inner, self.d_inner // self.ngroups, config.norm_epsilon,
-                                 device=device)
+        self.norm = gate if gate is not None else GatedRMSNorm(
+            self.d_inner, self.d_inner // self.ngroups, config.norm_epsilon, device=device)
         for name in ACTIVATION_SCALES:
             self.register_scale(name, scales[name])
         self.register_buffer("xbc_in_scale", xbc_in_scale.float().to(device, copy=True))
@@ -102,12 +108,14 @@ class QMamba2Mixer(QuantModule):
                    weight_bits: int = 8, group_size: int = 128):
         """Quantize an FP Mamba2Mixer whose gated-norm weight is folded into out_proj (and rotated
         if ``hadamard``) with calibrated scales; 4-bit weights round to nearest."""
-        if not torch.all(mixer.norm.weight == 1):
+        gated_norm = isinstance(mixer.norm, GatedRMSNorm)
+        if gated_norm and not torch.all(mixer.norm.weight == 1):
             raise ValueError("fold the gated norm's weight into out_proj first "
                              "(quamba.quantization.rotation.fold_gated_norm_)")
         weight = mixer.in_proj.weight
         q = cls(config, scales, xbc_in_scale, xbc_scale, h_scale, hadamard, weight.dtype,
-                weight.device, weight_bits, group_size, getattr(mixer, "dt_floor", None))
+                weight.device, weight_bits, group_size, getattr(mixer, "dt_floor", None),
+                None if gated_norm else copy.deepcopy(mixer.norm))
         q.in_proj.load_float_weight(weight)
         q.out_proj.load_float_weight(mixer.out_proj.weight)
         for name, tensor in (("conv_weight", mixer.conv1d.weight.squeeze(1)),

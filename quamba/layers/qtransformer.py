@@ -6,7 +6,7 @@ TopkRouter; Granite's nn.Linear router, FLOAT_LINEARS) stay as they are.
 
 Input scales: static per tensor from calibration, except down_proj's input (relu² or SwiGLU
 outputs, large range), quantized per token at run time (DYNAMIC_INPUTS; a family's config may
-name others: Jamba's adds o_proj): that quantizer is a torch op, with no kernel yet; the GEMM after
+name others: Jamba's and Falcon-H1's add o_proj): that quantizer is a torch op, with no kernel yet; the GEMM after
 it is the W8A8 / W4A8 kernel with an input scale of 1, its fp32 output times each token's scale.
 """
 from __future__ import annotations
@@ -50,8 +50,12 @@ def input_kind(name: str) -> str:
 
 class QInputLinear(QuantModule):
     """int8 quantizer of a float input (static: the inner linear's in_scale; ``dynamic``: absmax
-    per token) → W8A8Linear or W4A8Linear (float output: the model dtype, fp32 if ``dynamic``)
-    → the input's dtype."""
+    per token) → W8A8Linear or W4A8Linear: static, its output in the model dtype (the GEMM's
+    out_dtype); dynamic, fp32 times each token's scale, cast to the input's dtype. A static
+    linear also takes int8 codes of its in_scale, quantized once for several readers (Falcon-H1's
+    normed input, which its Mamba2 mixer reads too): they go to the GEMM as they are. In
+    float-sim mode those codes come as fake-quantized fp32 values, and the output dtypes stay
+    as in the int8 modes."""
 
     def __init__(self, linear: QuantModule, dynamic: bool):
         super().__init__()
@@ -64,11 +68,15 @@ class QInputLinear(QuantModule):
         return self.linear.scales["in_scale"]
 
     def forward(self, x):
+        if x.dtype == torch.int8 and not self.dynamic:
+            return self.linear(x)
         scale = self._scale(x)
         if self.simulate:
-            return self.linear(fake_quantize(x, scale)).to(x.dtype)
-        y = self.linear(quantize(x, scale))
-        return (y * scale if self.dynamic else y).to(x.dtype)
+            y = self.linear(fake_quantize(x, scale))
+        else:
+            y = self.linear(quantize(x, scale))
+            y = y * scale if self.dynamic else y
+        return y.to(x.dtype) if self.dynamic else y
 
     def extra_repr(self) -> str:
         return f"input={'per-token dynamic' if self.dynamic else 'static'}"

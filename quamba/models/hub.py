@@ -140,13 +140,14 @@ def load_tokenizer(model_dir: Path | None, tokenizer=None):
 
 
 def cast_model(model, dtype: torch.dtype):
-    """Cast to ``dtype`` keeping the SSM parameters (A_log, D) in fp32, and every module that
-    says ``keeps_fp32`` (an MoE router)."""
+    """Cast to ``dtype`` keeping the SSM parameters (A_log, D) in fp32, also those of mixers
+    inside a block's mixer (Falcon-H1's parallel one), and every module that says
+    ``keeps_fp32`` (an MoE router)."""
     model.to(dtype)
     for module in model.modules():
         if getattr(module, "keeps_fp32", False):
             module.float()
-    for mixer in model.mixers():
+    for mixer in model.modules():
         for name in ("A_log", "D", "A_b_log", "D_b", "dt_bias"):
             param = getattr(mixer, name, None)
             if isinstance(param, torch.nn.Parameter):

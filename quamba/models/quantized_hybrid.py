@@ -1,11 +1,12 @@
-"""Hybrids with quantized blocks (QuantizedHybridLM: Nemotron-H, Bamba, Granite-4.0-H, Jamba).
-Their Mamba2 layers are Quamba2's (QMamba2Mixer with Δ's floor), their Mamba1 layers (Jamba's)
+"""Hybrids with quantized blocks (QuantizedHybridLM: Nemotron-H, Bamba, Granite-4.0-H, Jamba,
+Falcon-H1). Their Mamba2 layers are Quamba2's (QMamba2Mixer with Δ's floor), their Mamba1 layers (Jamba's)
 Quamba's (QMambaMixer, with the weighted norms of dt, B and C), neither rotated; W4A16 keeps the
 FP mixer with 4-bit in_proj and out_proj (Mamba1: and x_proj). Their attention, MLP and MoE
 layers keep their float RMSNorm and forward, with quantized linears (quamba.layers.qtransformer);
 MoE routers stay float. Everything else (SSM modes, state cache, forward, decode, generate,
 checkpoints) is QuantizedMambaLM's. A family adds only ``fp_mixer``: its FP mixer of a block
-(Granite: and its µP embedding and logits multipliers, in float)."""
+(Granite and Falcon-H1: and their µP embedding and logits multipliers, in float; Falcon-H1: its
+blocks of parallel Mamba2 and attention)."""
 from __future__ import annotations
 
 import torch
@@ -18,10 +19,13 @@ from quamba.layers.qnorm import QRMSNorm
 from quamba.layers.qtransformer import TRANSFORMER_LAYERS, quantize_linears_
 from quamba.layers.weight_only import empty_weight_only_linears_
 from quamba.models.bamba import ScaledEmbedding, ScaledLogits, block_mixer
+from quamba.models.falcon_h1 import LMHeadMultiplier, ParallelMixer
 from quamba.models.jamba import jamba_block_mixer
 from quamba.models.mamba import Block, MambaMixer, RMSNorm
+from quamba.models.mamba2 import GatedRMSNorm
 from quamba.models.nemotron_h import dt_floor, nemotron_h_layer
 from quamba.models.quantized import QuantizedMambaLM
+from quamba.models.transformer_layers import GatedMLP
 
 
 class QuantizedHybridLM(QuantizedMambaLM):
@@ -33,21 +37,44 @@ class QuantizedHybridLM(QuantizedMambaLM):
         raise NotImplementedError
 
     def _empty_block(self, layer: int, dtype, device) -> Block:
-        config, group_size = self.config, self.quant_config.group_size
         w_bits, a_bits = self.quant_config.bits_of(layer)
-        norm = RMSNorm(config.d_model, config.norm_epsilon, False, device=device, dtype=dtype)
         mixer = self.fp_mixer(layer, device, dtype)
         if isinstance(mixer, TRANSFORMER_LAYERS):
-            return Block(norm, quantize_linears_(mixer, w_bits, a_bits, group_size, load=False,
-                                                 dynamic_inputs=config.dynamic_inputs))
+            return Block(self._empty_norm(False, dtype, device),
+                         quantize_linears_(mixer, w_bits, a_bits, self.quant_config.group_size,
+                                           load=False, dynamic_inputs=self.config.dynamic_inputs))
+        return Block(self._empty_norm(a_bits != 16, dtype, device),
+                     self._empty_mamba_mixer(mixer, w_bits, a_bits, dtype, device))
+
+    def _empty_norm(self, to_int8: bool, dtype, device) -> nn.Module:
+        """The norm before a mixer: → int8 (QRMSNorm) for an int8 Mamba mixer, else float."""
+        config = self.config
+        if not to_int8:
+            return RMSNorm(config.d_model, config.norm_epsilon, False, device=device, dtype=dtype)
+        return QRMSNorm(config.d_model, config.norm_epsilon, False, 1.0, has_weight=True,
+                        device=device)
+
+    def _empty_mamba_mixer(self, mixer: nn.Module, w_bits: int, a_bits: int, dtype,
+                           device) -> nn.Module:
+        """The quantized form of the empty FP Mamba1 or Mamba2 mixer ``mixer``: W4A16, the FP
+        mixer with 4-bit linears; else Quamba's QMambaMixer (with the weighted norms of dt, B
+        and C) or Quamba2's QMamba2Mixer (Δ's floor; its gate kept where it is not the gated
+        RMSNorm), neither rotated."""
+        config, group_size = self.config, self.quant_config.group_size
         if a_bits == 16:
-            return Block(norm, empty_weight_only_linears_(mixer, group_size))
+            return empty_weight_only_linears_(mixer, group_size)
         if isinstance(mixer, MambaMixer):
-            qmixer = _empty_mamba1_mixer(mixer, config.d_model, w_bits, group_size, dtype, device)
-        else:
-            qmixer = _empty_mamba2_mixer(config, w_bits, group_size, dtype, device)
-        return Block(QRMSNorm(config.d_model, config.norm_epsilon, False, 1.0, has_weight=True,
-                              device=device), qmixer)
+            return QMambaMixer(config.d_model, mixer.d_inner, mixer.d_state, mixer.d_conv,
+                               mixer.dt_rank, {name: 1.0 for name in MAMBA1_ACTIVATION_SCALES},
+                               1.0, False, dtype, device, w_bits, group_size,
+                               discretization=mixer.discretization,
+                               mixer_rms_eps=mixer.mixer_rms_eps,
+                               mixer_norm_weights=mixer.mixer_norm_weights is not None)
+        conv_ones = torch.ones(config.d_inner + 2 * config.ngroups * config.d_state)
+        gate = None if isinstance(mixer.norm, GatedRMSNorm) else mixer.norm
+        return QMamba2Mixer(config, {name: 1.0 for name in ACTIVATION_SCALES}, conv_ones,
+                            conv_ones, 1.0, False, dtype, device, w_bits, group_size,
+                            dt_floor(config), gate)
 
 
 class QuantizedNemotronHLM(QuantizedHybridLM):
@@ -55,9 +82,9 @@ class QuantizedNemotronHLM(QuantizedHybridLM):
         return nemotron_h_layer(self.config.pattern[layer], self.config, device, dtype)
 
 
-class QuantizedBambaLM(ScaledLogits, QuantizedHybridLM):
-    """Bamba or Granite-4.0-H: Granite's embedding_multiplier on the float embedding (quantize()
-    refuses an int8 one), its logits_scaling on the logits."""
+class ScaledEmbeddingLM(QuantizedHybridLM):
+    """A hybrid with a µP ``config.embedding_multiplier`` (Granite's, Falcon-H1's) on its float
+    embedding (quantize() refuses an int8 one)."""
 
     def __init__(self, config, quant_config, dtype=torch.float16, device=None):
         super().__init__(config, quant_config, dtype, device)
@@ -68,6 +95,11 @@ class QuantizedBambaLM(ScaledLogits, QuantizedHybridLM):
             if self.ties_lm_head:
                 self.lm_head.weight = self.backbone.embedding.weight
 
+
+class QuantizedBambaLM(ScaledLogits, ScaledEmbeddingLM):
+    """Bamba or Granite-4.0-H: Granite's embedding_multiplier on the float embedding, its
+    logits_scaling on the logits."""
+
     def fp_mixer(self, layer: int, device=None, dtype=None) -> nn.Module:
         return block_mixer(self.config, layer, device, dtype)
 
@@ -77,18 +109,25 @@ class QuantizedJambaLM(QuantizedHybridLM):
         return jamba_block_mixer(layer, self.config, device, dtype)
 
 
-def _empty_mamba2_mixer(config, w_bits: int, group_size: int, dtype, device) -> QMamba2Mixer:
-    """An empty QMamba2Mixer (no rotation, Δ's floor) of ``config``'s Mamba2 shapes."""
-    conv_ones = torch.ones(config.d_inner + 2 * config.ngroups * config.d_state)
-    return QMamba2Mixer(config, {name: 1.0 for name in ACTIVATION_SCALES}, conv_ones, conv_ones,
-                        1.0, False, dtype, device, w_bits, group_size, dt_floor(config))
+class QuantizedFalconH1LM(LMHeadMultiplier, ScaledEmbeddingLM):
+    """Falcon-H1: block 2i a ParallelMixer whose Mamba2 mixer is Quamba2's (its SiluGate kept
+    where it has no gated norm) and whose attention has quantized linears; both read the
+    QRMSNorm's int8 codes (W4A16: the float norm's output). Block 2i+1 its GatedMLP, quantized
+    as the other hybrids'. The embedding and lm_head multipliers in float at run time."""
 
+    def fp_mixer(self, layer: int, device=None, dtype=None) -> nn.Module:
+        config = self.config
+        if layer % 2:
+            return GatedMLP(config.d_model, config.intermediate_size, config.mlp_bias,
+                            device=device, dtype=dtype)
+        return ParallelMixer(config, device, dtype)
 
-def _empty_mamba1_mixer(mixer: MambaMixer, d_model: int, w_bits: int, group_size: int, dtype,
-                        device) -> QMambaMixer:
-    """An empty QMambaMixer (no rotation) of the FP Mamba1 ``mixer``'s shapes and norms."""
-    return QMambaMixer(d_model, mixer.d_inner, mixer.d_state, mixer.d_conv, mixer.dt_rank,
-                       {name: 1.0 for name in MAMBA1_ACTIVATION_SCALES}, 1.0, False, dtype,
-                       device, w_bits, group_size, discretization=mixer.discretization,
-                       mixer_rms_eps=mixer.mixer_rms_eps,
-                       mixer_norm_weights=mixer.mixer_norm_weights is not None)
+    def _empty_block(self, layer: int, dtype, device) -> Block:
+        if layer % 2:
+            return super()._empty_block(layer, dtype, device)
+        w_bits, a_bits = self.quant_config.bits_of(layer)
+        mixer = self.fp_mixer(layer, device, dtype)
+        mixer.mamba = self._empty_mamba_mixer(mixer.mamba, w_bits, a_bits, dtype, device)
+        quantize_linears_(mixer.self_attn, w_bits, a_bits, self.quant_config.group_size,
+                          load=False, dynamic_inputs=self.config.dynamic_inputs)
+        return Block(self._empty_norm(a_bits != 16, dtype, device), mixer)

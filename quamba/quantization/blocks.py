@@ -13,6 +13,7 @@ from quamba.layers.qmixer2 import QMamba2Mixer
 from quamba.layers.qnorm import QRMSNorm
 from quamba.layers.qtransformer import TRANSFORMER_LAYERS, quantize_linears_
 from quamba.layers.weight_only import WeightOnlyMambaMixer, weight_only_mixer_from_float
+from quamba.models.falcon_h1 import ParallelMixer
 from quamba.models.mamba import Block
 from quamba.models.mamba2 import Mamba2Mixer
 from quamba.models.quantized import WeightOnlyBlock
@@ -48,6 +49,9 @@ def quantize_block_(block, fp_block, layer: int, ranges: dict, config: QuantConf
     Mamba1 block becomes a WeightOnlyBlock; a hybrid's attention, MLP or MoE block keeps its
     float norm and gets quantized linears)."""
     w_bits, a_bits = config.bits_of(layer)
+    if isinstance(fp_block.mixer, ParallelMixer):
+        _quantize_parallel_block_(block, fp_block, layer, ranges, config, model_config)
+        return
     if isinstance(fp_block.mixer, TRANSFORMER_LAYERS):
         block.norm = copy.deepcopy(fp_block.norm)
         block.mixer = quantize_linears_(copy.deepcopy(fp_block.mixer), w_bits, a_bits,
@@ -70,6 +74,23 @@ def quantize_block_(block, fp_block, layer: int, ranges: dict, config: QuantConf
     scales = {name: scale_from_range(layer_ranges[kind]) for kind, name in SCALE_OF_KIND.items()}
     block.mixer = QMambaMixer.from_float(fp_block.mixer, h_scale, scales, config.hadamard, w_bits,
                                          config.group_size)
+
+
+def _quantize_parallel_block_(block, fp_block, layer: int, ranges: dict, config: QuantConfig,
+                              model_config) -> None:
+    """Falcon-H1's block of parallel Mamba2 and attention: the norm and the Mamba2 mixer as a
+    Mamba2 block's, the attention's linears as a hybrid's. Both branches read the norm's output,
+    quantized once (W8A8, W4A8: its int8 codes at in_proj.input's scale, the static input scale
+    of in_proj and of q, k, v alike; W4A16: the float output); o_proj's input per token
+    (FalconH1Config.dynamic_inputs)."""
+    quantize_block_(block, Block(fp_block.norm, fp_block.mixer.mamba), layer, ranges, config,
+                    model_config)
+    mixer = copy.deepcopy(fp_block.mixer)
+    mixer.mamba = block.mixer
+    w_bits, a_bits = config.bits_of(layer)
+    quantize_linears_(mixer.self_attn, w_bits, a_bits, config.group_size, ranges and ranges[layer],
+                      dynamic_inputs=model_config.dynamic_inputs)
+    block.mixer = mixer
 
 
 def _quantized_mamba2_mixer(mixer: Mamba2Mixer, model_config, layer_ranges: dict, h_scale: float,

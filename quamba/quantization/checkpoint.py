@@ -35,11 +35,12 @@ from quamba.models.config import MambaConfig
 from quamba.models.hub import (is_quamba_checkpoint, load_tokenizer, parse_dtype,
                                quantized_format, resolve_model_dir)
 from quamba.models.bamba import BambaConfig
+from quamba.models.falcon_h1 import FalconH1Config
 from quamba.models.jamba import JambaConfig
 from quamba.models.nemotron_h import NemotronHConfig
 from quamba.models.quantized import QuantizedMambaLM
-from quamba.models.quantized_hybrid import (QuantizedBambaLM, QuantizedJambaLM,
-                                            QuantizedNemotronHLM)
+from quamba.models.quantized_hybrid import (QuantizedBambaLM, QuantizedFalconH1LM,
+                                            QuantizedJambaLM, QuantizedNemotronHLM)
 from quamba.models.quantized_vision import QuantizedVisionMamba
 from quamba.models.vision import VisionMambaConfig
 from quamba.quantization.config import QuantConfig
@@ -61,18 +62,23 @@ FORMAT_NAME = "quamba"
 # of dt, B and C carry weights, stored in the float dtype as each mixer's dt_norm_weight,
 # B_norm_weight and C_norm_weight, W4A16: dt_layernorm.weight, b_layernorm.weight and
 # c_layernorm.weight; attention, GatedMLP, MoE of GatedMLPs) is written as 9, which a quamba that
-# knows 8 at most refuses.
+# knows 8 at most refuses. A Falcon-H1 hybrid ("falcon_h1": two blocks a layer, the first a
+# parallel mixer whose tensors are ``mixer.mamba.*``, a QMamba2Mixer's without ``norm.weight``
+# where it has no gated norm, and ``mixer.self_attn.*``, the quantized linears', behind the
+# norm's ``out_scale``, which both read; µP multipliers in the model config) is written as 10.
 FORMAT_VERSION = 5
 MIXER_NORMS_FORMAT_VERSION = 6
-NEWEST_FORMAT_VERSION = 9
+NEWEST_FORMAT_VERSION = 10
 # quantized hybrid class → the format version it is written as
-HYBRID_FORMAT_VERSIONS = {QuantizedNemotronHLM: 7, QuantizedBambaLM: 8, QuantizedJambaLM: 9}
+HYBRID_FORMAT_VERSIONS = {QuantizedNemotronHLM: 7, QuantizedBambaLM: 8, QuantizedJambaLM: 9,
+                          QuantizedFalconH1LM: 10}
 # model_type in the model config → (config class, quantized model class); absent: Mamba1/Mamba2
 MODEL_TYPES = {"vision_mamba": (VisionMambaConfig, QuantizedVisionMamba),
                "nemotron_h": (NemotronHConfig, QuantizedNemotronHLM),
                "bamba": (BambaConfig, QuantizedBambaLM),
                "granitemoehybrid": (BambaConfig, QuantizedBambaLM),
-               "jamba": (JambaConfig, QuantizedJambaLM)}
+               "jamba": (JambaConfig, QuantizedJambaLM),
+               "falcon_h1": (FalconH1Config, QuantizedFalconH1LM)}
 WEIGHTS_FILE = "model.safetensors"
 # A W4A16 Jamba mixer's norms of dt, B and C (the FP mixer's modules)
 JAMBA_NORMS = ("dt_layernorm", "b_layernorm", "c_layernorm")
@@ -223,20 +229,21 @@ def _cast_float_parts(model, dtype: torch.dtype) -> None:
         elif isinstance(module, QInputLinear) and not module.dynamic:  # a hybrid's GEMM output
             module.linear.out_dtype = dtype
     for block in model.backbone.layers:
-        if not isinstance(block.mixer, QuantModule):  # W4A16: the FP parts of its mixer
+        mixer = getattr(block.mixer, "mamba", block.mixer)  # Falcon-H1's parallel mixer's
+        if not isinstance(mixer, QuantModule):  # W4A16: the FP parts of its mixer
             block.norm.to(dtype)
             for name in ("conv1d", "dt_proj", "norm", *JAMBA_NORMS, *MOE_ROUTERS):
-                module = getattr(block.mixer, name, None)
+                module = getattr(mixer, name, None)
                 if module is not None and not getattr(module, "keeps_fp32", False):
                     module.to(dtype)
         else:
-            block.mixer.out_dtype = dtype
-            block.mixer.out_proj.out_dtype = dtype
-            if getattr(block.mixer, "mixer_rms_eps", None) is not None:  # a float x_proj output
-                block.mixer.x_proj.out_dtype = dtype
+            mixer.out_dtype = dtype
+            mixer.out_proj.out_dtype = dtype
+            if getattr(mixer, "mixer_rms_eps", None) is not None:  # a float x_proj output
+                mixer.x_proj.out_dtype = dtype
             for name in MIXER_NORM_WEIGHTS:  # Jamba's: applied to the float x_proj output
-                if hasattr(block.mixer, name):
-                    setattr(block.mixer, name, getattr(block.mixer, name).to(dtype))
+                if hasattr(mixer, name):
+                    setattr(mixer, name, getattr(mixer, name).to(dtype))
 
 
 # load_model and QuantizedModel.save_pretrained reach this format here (models/ never imports it)

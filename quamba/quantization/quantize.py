@@ -19,8 +19,8 @@ from quamba.models.jamba import JambaLM
 from quamba.models.mamba import MambaLMHeadModel
 from quamba.models.nemotron_h import NemotronHLM
 from quamba.models.quantized import QuantizedMambaLM
-from quamba.models.quantized_hybrid import (QuantizedBambaLM, QuantizedJambaLM,
-                                            QuantizedNemotronHLM)
+from quamba.models.quantized_hybrid import (QuantizedBambaLM, QuantizedFalconH1LM,
+                                            QuantizedJambaLM, QuantizedNemotronHLM)
 from quamba.models.vision import VisionMamba
 from quamba.models.zamba2 import Zamba2LM
 from quamba.ops.quant import scale_from_range
@@ -30,7 +30,7 @@ from quamba.quantization.config import QuantConfig
 log = logging.getLogger("quamba")
 # FP hybrid class → its quantized class (quamba.models.quantized_hybrid)
 QUANTIZED_HYBRIDS = {NemotronHLM: QuantizedNemotronHLM, BambaLM: QuantizedBambaLM,
-                     JambaLM: QuantizedJambaLM}
+                     JambaLM: QuantizedJambaLM, FalconH1LM: QuantizedFalconH1LM}
 
 @torch.inference_mode(False)  # the quantized model's tensors stay ordinary ones (see below)
 def quantize(model: MambaLMHeadModel, tokenizer=None, config: QuantConfig | None = None,
@@ -93,8 +93,8 @@ def _hybrid_config(model, config: QuantConfig) -> QuantConfig:
 
 
 def _check_hybrid(model, config: QuantConfig) -> None:
-    """The recipes that a hybrid (Nemotron-H, Bamba, Granite, Jamba) cannot take yet, refused in
-    one line."""
+    """The recipes that a hybrid (Nemotron-H, Bamba, Granite, Jamba, Falcon-H1) cannot take yet,
+    refused in one line."""
     name = model.config.model_type
     for field in ("mixed_precision", "layer_bits", "apply_gptq", "learn_scales"):
         if getattr(config, field) not in (None, False):
@@ -110,8 +110,6 @@ def _check_hybrid(model, config: QuantConfig) -> None:
 def _check_quantizable(model, config: QuantConfig) -> None:
     if isinstance(model, Zamba2LM):
         raise QuambaError("quantizing zamba2 is not supported yet")
-    if isinstance(model, FalconH1LM):
-        raise QuambaError("quantizing falcon_h1 is not supported yet")
     if type(model) in QUANTIZED_HYBRIDS:
         _check_hybrid(model, config)
     elif isinstance(model, QuantizedMambaLM) or type(model) is not MambaLMHeadModel:

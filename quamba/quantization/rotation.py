@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 
 from quamba.models.mamba import MambaLMHeadModel, MambaMixer, RMSNorm
-from quamba.models.mamba2 import Mamba2Mixer
+from quamba.models.mamba2 import GatedRMSNorm, Mamba2Mixer
 from quamba.ops.norm.hadamard import HadamardTransform, hadamard_matrix
 
 
@@ -109,11 +109,12 @@ def _fold_norm(weight: torch.Tensor, norm: RMSNorm, rotation: torch.Tensor) -> t
 def quantization_basis_(model: MambaLMHeadModel, hadamard: bool) -> MambaLMHeadModel:
     """Put an FP LM in the basis its quantized model computes in, in place: rotated if
     ``hadamard``, else only the Mamba2 gated-norm weights folded into out_proj (what the
-    quantized Mamba2 mixer's out_proj holds). Function-preserving; returns the model."""
+    quantized Mamba2 mixer's out_proj holds; a gate without norm, Falcon-H1's SiluGate, has
+    none). Function-preserving; returns the model."""
     if hadamard:
         return rotate_model_(model)
-    for mixer in model.mixers():
-        if isinstance(mixer, Mamba2Mixer):
+    for mixer in model.modules():  # Falcon-H1's sit inside its parallel mixers
+        if isinstance(mixer, Mamba2Mixer) and isinstance(mixer.norm, GatedRMSNorm):
             fold_gated_norm_(mixer)
     return model
 

@@ -90,6 +90,13 @@ def test_greedy_generate_equals_transformers(model):
     assert torch.equal(model.generate(prompt, max_new_tokens=12, eos_token_id=-1), expected)
 
 
+def test_fp16_keeps_the_ssm_parameters_fp32(hf_dir):
+    half = quamba.load_model(hf_dir, dtype="fp16", tokenizer=False)[0]
+    mamba = half.backbone.layers[0].mixer.mamba
+    assert mamba.in_proj.weight.dtype == torch.float16
+    assert all(p.dtype == torch.float32 for p in (mamba.A_log, mamba.D, mamba.dt_bias))
+
+
 def write_config(tmp_path, **changes):
     """A copy of the model directory with config.json changed (None drops a field)."""
     source = tmp_path.parent / "falcon-h1-src"
@@ -115,11 +122,6 @@ def write_config(tmp_path, **changes):
 def test_unsupported_options_are_refused_by_name(tmp_path, changes, message):
     with pytest.raises(CheckpointError, match="config.json: " + re.escape(message)):
         quamba.load_model(write_config(tmp_path, **changes), tokenizer=False)
-
-
-def test_quantizing_is_refused_in_one_line(model):
-    with pytest.raises(quamba.QuambaError, match="^quantizing falcon_h1 is not supported yet$"):
-        quamba.quantize(model, None, quamba.QuantConfig(), calib_data=ids(2, 16))
 
 
 def test_saving_in_a_hub_layout_is_refused(model, tmp_path):
