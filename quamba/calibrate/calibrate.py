@@ -12,9 +12,10 @@ from tqdm.auto import tqdm
 from quamba.calibrate.data import CalibrationSet
 from quamba.calibrate.errors import CalibrationError
 from quamba.calibrate.observers import ChannelAbsMaxObserver, ObserverSpec, make_observer
-from quamba.layers.qtransformer import TRANSFORMER_LAYERS, quantized_linears
+from quamba.layers.qtransformer import TRANSFORMER_LAYERS, input_kind, quantized_linears
 from quamba.models.mamba2 import Mamba2Mixer
 from quamba.models.state import MixerState
+from quamba.models.zamba2 import HybridState
 from quamba.ops.conv.causal_conv1d import causal_conv1d
 
 _ABSMAX = ObserverSpec("absmax")
@@ -47,6 +48,10 @@ BACKWARD_KINDS = ("x_proj_b.input", "x_proj_b.output", "dt_proj_b.output")
 # when ``calibrate(observe_head=True)``, for an int8 lm_head (quamba.layers.qhead).
 HEAD_LAYER = "lm_head"
 HEAD_KIND = "lm_head.input"
+# Zamba2: the inputs of a shared block's linears are observed under the layer using it as this
+# prefix + their kind ("shared.in_proj.input": q, k and v's), the layer's own linear's as
+# "linear.input" (absmax, as every hybrid linear's)
+SHARED_PREFIX = "shared."
 # Per-channel absmax of a Mamba2 layer's conv output: x per channel [d_inner], B and C per state
 # group [ngroups]; their results are fp32 tensors.
 CHANNEL_KINDS = ("x", "B", "C")
@@ -82,6 +87,8 @@ def calibrate(model, calib: CalibrationSet | torch.Tensor,
             cache = model.allocate_cache(ids.shape[0], device)
             model(ids, cache=cache, num_last_tokens=1)
             for layer, state in enumerate(cache.states):
+                if isinstance(state, HybridState):  # Zamba2's: the Mamba2 mixer's beside the KV
+                    state = state.mixer
                 if isinstance(state, MixerState):  # not a hybrid's attention or MLP layer
                     recorder.observe(layer, "ssm_state", state.ssm)
     return recorder.results()
@@ -187,6 +194,7 @@ def _observing(model, recorder: _Recorder):
             if hasattr(mixer, "x_proj_b"):  # the backward branch of a bidirectional mixer
                 handles.append(mixer.x_proj_b.register_forward_hook(
                     _x_proj_hook(recorder, layer, mixer, mixer.dt_proj_b, "_b")))
+        handles += _shared_block_hooks(recorder, model.backbone.layers)
         yield
     finally:
         for handle in handles:
@@ -219,6 +227,39 @@ def _linear_input_hooks(recorder: _Recorder, layer: int, mixer) -> list:
     handles = [mixer.register_forward_pre_hook(observer("in_proj.input"))]
     for name, module in quantized_linears(mixer):
         handles.append(module.register_forward_pre_hook(observer(f"{name}.input")))
+    return handles
+
+
+def _shared_block_hooks(recorder: _Recorder, layers) -> list:
+    """Forward pre-hooks on Zamba2's shared blocks (a layer's ``shared``) and the layers that use
+    them: each distinct input of a block's quantized linears observed as SHARED_PREFIX + its kind
+    under the layer running the block (a pre-hook on each such layer says which: a block is
+    hooked once and runs at several depths), and the layer's own linear's input."""
+    using = {}  # "layer": the layer whose shared block runs now
+
+    def enter(layer):
+        return lambda module, inputs: using.update(layer=layer)
+
+    def observer(kind, layer=None):
+        def hook(module, inputs):
+            recorder.observe(using["layer"] if layer is None else layer, kind, inputs[0])
+        return hook
+
+    handles, hooked = [], set()
+    for layer, block in enumerate(layers):
+        shared = getattr(block, "shared", None)
+        if shared is None:
+            continue
+        handles += [block.register_forward_pre_hook(enter(layer)),
+                    block.linear.register_forward_pre_hook(observer("linear.input", layer))]
+        if id(shared) in hooked:
+            continue
+        hooked.add(id(shared))
+        kinds = {}  # kind → the first linear reading it (q_proj for q, k and v)
+        for name, module in quantized_linears(shared):
+            kinds.setdefault(SHARED_PREFIX + input_kind(name), module)
+        handles += [module.register_forward_pre_hook(observer(kind))
+                    for kind, module in kinds.items()]
     return handles
 
 

@@ -36,9 +36,11 @@ from quamba.models.hub import (is_quamba_checkpoint, load_tokenizer, parse_dtype
 from quamba.models.bamba import BambaConfig
 from quamba.models.nemotron_h import NemotronHConfig
 from quamba.models.quantized import QuantizedMambaLM
-from quamba.models.quantized_hybrid import QuantizedBambaLM, QuantizedNemotronHLM
+from quamba.models.quantized_hybrid import (QuantizedBambaLM, QuantizedNemotronHLM,
+                                            QuantizedZamba2LM)
 from quamba.models.quantized_vision import QuantizedVisionMamba
 from quamba.models.vision import VisionMambaConfig
+from quamba.models.zamba2 import Zamba2Config
 from quamba.quantization.config import QuantConfig
 from quamba.utils.io import atomic_directory
 from quamba.version import __version__
@@ -54,17 +56,20 @@ FORMAT_NAME = "quamba"
 # quamba.layers.qtransformer stores them) is written as 7, which older quambas refuse; a Bamba
 # hybrid ("model_type": "bamba": two blocks a layer, RoPE attention, GatedMLP) or a Granite-4.0-H
 # one ("granitemoehybrid": MoE of GatedMLPs, µP multipliers) as 8, which a quamba that knows
-# Nemotron-H only refuses.
+# Nemotron-H only refuses. A Zamba2 hybrid ("model_type": "zamba2": Mamba2 layers, shared
+# transformer blocks stored once under backbone.shared_blocks with quantized linears, each hybrid
+# layer's float LoRA adapters and quantized linear) is written as 11, which older quambas refuse.
 FORMAT_VERSION = 5
 MIXER_NORMS_FORMAT_VERSION = 6
-NEWEST_FORMAT_VERSION = 8
+NEWEST_FORMAT_VERSION = 11
 # quantized hybrid class → the format version it is written as
-HYBRID_FORMAT_VERSIONS = {QuantizedNemotronHLM: 7, QuantizedBambaLM: 8}
+HYBRID_FORMAT_VERSIONS = {QuantizedNemotronHLM: 7, QuantizedBambaLM: 8, QuantizedZamba2LM: 11}
 # model_type in the model config → (config class, quantized model class); absent: Mamba1/Mamba2
 MODEL_TYPES = {"vision_mamba": (VisionMambaConfig, QuantizedVisionMamba),
                "nemotron_h": (NemotronHConfig, QuantizedNemotronHLM),
                "bamba": (BambaConfig, QuantizedBambaLM),
-               "granitemoehybrid": (BambaConfig, QuantizedBambaLM)}
+               "granitemoehybrid": (BambaConfig, QuantizedBambaLM),
+               "zamba2": (Zamba2Config, QuantizedZamba2LM)}
 WEIGHTS_FILE = "model.safetensors"
 
 
@@ -209,6 +214,8 @@ def _cast_float_parts(model, dtype: torch.dtype) -> None:
             module.kv_dtype = dtype
         elif isinstance(module, QInputLinear) and not module.dynamic:  # a hybrid's GEMM output
             module.linear.out_dtype = dtype
+    for module in getattr(model, "float_modules", list)():  # Zamba2's norms and adapters
+        module.to(dtype)
     for block in model.backbone.layers:
         if not isinstance(block.mixer, QuantModule):  # W4A16: the FP parts of its mixer
             block.norm.to(dtype)
