@@ -81,7 +81,8 @@ def calibrate(model, calib: CalibrationSet | torch.Tensor,
     recorder = _Recorder(_observer_specs(observers), num_samples=tokens.shape[0])
     device = next(model.parameters()).device
     batches = range(0, tokens.shape[0], batch_size)
-    with _observing(model, recorder), _observing_head(model, recorder, observe_head):
+    with (_observing(model, recorder), _observing_shared_blocks(model, recorder),
+          _observing_head(model, recorder, observe_head)):
         for start in tqdm(batches, desc="calibrating", unit="batch", disable=not progress):
             ids = tokens[start:start + batch_size].to(device)
             cache = model.allocate_cache(ids.shape[0], device)
@@ -194,7 +195,6 @@ def _observing(model, recorder: _Recorder):
             if hasattr(mixer, "x_proj_b"):  # the backward branch of a bidirectional mixer
                 handles.append(mixer.x_proj_b.register_forward_hook(
                     _x_proj_hook(recorder, layer, mixer, mixer.dt_proj_b, "_b")))
-        handles += _shared_block_hooks(recorder, model.backbone.layers)
         yield
     finally:
         for handle in handles:
@@ -230,11 +230,13 @@ def _linear_input_hooks(recorder: _Recorder, layer: int, mixer) -> list:
     return handles
 
 
-def _shared_block_hooks(recorder: _Recorder, layers) -> list:
+@contextmanager
+def _observing_shared_blocks(model, recorder: _Recorder):
     """Forward pre-hooks on Zamba2's shared blocks (a layer's ``shared``) and the layers that use
-    them: each distinct input of a block's quantized linears observed as SHARED_PREFIX + its kind
-    under the layer running the block (a pre-hook on each such layer says which: a block is
-    hooked once and runs at several depths), and the layer's own linear's input."""
+    them, removed on exit: each distinct input of a block's quantized linears observed as
+    SHARED_PREFIX + its kind under the layer running the block (a pre-hook on each such layer
+    says which: a block is hooked once and runs at several depths), and the layer's own linear's
+    input."""
     using = {}  # "layer": the layer whose shared block runs now
 
     def enter(layer):
@@ -246,21 +248,25 @@ def _shared_block_hooks(recorder: _Recorder, layers) -> list:
         return hook
 
     handles, hooked = [], set()
-    for layer, block in enumerate(layers):
-        shared = getattr(block, "shared", None)
-        if shared is None:
-            continue
-        handles += [block.register_forward_pre_hook(enter(layer)),
-                    block.linear.register_forward_pre_hook(observer("linear.input", layer))]
-        if id(shared) in hooked:
-            continue
-        hooked.add(id(shared))
-        kinds = {}  # kind → the first linear reading it (q_proj for q, k and v)
-        for name, module in quantized_linears(shared):
-            kinds.setdefault(SHARED_PREFIX + input_kind(name), module)
-        handles += [module.register_forward_pre_hook(observer(kind))
-                    for kind, module in kinds.items()]
-    return handles
+    try:
+        for layer, block in enumerate(model.backbone.layers):
+            shared = getattr(block, "shared", None)
+            if shared is None:
+                continue
+            handles += [block.register_forward_pre_hook(enter(layer)),
+                        block.linear.register_forward_pre_hook(observer("linear.input", layer))]
+            if id(shared) in hooked:
+                continue
+            hooked.add(id(shared))
+            kinds = {}  # kind → the first linear reading it (q_proj for q, k and v)
+            for name, module in quantized_linears(shared):
+                kinds.setdefault(SHARED_PREFIX + input_kind(name), module)
+            handles += [module.register_forward_pre_hook(observer(kind))
+                        for kind, module in kinds.items()]
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def _in_proj_hook(recorder: _Recorder, layer: int):
