@@ -10,7 +10,8 @@ q, k and v.
 quamba holds each shared block once (``backbone.shared_blocks``); a hybrid layer holds its
 adapters, its linear and its Mamba2 mixer, and points to its block. Each use keeps its own KV
 cache. The Mamba2 layers are Nemotron-H's mixer (Δ floored at ``time_step_min``, as
-transformers' prefill clamps it). Tensor names are quamba's, read by from_zamba2_names.
+transformers' prefill clamps it). Tensor names are quamba's, read by from_zamba2_names. The
+quantized model is quamba.models.quantized_hybrid.QuantizedZamba2LM.
 """
 from __future__ import annotations
 
