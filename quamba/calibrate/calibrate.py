@@ -12,10 +12,11 @@ from tqdm.auto import tqdm
 from quamba.calibrate.data import CalibrationSet
 from quamba.calibrate.errors import CalibrationError
 from quamba.calibrate.observers import ChannelAbsMaxObserver, ObserverSpec, make_observer
-from quamba.layers.qtransformer import TRANSFORMER_LAYERS, quantized_linears
+from quamba.layers.qtransformer import TRANSFORMER_LAYERS, input_kind, quantized_linears
 from quamba.models.falcon_h1 import ParallelMixer
 from quamba.models.mamba2 import Mamba2Mixer
 from quamba.models.state import MixerState
+from quamba.models.zamba2 import HybridState
 from quamba.ops.conv.causal_conv1d import causal_conv1d
 
 _ABSMAX = ObserverSpec("absmax")
@@ -48,6 +49,10 @@ BACKWARD_KINDS = ("x_proj_b.input", "x_proj_b.output", "dt_proj_b.output")
 # when ``calibrate(observe_head=True)``, for an int8 lm_head (quamba.layers.qhead).
 HEAD_LAYER = "lm_head"
 HEAD_KIND = "lm_head.input"
+# Zamba2: the inputs of a shared block's linears are observed under the layer using it as this
+# prefix + their kind ("shared.in_proj.input": q, k and v's), the layer's own linear's as
+# "linear.input" (absmax, as every hybrid linear's)
+SHARED_PREFIX = "shared."
 # Per-channel absmax of a Mamba2 layer's conv output: x per channel [d_inner], B and C per state
 # group [ngroups]; their results are fp32 tensors.
 CHANNEL_KINDS = ("x", "B", "C")
@@ -77,7 +82,8 @@ def calibrate(model, calib: CalibrationSet | torch.Tensor,
     recorder = _Recorder(_observer_specs(observers), num_samples=tokens.shape[0])
     device = next(model.parameters()).device
     batches = range(0, tokens.shape[0], batch_size)
-    with _observing(model, recorder), _observing_head(model, recorder, observe_head):
+    with (_observing(model, recorder), _observing_shared_blocks(model, recorder),
+          _observing_head(model, recorder, observe_head)):
         for start in tqdm(batches, desc="calibrating", unit="batch", disable=not progress):
             ids = tokens[start:start + batch_size].to(device)
             cache = model.allocate_cache(ids.shape[0], device, max_seqlen=ids.shape[1])
@@ -113,9 +119,12 @@ def calibrate_images(model, images: torch.Tensor, observers: dict[str, ObserverS
 
 def _mixer_state(state) -> MixerState | None:
     """A block's SSM decode state: its own, that of Falcon-H1's parallel mixer (the pair
-    (MixerState, AttentionState)), or None (a hybrid's attention, MLP or MoE)."""
+    (MixerState, AttentionState)) or of Zamba2's hybrid layer (HybridState), or None (a hybrid's
+    attention, MLP or MoE)."""
     if isinstance(state, tuple):
         state = state[0]
+    if isinstance(state, HybridState):
+        state = state.mixer
     return state if isinstance(state, MixerState) else None
 
 
@@ -250,6 +259,45 @@ def _parallel_hooks(recorder: _Recorder, layer: int, mixer: ParallelMixer) -> li
     ("o_proj.input" ...)."""
     return _mamba2_hooks(recorder, layer, mixer.mamba) + _linears_hooks(recorder, layer,
                                                                          mixer.self_attn)
+
+
+@contextmanager
+def _observing_shared_blocks(model, recorder: _Recorder):
+    """Forward pre-hooks on Zamba2's shared blocks (a layer's ``shared``) and the layers that use
+    them, removed on exit: each distinct input of a block's quantized linears observed as
+    SHARED_PREFIX + its kind under the layer running the block (a pre-hook on each such layer
+    says which: a block is hooked once and runs at several depths), and the layer's own linear's
+    input."""
+    using = {}  # "layer": the layer whose shared block runs now
+
+    def enter(layer):
+        return lambda module, inputs: using.update(layer=layer)
+
+    def observer(kind, layer=None):
+        def hook(module, inputs):
+            recorder.observe(using["layer"] if layer is None else layer, kind, inputs[0])
+        return hook
+
+    handles, hooked = [], set()
+    try:
+        for layer, block in enumerate(model.backbone.layers):
+            shared = getattr(block, "shared", None)
+            if shared is None:
+                continue
+            handles += [block.register_forward_pre_hook(enter(layer)),
+                        block.linear.register_forward_pre_hook(observer("linear.input", layer))]
+            if id(shared) in hooked:
+                continue
+            hooked.add(id(shared))
+            kinds = {}  # kind → the first linear reading it (q_proj for q, k and v)
+            for name, module in quantized_linears(shared):
+                kinds.setdefault(SHARED_PREFIX + input_kind(name), module)
+            handles += [module.register_forward_pre_hook(observer(kind))
+                        for kind, module in kinds.items()]
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def _in_proj_hook(recorder: _Recorder, layer: int):

@@ -113,21 +113,31 @@ class QAttention(Attention):
 def quantize_linears_(layer: nn.Module, w_bits: int, a_bits: int, group_size: int,
                       ranges: dict | None = None, load: bool = True,
                       dynamic_inputs: tuple | None = None) -> nn.Module:
-    """Replace every nn.Linear of ``layer`` (attention, MLP or MoE) but a router
-    (quantized_linears) in place by its quantized form, its weights quantized if ``load``, its
-    static input scales from ``ranges`` (the layer's calibrated clipping ranges; None for W4A16
-    or an empty layer), per token where is_dynamic(name, ``dynamic_inputs``)."""
-    if isinstance(layer, Attention):
-        layer.__class__, layer.kv_dtype = QAttention, layer.k_proj.weight.dtype
+    """Replace every nn.Linear of ``layer`` (attention, MLP or MoE, or a block holding them) but
+    a router (quantized_linears) in place by its quantized form (quantized_linear), and each
+    Attention in it by a QAttention."""
+    for module in layer.modules():
+        if isinstance(module, Attention):
+            module.__class__, module.kv_dtype = QAttention, module.k_proj.weight.dtype
     for name, fp_linear in quantized_linears(layer):
-        if fp_linear.bias is not None:
-            raise ValueError(f"{name}: quantized linears of hybrid layers take no bias")
-        scale, dynamic = 1.0, is_dynamic(name, dynamic_inputs)
-        if ranges is not None and a_bits != 16 and not dynamic:
-            scale = scale_from_range(ranges[input_kind(name)])
-        linear = empty_linear(fp_linear, dynamic, w_bits, a_bits, group_size, scale)
-        if load:
-            inner = linear if a_bits == 16 else linear.linear
-            inner.load_float_weight(fp_linear.weight.detach())
-        layer.set_submodule(name, linear)
+        layer.set_submodule(name, quantized_linear(fp_linear, name, w_bits, a_bits, group_size,
+                                                   ranges, load, dynamic_inputs))
     return layer
+
+
+def quantized_linear(fp_linear: nn.Linear, name: str, w_bits: int, a_bits: int,
+                     group_size: int, ranges: dict | None = None, load: bool = True,
+                     dynamic_inputs: tuple | None = None) -> nn.Module:
+    """The quantized form of ``fp_linear`` (named ``name`` in its layer), its weights quantized
+    if ``load``, its static input scale from ``ranges`` (the layer's calibrated clipping ranges;
+    None for W4A16 or an empty layer), per token where is_dynamic(name, ``dynamic_inputs``)."""
+    if fp_linear.bias is not None:
+        raise ValueError(f"{name}: quantized linears of hybrid layers take no bias")
+    scale, dynamic = 1.0, is_dynamic(name, dynamic_inputs)
+    if ranges is not None and a_bits != 16 and not dynamic:
+        scale = scale_from_range(ranges[input_kind(name)])
+    linear = empty_linear(fp_linear, dynamic, w_bits, a_bits, group_size, scale)
+    if load:
+        inner = linear if a_bits == 16 else linear.linear
+        inner.load_float_weight(fp_linear.weight.detach())
+    return linear

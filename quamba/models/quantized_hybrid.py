@@ -1,12 +1,13 @@
 """Hybrids with quantized blocks (QuantizedHybridLM: Nemotron-H, Bamba, Granite-4.0-H, Jamba,
-Falcon-H1). Their Mamba2 layers are Quamba2's (QMamba2Mixer with Δ's floor), their Mamba1 layers (Jamba's)
-Quamba's (QMambaMixer, with the weighted norms of dt, B and C), neither rotated; W4A16 keeps the
-FP mixer with 4-bit in_proj and out_proj (Mamba1: and x_proj). Their attention, MLP and MoE
-layers keep their float RMSNorm and forward, with quantized linears (quamba.layers.qtransformer);
-MoE routers stay float. Everything else (SSM modes, state cache, forward, decode, generate,
-checkpoints) is QuantizedMambaLM's. A family adds only ``fp_mixer``: its FP mixer of a block
-(Granite and Falcon-H1: and their µP embedding and logits multipliers, in float; Falcon-H1: its
-blocks of parallel Mamba2 and attention)."""
+Falcon-H1, Zamba2). Their Mamba2 layers are Quamba2's (QMamba2Mixer with Δ's floor), their
+Mamba1 layers (Jamba's) Quamba's (QMambaMixer, with the weighted norms of dt, B and C), neither
+rotated; W4A16 keeps the FP mixer with 4-bit in_proj and out_proj (Mamba1: and x_proj). Their
+attention, MLP and MoE layers keep their float RMSNorm and forward, with quantized linears
+(quamba.layers.qtransformer); MoE routers stay float. Everything else (SSM modes, state cache,
+forward, decode, generate, checkpoints) is QuantizedMambaLM's. A family adds only ``fp_mixer``:
+its FP mixer of a block (Granite and Falcon-H1: and their µP embedding and logits multipliers,
+in float; Falcon-H1: its blocks of parallel Mamba2 and attention; Zamba2: its shared
+transformer blocks and its layers' adapters and linears)."""
 from __future__ import annotations
 
 import torch
@@ -16,16 +17,18 @@ from quamba.layers.qmixer import ACTIVATION_SCALES as MAMBA1_ACTIVATION_SCALES
 from quamba.layers.qmixer import QMambaMixer
 from quamba.layers.qmixer2 import ACTIVATION_SCALES, QMamba2Mixer
 from quamba.layers.qnorm import QRMSNorm
-from quamba.layers.qtransformer import TRANSFORMER_LAYERS, quantize_linears_
+from quamba.layers.qtransformer import TRANSFORMER_LAYERS, empty_linear, quantize_linears_
 from quamba.layers.weight_only import empty_weight_only_linears_
 from quamba.models.bamba import ScaledEmbedding, ScaledLogits, block_mixer
 from quamba.models.falcon_h1 import LMHeadMultiplier, ParallelMixer
 from quamba.models.jamba import jamba_block_mixer
 from quamba.models.mamba import Block, MambaMixer, RMSNorm
 from quamba.models.mamba2 import GatedRMSNorm
-from quamba.models.nemotron_h import dt_floor, nemotron_h_layer
+from quamba.models.nemotron_h import NemotronHMamba2Mixer, dt_floor, nemotron_h_layer
 from quamba.models.quantized import QuantizedMambaLM
 from quamba.models.transformer_layers import GatedMLP
+from quamba.models.zamba2 import (Zamba2Layer, Zamba2LM, Zamba2SharedBlock, num_shared_blocks,
+                                  shared_block_of)
 
 
 class QuantizedHybridLM(QuantizedMambaLM):
@@ -131,3 +134,46 @@ class QuantizedFalconH1LM(LMHeadMultiplier, ScaledEmbeddingLM):
         quantize_linears_(mixer.self_attn, w_bits, a_bits, self.quant_config.group_size,
                           load=False, dynamic_inputs=self.config.dynamic_inputs)
         return Block(self._empty_norm(a_bits != 16, dtype, device), mixer)
+
+
+class QuantizedZamba2LM(QuantizedHybridLM, Zamba2LM):
+    """Zamba2 (forward, cache and decode Zamba2LM's: every layer gets the token embeddings).
+    The shared transformer blocks are held once (``backbone.shared_blocks``) with quantized
+    linears, used at every depth as in the FP model; a hybrid layer keeps its LoRA adapters in
+    float (their outputs add to the quantized linears') and quantizes its own linear."""
+
+    def fp_mixer(self, layer: int, device=None, dtype=None) -> nn.Module:
+        return NemotronHMamba2Mixer(self.config, device, dtype)
+
+    def _empty_block(self, layer: int, dtype, device) -> Zamba2Layer:
+        if not hasattr(self.backbone, "shared_blocks"):  # before the first layer points to them
+            self.backbone.shared_blocks = nn.ModuleList(
+                self._empty_shared_block(dtype, device)
+                for _ in range(num_shared_blocks(self.config)))
+        hybrid = self.config.layer_types[layer] == "hybrid"
+        shared = (self.backbone.shared_blocks[shared_block_of(self.config, layer)] if hybrid
+                  else None)
+        quantized = super()._empty_block(layer, dtype, device)
+        block = Zamba2Layer(self.config, shared, device, dtype)
+        block.norm, block.mixer = quantized.norm, quantized.mixer
+        if hybrid:
+            block.linear = empty_linear(block.linear, False, *self._bits())
+        return block
+
+    def _empty_shared_block(self, dtype, device) -> Zamba2SharedBlock:
+        block = Zamba2SharedBlock(self.config, device, dtype)
+        return quantize_linears_(block, *self._bits(), load=False)
+
+    def float_modules(self) -> list[nn.Module]:
+        """What stays float beside the quantized linears, cast with the model's float dtype
+        (quamba.quantization.checkpoint): the shared blocks' norms, the layers' adapters."""
+        norms = [norm for block in self.backbone.shared_blocks
+                 for norm in (block.input_norm, block.pre_ff_norm)]
+        return norms + [layer.adapters for layer in self.backbone.layers
+                        if layer.shared is not None]
+
+    def _bits(self) -> tuple[int, int, int]:
+        """(w_bits, a_bits, group_size) of the shared blocks and the layers' linears: the
+        model's (hybrids take no per-layer precision)."""
+        config = self.quant_config
+        return config.w_bits, config.a_bits, config.group_size

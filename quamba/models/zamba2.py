@@ -10,7 +10,8 @@ q, k and v.
 quamba holds each shared block once (``backbone.shared_blocks``); a hybrid layer holds its
 adapters, its linear and its Mamba2 mixer, and points to its block. Each use keeps its own KV
 cache. The Mamba2 layers are Nemotron-H's mixer (Δ floored at ``time_step_min``, as
-transformers' prefill clamps it). Tensor names are quamba's, read by from_zamba2_names.
+transformers' prefill clamps it). Tensor names are quamba's, read by from_zamba2_names. The
+quantized model is quamba.models.quantized_hybrid.QuantizedZamba2LM.
 """
 from __future__ import annotations
 
@@ -23,13 +24,8 @@ import torch.nn.functional as F
 
 from quamba.models.config import ConfigError, _first_id
 from quamba.models.mamba import MambaLMHeadModel, RMSNorm
-from quamba.models.nemotron_h import NemotronHMamba2Mixer
-from quamba.models.state import (
-    DEFAULT_MAX_SEQLEN,
-    AttentionState,
-    InferenceCache,
-    MixerState,
-)
+from quamba.models.nemotron_h import HybridConfig, NemotronHMamba2Mixer
+from quamba.models.state import DEFAULT_MAX_SEQLEN, AttentionState, InferenceCache, MixerState
 from quamba.models.transformer_layers import Attention, RotaryEmbedding
 
 # transformers' layer kinds, old names and transformers 5's
@@ -37,7 +33,7 @@ _KINDS = {"mamba": "mamba", "linear_attention": "mamba", "hybrid": "hybrid"}
 
 
 @dataclass
-class Zamba2Config:
+class Zamba2Config(HybridConfig):
     """Shape of a Zamba2 model. ``layer_types`` has one entry a layer, "mamba" or "hybrid"; the
     Mamba2 fields carry Mamba2Mixer's names; attention heads are 2 · d_model / heads wide."""
 
@@ -234,6 +230,10 @@ class Zamba2Layer(nn.Module):
     def shared(self) -> Zamba2SharedBlock | None:
         return self._shared[0]
 
+    def set_shared(self, block: Zamba2SharedBlock) -> None:
+        """Point to ``block`` (a hybrid layer's; not registered here, nn.Module would)."""
+        self._shared = (block,)
+
     def allocate_state(self, batch_size: int, device=None, max_seqlen: int = DEFAULT_MAX_SEQLEN):
         state = self.mixer.allocate_state(batch_size, device)
         if self.shared is None:
@@ -260,19 +260,26 @@ class Zamba2Backbone(nn.Module):
         c, kw = config, dict(device=device, dtype=dtype)
         self.embedding = nn.Embedding(c.vocab_size, c.d_model, **kw)
         self.shared_blocks = nn.ModuleList(Zamba2SharedBlock(c, **kw)
-                                           for _ in range(min(c.num_mem_blocks,
-                                                              c.layer_types.count("hybrid"))))
-        self.layers = nn.ModuleList()
-        for i, kind in enumerate(c.layer_types):
-            block = (self.shared_blocks[_use(c, i) % c.num_mem_blocks] if kind == "hybrid"
-                     else None)
-            self.layers.append(Zamba2Layer(c, block, **kw))
+                                           for _ in range(num_shared_blocks(c)))
+        self.layers = nn.ModuleList(
+            Zamba2Layer(c, self.shared_blocks[shared_block_of(c, i)] if kind == "hybrid"
+                        else None, **kw)
+            for i, kind in enumerate(c.layer_types))
         self.norm_f = RMSNorm(c.d_model, c.norm_epsilon, False, **kw)
 
 
 def _use(config: Zamba2Config, layer: int) -> int:
     """Which use of the shared blocks the hybrid layer ``layer`` is (0, 1, ...)."""
     return config.layer_types[:layer].count("hybrid")
+
+
+def num_shared_blocks(config: Zamba2Config) -> int:
+    return min(config.num_mem_blocks, config.layer_types.count("hybrid"))
+
+
+def shared_block_of(config: Zamba2Config, layer: int) -> int:
+    """The index of the shared block that the hybrid layer ``layer`` runs."""
+    return _use(config, layer) % config.num_mem_blocks
 
 
 class Zamba2LM(MambaLMHeadModel):
@@ -341,7 +348,7 @@ def _shared_name(layer: int, tail: str, config: Zamba2Config) -> str:
         hybrid = [i for i, kind in enumerate(config.layer_types) if kind == "hybrid"][int(use)]
         where = f"qkv.{'qkv'.index(which)}" if which else "gate_up"
         return f"backbone.layers.{hybrid}.adapters.{where}.{rest}"
-    block = _use(config, layer) % config.num_mem_blocks
+    block = shared_block_of(config, layer)
     for old, new in _SHARED_NAMES:
         if tail.startswith(old):
             return f"backbone.shared_blocks.{block}.{new}{tail[len(old):]}"

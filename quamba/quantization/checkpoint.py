@@ -40,9 +40,11 @@ from quamba.models.jamba import JambaConfig
 from quamba.models.nemotron_h import NemotronHConfig
 from quamba.models.quantized import QuantizedMambaLM
 from quamba.models.quantized_hybrid import (QuantizedBambaLM, QuantizedFalconH1LM,
-                                            QuantizedJambaLM, QuantizedNemotronHLM)
+                                            QuantizedJambaLM, QuantizedNemotronHLM,
+                                            QuantizedZamba2LM)
 from quamba.models.quantized_vision import QuantizedVisionMamba
 from quamba.models.vision import VisionMambaConfig
+from quamba.models.zamba2 import Zamba2Config
 from quamba.quantization.config import QuantConfig
 from quamba.utils.io import atomic_directory
 from quamba.version import __version__
@@ -65,20 +67,24 @@ FORMAT_NAME = "quamba"
 # knows 8 at most refuses. A Falcon-H1 hybrid ("falcon_h1": two blocks a layer, the first a
 # parallel mixer whose tensors are ``mixer.mamba.*``, a QMamba2Mixer's without ``norm.weight``
 # where it has no gated norm, and ``mixer.self_attn.*``, the quantized linears', behind the
-# norm's ``out_scale``, which both read; µP multipliers in the model config) is written as 10.
+# norm's ``out_scale``, which both read; µP multipliers in the model config) is written as 10. A
+# Zamba2 hybrid ("zamba2": Mamba2 layers, shared transformer blocks stored once under
+# backbone.shared_blocks with quantized linears, each hybrid layer's float LoRA adapters and
+# quantized linear) is written as 11, which older quambas refuse.
 FORMAT_VERSION = 5
 MIXER_NORMS_FORMAT_VERSION = 6
-NEWEST_FORMAT_VERSION = 10
+NEWEST_FORMAT_VERSION = 11
 # quantized hybrid class → the format version it is written as
 HYBRID_FORMAT_VERSIONS = {QuantizedNemotronHLM: 7, QuantizedBambaLM: 8, QuantizedJambaLM: 9,
-                          QuantizedFalconH1LM: 10}
+                          QuantizedFalconH1LM: 10, QuantizedZamba2LM: 11}
 # model_type in the model config → (config class, quantized model class); absent: Mamba1/Mamba2
 MODEL_TYPES = {"vision_mamba": (VisionMambaConfig, QuantizedVisionMamba),
                "nemotron_h": (NemotronHConfig, QuantizedNemotronHLM),
                "bamba": (BambaConfig, QuantizedBambaLM),
                "granitemoehybrid": (BambaConfig, QuantizedBambaLM),
                "jamba": (JambaConfig, QuantizedJambaLM),
-               "falcon_h1": (FalconH1Config, QuantizedFalconH1LM)}
+               "falcon_h1": (FalconH1Config, QuantizedFalconH1LM),
+               "zamba2": (Zamba2Config, QuantizedZamba2LM)}
 WEIGHTS_FILE = "model.safetensors"
 # A W4A16 Jamba mixer's norms of dt, B and C (the FP mixer's modules)
 JAMBA_NORMS = ("dt_layernorm", "b_layernorm", "c_layernorm")
@@ -228,6 +234,8 @@ def _cast_float_parts(model, dtype: torch.dtype) -> None:
             module.kv_dtype = dtype
         elif isinstance(module, QInputLinear) and not module.dynamic:  # a hybrid's GEMM output
             module.linear.out_dtype = dtype
+    for module in getattr(model, "float_modules", list)():  # Zamba2's norms and adapters
+        module.to(dtype)
     for block in model.backbone.layers:
         mixer = getattr(block.mixer, "mamba", block.mixer)  # Falcon-H1's parallel mixer's
         if not isinstance(mixer, QuantModule):  # W4A16: the FP parts of its mixer

@@ -20,17 +20,20 @@ from quamba.models.mamba import MambaLMHeadModel
 from quamba.models.nemotron_h import NemotronHLM
 from quamba.models.quantized import QuantizedMambaLM
 from quamba.models.quantized_hybrid import (QuantizedBambaLM, QuantizedFalconH1LM,
-                                            QuantizedJambaLM, QuantizedNemotronHLM)
+                                            QuantizedJambaLM, QuantizedNemotronHLM,
+                                            QuantizedZamba2LM)
 from quamba.models.vision import VisionMamba
 from quamba.models.zamba2 import Zamba2LM
 from quamba.ops.quant import scale_from_range
 from quamba.quantization.blocks import quantize_block_, quantized_norm
 from quamba.quantization.config import QuantConfig
+from quamba.quantization.shared_blocks import quantize_shared_blocks_
 
 log = logging.getLogger("quamba")
 # FP hybrid class → its quantized class (quamba.models.quantized_hybrid)
 QUANTIZED_HYBRIDS = {NemotronHLM: QuantizedNemotronHLM, BambaLM: QuantizedBambaLM,
-                     JambaLM: QuantizedJambaLM, FalconH1LM: QuantizedFalconH1LM}
+                     JambaLM: QuantizedJambaLM, FalconH1LM: QuantizedFalconH1LM,
+                     Zamba2LM: QuantizedZamba2LM}
 
 @torch.inference_mode(False)  # the quantized model's tensors stay ordinary ones (see below)
 def quantize(model: MambaLMHeadModel, tokenizer=None, config: QuantConfig | None = None,
@@ -108,8 +111,6 @@ def _check_hybrid(model, config: QuantConfig) -> None:
 
 
 def _check_quantizable(model, config: QuantConfig) -> None:
-    if isinstance(model, Zamba2LM):
-        raise QuambaError("quantizing zamba2 is not supported yet")
     if type(model) in QUANTIZED_HYBRIDS:
         _check_hybrid(model, config)
     elif isinstance(model, QuantizedMambaLM) or type(model) is not MambaLMHeadModel:
@@ -172,6 +173,8 @@ def build_quantized_model(fp_model: MambaLMHeadModel, ranges: dict, config: Quan
     _quantize_ends_(qmodel, fp_model, ranges, config)
     for i, (block, fp_block) in enumerate(zip(qmodel.backbone.layers, fp_model.backbone.layers)):
         quantize_block_(block, fp_block, i, ranges, config, qmodel.config)
+    if isinstance(qmodel, QuantizedZamba2LM):
+        quantize_shared_blocks_(qmodel, fp_model, ranges, config)
     return qmodel
 
 

@@ -132,11 +132,6 @@ def test_unsupported_options_are_refused_by_name(tmp_path, changes, message):
         quamba.load_model(write_config(tmp_path, **changes), tokenizer=False)
 
 
-def test_quantizing_is_refused_in_one_line(model):
-    with pytest.raises(quamba.QuambaError, match="^quantizing zamba2 is not supported yet$"):
-        quamba.quantize(model, None, quamba.QuantConfig(), calib_data=ids(2, 16))
-
-
 def test_saving_in_a_hub_layout_is_refused(model, tmp_path):
     with pytest.raises(CheckpointError, match="saving a Zamba2LM in a Hub layout"):
         quamba.save_model(model, tmp_path / "out")
