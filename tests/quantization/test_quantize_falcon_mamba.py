@@ -108,13 +108,14 @@ def test_the_decode_step_runs_op_by_op(recipe):
         qmodel.set_fused_decode(False)
 
 
-def test_the_norm_op_is_logged_and_has_no_gpu_kernel_yet(recipe):
+def test_the_norm_op_is_logged_and_is_a_kernel_op_on_a_gpu(recipe):
     name, qmodel = recipe
     qmodel.set_ssm_mode(modes_of(name)[0])
     assert qmodel.op_backends()["mixer_rms_norm"] == "torch"
-    # a GPU run would take the torch reference, with the warning naming why
-    assert backend.resolve("mixer_rms_norm", torch.device("cuda")) == (
-        "torch", "no CUDA kernel implements mixer_rms_norm yet")
+    # on a GPU it takes quamba's Triton kernel wherever the other Triton norm does
+    cuda = torch.device("cuda")
+    assert backend.resolve("mixer_rms_norm", cuda) == backend.resolve("gated_rms_norm", cuda)
+    assert "mixer_rms_norm" in backend.quamba_ops()
 
 
 def test_learned_scales_are_refused(fp_model):
