@@ -5,9 +5,9 @@ float after q_proj and k_proj), the KV cache (float, the model dtype) and the Mo
 TopkRouter; Granite's nn.Linear router, FLOAT_LINEARS) stay as they are.
 
 Input scales: static per tensor from calibration, except down_proj's input (relu² or SwiGLU
-outputs, large range), quantized per token at run time (DYNAMIC_INPUTS): that quantizer is a
-torch op, with no kernel yet; the GEMM after it is the W8A8 / W4A8 kernel with an input scale of
-1, its fp32 output times each token's scale.
+outputs, large range), quantized per token at run time (DYNAMIC_INPUTS). Both quantizers are ops
+of quamba.ops.linear.input_quant (one Triton kernel each on a GPU); the GEMM after a per-token
+one is the W8A8 / W4A8 kernel with an input scale of 1, its fp32 output times each token's scale.
 """
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from quamba.layers.base import QuantModule
 from quamba.layers.qlinear import W4A8Linear, W4A16Linear, W8A8Linear
 from quamba.models.state import AttentionState
 from quamba.models.transformer_layers import MLP, Attention, GatedMLP, GraniteMoE, MoE
-from quamba.ops.quant import INT8_MAX, SCALE_FLOOR, fake_quantize, quantize, scale_from_range
+from quamba.ops.linear.input_quant import per_token_scales, quantize_per_tensor, quantize_per_token
+from quamba.ops.quant import fake_quantize, scale_from_range
 
 # The hybrid layers whose nn.Linear modules quantize_linears_ replaces
 TRANSFORMER_LAYERS = (Attention, MLP, GatedMLP, MoE, GraniteMoE)
@@ -54,18 +55,15 @@ class QInputLinear(QuantModule):
         super().__init__()
         self.linear, self.dynamic = linear, dynamic
 
-    def _scale(self, x):
-        if self.dynamic:
-            absmax = x.detach().abs().amax(-1, keepdim=True).float()
-            return absmax.clamp(min=SCALE_FLOOR) / INT8_MAX
-        return self.linear.scales["in_scale"]
-
     def forward(self, x):
-        scale = self._scale(x)
         if self.simulate:
+            scale = per_token_scales(x) if self.dynamic else self.linear.scales["in_scale"]
             return self.linear(fake_quantize(x, scale)).to(x.dtype)
-        y = self.linear(quantize(x, scale))
-        return (y * scale if self.dynamic else y).to(x.dtype)
+        if self.dynamic:
+            codes, scales = quantize_per_token(x, backend_name=self.backend)
+            return (self.linear(codes) * scales).to(x.dtype)
+        codes = quantize_per_tensor(x, self.linear.scales["in_scale"], backend_name=self.backend)
+        return self.linear(codes).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"input={'per-token dynamic' if self.dynamic else 'static'}"

@@ -45,7 +45,8 @@ def assert_within_ulps(got, expected, weighted):
     assert ((got.float() - expected).abs() <= bound).all()
 
 
-@pytest.mark.parametrize("shape,dt_rank,d_state", [((1, 1), 8, 16), ((2, 7), 5, 3), ((3, 5), 33, 16)])
+@pytest.mark.parametrize("shape,dt_rank,d_state",
+                         [((1, 1), 8, 16), ((2, 7), 5, 3), ((3, 5), 33, 16)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("weighted", [False, True])
 def test_kernel_matches_the_reference(shape, dt_rank, d_state, dtype, weighted, monkeypatch):

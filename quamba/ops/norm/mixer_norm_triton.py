@@ -66,6 +66,6 @@ def _mixer_rms_norm_cuda(dt_low, B, C, eps, weights=None):
         _mixer_rms_norm_kernel[(dt_rows.shape[0], 3)](
             dt_rows, dt_rows.stride(0), b_rows, b_rows.stride(0), c_rows, c_rows.stride(0),
             dt_weight, b_weight, c_weight, out, dt_rank, d_state, eps,
-            BLOCK_DT=triton.next_power_of_2(dt_rank), BLOCK_STATE=triton.next_power_of_2(d_state),
-            HAS_WEIGHT=weights is not None)
+            BLOCK_DT=triton.next_power_of_2(dt_rank),
+            BLOCK_STATE=triton.next_power_of_2(d_state), HAS_WEIGHT=weights is not None)
     return tuple(out.view(*dt_low.shape[:-1], out.shape[1]).split([dt_rank, d_state, d_state], dim=-1))
