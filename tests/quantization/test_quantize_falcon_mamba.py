@@ -15,6 +15,9 @@ from quamba.quantization.checkpoint import MIXER_NORMS_FORMAT_VERSION
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
 from test_falcon_mamba import max_relative_error, random_falcon_mamba  # noqa: E402
 
+from tests.ops.standalone_backend import kernels_for_references  # noqa: E402
+from tests.quantization.hybrid_checks import prefill_and_step  # noqa: E402
+
 SHAPE = dict(hidden_size=64, num_hidden_layers=2, vocab_size=128, state_size=16, time_step_rank=8)
 RECIPES = {"w8a8": {}, "w4a8": dict(w_bits=4, group_size=32),
            "w4a16": dict(w_bits=4, a_bits=16, group_size=32)}
@@ -116,6 +119,29 @@ def test_the_norm_op_is_logged_and_is_a_kernel_op_on_a_gpu(recipe):
     cuda = torch.device("cuda")
     assert backend.resolve("mixer_rms_norm", cuda) == backend.resolve("gated_rms_norm", cuda)
     assert "mixer_rms_norm" in backend.quamba_ops()
+
+
+def test_the_triton_kernels_give_the_same_logits(recipe, held_out, monkeypatch):
+    """The Triton kernels of the norms and of dt, B and C's codes (interpreted here) in place of
+    their torch references, in prefill and decode: W8A8 and W4A8 give the same logits bit for
+    bit (on this model the codes absorb the norms' last-ulp differences), W4A16 (float dt, B and
+    C) within 1e-5."""
+    name, qmodel = recipe
+    tokens = held_out[:2, :9]
+    qmodel.set_ssm_mode(modes_of(name)[0])
+    expected = prefill_and_step(qmodel, tokens)
+    kernels_for_references(monkeypatch, "norm/mixer_norm_triton.py",
+                           {"mixer_rms_norm": "_mixer_rms_norm_cuda"})
+    kernels_for_references(monkeypatch, "linear/input_quant_triton.py",
+                           {"quantize_per_tensor": "_quantize_per_tensor_cuda"})
+    with backend.recording() as ran:
+        got = prefill_and_step(qmodel, tokens)
+    assert "mixer_rms_norm" in ran and ("quantize_per_tensor" in ran) == (name != "w4a16")
+    for got_logits, expected_logits in zip(got, expected):
+        if name == "w4a16":
+            assert max_relative_error(got_logits, expected_logits) < 1e-5
+        else:
+            assert torch.equal(got_logits, expected_logits)
 
 
 def test_learned_scales_are_refused(fp_model):
