@@ -34,13 +34,14 @@ def norm_weights(dt_rank, d_state, dtype, seed):
 
 
 def assert_within_ulps(got, expected, weighted):
-    """fp32: 4 ulps; fp16 / bf16: one ulp of their dtype. Triton's interpreter (not a GPU) rounds
+    """fp32: 8 ulps (the sum of squares in another order, rsqrt approximated on a GPU); fp16 /
+    bf16: one ulp of their dtype. Triton's interpreter (not a GPU) rounds
     each cast to bf16 towards zero: the norm one ulp low, grown by a weight up to 1.5, then the
     product one ulp low again, 3 ulps."""
     assert got.dtype == expected.dtype and got.shape == expected.shape
     expected = expected.float()
     interpreted_bf16 = 3 if weighted and DEVICE.type != "cuda" else 1
-    ulps = {torch.float32: 4, torch.float16: 1, torch.bfloat16: interpreted_bf16}
+    ulps = {torch.float32: 8, torch.float16: 1, torch.bfloat16: interpreted_bf16}
     bound = ulp(expected, got.dtype) * ulps[got.dtype]
     assert ((got.float() - expected).abs() <= bound).all()
 
@@ -51,7 +52,7 @@ def assert_within_ulps(got, expected, weighted):
 @pytest.mark.parametrize("weighted", [False, True])
 def test_kernel_matches_the_reference(shape, dt_rank, d_state, dtype, weighted, monkeypatch):
     """fp16 / bf16 within one ulp of their dtype (equal but where the fp32 norm lies next to a
-    rounding boundary), fp32 within a few ulps: the sum's order and rsqrt differ."""
+    rounding boundary), fp32 within 8 ulps: the sum's order and rsqrt differ."""
     kernels = load_backend_file(monkeypatch, "norm/mixer_norm_triton.py")
     parts = x_proj_output(shape, dt_rank, d_state, dtype, seed=dt_rank)
     weights = norm_weights(dt_rank, d_state, dtype, seed=d_state) if weighted else None
