@@ -68,4 +68,5 @@ def _mixer_rms_norm_cuda(dt_low, B, C, eps, weights=None):
             dt_weight, b_weight, c_weight, out, dt_rank, d_state, eps,
             BLOCK_DT=triton.next_power_of_2(dt_rank),
             BLOCK_STATE=triton.next_power_of_2(d_state), HAS_WEIGHT=weights is not None)
-    return tuple(out.view(*dt_low.shape[:-1], out.shape[1]).split([dt_rank, d_state, d_state], dim=-1))
+    parts = out.view(*dt_low.shape[:-1], out.shape[1]).split([dt_rank, d_state, d_state], dim=-1)
+    return tuple(parts)
