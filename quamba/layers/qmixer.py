@@ -206,11 +206,12 @@ class QMambaMixer(QuantModule):
         parts = torch.split(x_dbl, [self.dt_rank, self.d_state, self.d_state], dim=-1)
         if self.mixer_rms_eps is None:
             return parts
-        normed = mixer_rms_norm(*parts, self.mixer_rms_eps, backend_name=self.backend)
         scale = self._scale("xdbl_scale", suffix)
         if self.simulate:
+            normed = mixer_rms_norm(*parts, self.mixer_rms_eps, backend_name=self.backend)
             return tuple(fake_quantize(part, scale) for part in normed)
-        return tuple(quantize_per_tensor(part, scale, backend_name=self.backend) for part in normed)
+        return mixer_rms_norm(*parts, self.mixer_rms_eps, backend_name=self.backend,
+                              out_scale=scale)
 
     def _out(self, y):
         """Gated scan output y [..., d_inner] → (Hadamard) → int8 → out_proj."""

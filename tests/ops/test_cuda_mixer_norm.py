@@ -3,12 +3,14 @@ against the torch reference run on the CPU: Falcon-Mamba-7B's and Jamba's sizes 
 d_state 16), decode and 1024-token prefills at batch 1 and 8, fp16 / bf16 / fp32, without and with
 the three weights. fp16 and bf16 outputs within one ulp of their dtype (the norm's sum is reduced
 in another order and rsqrt is the GPU's approximation: only values next to a rounding boundary
-move), fp32 within 8 ulps."""
+move), fp32 within 8 ulps; the int8 codes the quantized mixer asks for are quamba.ops.quant's
+codes of the kernel's floats, so within one step of the reference's."""
 import pytest
 import torch
 
 from quamba.ops import backend
 from quamba.ops.norm.mixer_norm import mixer_rms_norm
+from quamba.ops.quant import quantize
 from tests.ops.test_mixer_norm import assert_within_ulps, norm_weights, x_proj_output
 
 WHY_NOT = ("needs a CUDA device" if not torch.cuda.is_available()
@@ -38,6 +40,26 @@ def test_kernel_matches_the_reference(batch, tokens, dt_rank, d_state, dtype, we
         moved += (got_part.cpu() != expected_part).sum().item()
     if dtype != torch.float32:
         assert moved <= 0.01 * sum(part.numel() for part in expected)
+
+
+@pytest.mark.parametrize("batch,tokens", [(1, 1), (8, 1), (8, 1024)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_int8_codes_are_one_step_from_the_reference(batch, tokens, dtype, weighted, monkeypatch):
+    """Falcon-Mamba-7B's sizes; scale 0.02 saturates the largest normalized values."""
+    monkeypatch.delenv("QUAMBA_BACKEND", raising=False)
+    parts = x_proj_output((batch, tokens), 256, 16, dtype, seed=tokens)
+    weights = norm_weights(256, 16, dtype, seed=1) if weighted else None
+    on_gpu = [part.to(DEVICE) for part in parts]
+    gpu_weights = None if weights is None else tuple(weight.to(DEVICE) for weight in weights)
+    floats = mixer_rms_norm(*on_gpu, 1e-5, weights=gpu_weights)
+    codes = mixer_rms_norm(*on_gpu, 1e-5, weights=gpu_weights, out_scale=0.02)
+    expected = mixer_rms_norm(*parts, 1e-5, backend_name="torch", weights=weights,
+                              out_scale=0.02)
+    for got, own, reference in zip(codes, floats, expected):
+        assert got.dtype == torch.int8
+        assert torch.equal(got.cpu(), quantize(own.cpu(), 0.02))
+        assert (got.cpu().int() - reference.int()).abs().max() <= 1
 
 
 def test_parts_of_other_dtypes_run_the_reference_on_the_gpu():

@@ -7,6 +7,7 @@ import torch
 
 from quamba.ops import backend
 from quamba.ops.norm.mixer_norm import kernel_lacks, mixer_rms_norm
+from quamba.ops.quant import quantize
 from tests.ops.standalone_backend import DEVICE, load_backend_file
 
 MANTISSA_BITS = {torch.float32: 23, torch.float16: 10, torch.bfloat16: 7}
@@ -67,6 +68,32 @@ def test_kernel_matches_the_reference(shape, dt_rank, d_state, dtype, weighted, 
         assert differ <= 0.05 * sum(e.numel() for e in expected)
 
 
+@pytest.mark.parametrize("shape,dt_rank,d_state", [((2, 7), 5, 3), ((3, 5), 33, 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_int8_codes_are_the_references_codes_of_the_kernels_floats(shape, dt_rank, d_state,
+                                                                    dtype, weighted,
+                                                                    monkeypatch):
+    """With ``out_scale``: the codes quamba.ops.quant.quantize gives the kernel's own floats, bit
+    for bit, so at most one step from the reference's codes (where the floats moved one ulp, less
+    than a step here; two under the interpreter's bf16 with weights, 3 ulps off)."""
+    kernels = load_backend_file(monkeypatch, "norm/mixer_norm_triton.py")
+    parts = [part.to(DEVICE) for part in x_proj_output(shape, dt_rank, d_state, dtype, seed=7)]
+    weights = norm_weights(dt_rank, d_state, dtype, seed=8) if weighted else None
+    weights = None if weights is None else tuple(weight.to(DEVICE) for weight in weights)
+    floats = kernels._mixer_rms_norm_cuda(*parts, 1e-5, weights)
+    codes = kernels._mixer_rms_norm_cuda(*parts, 1e-5, weights, 0.013)
+    reference = mixer_rms_norm(*(part.cpu() for part in parts), 1e-5, backend_name="torch",
+                               weights=None if weights is None else [w.cpu() for w in weights],
+                               out_scale=0.013)
+    for got, own, expected in zip(codes, floats, reference):
+        assert got.dtype == torch.int8 and got.shape == expected.shape
+        assert torch.equal(got.cpu(), quantize(own.cpu(), 0.013))
+        steps = 2 if dtype == torch.bfloat16 and weighted and DEVICE.type != "cuda" else 1
+        assert (got.cpu().int() - expected.int()).abs().max() <= steps
+    assert any((part.abs() == 127).any() for part in reference)  # some saturate
+
+
 def test_fp32_weights_promote_a_half_input(monkeypatch):
     """Jamba's weights in fp32 under an fp16 input: the product in fp32, as the reference's."""
     kernels = load_backend_file(monkeypatch, "norm/mixer_norm_triton.py")
@@ -90,6 +117,7 @@ def test_mismatched_parts_keep_the_reference():
     dt_low, B, C = x_proj_output((2, 3), 4, 2, torch.float16, seed=0)
     assert kernel_lacks((dt_low, B, C), None) is None
     assert "dtype" in kernel_lacks((dt_low, B.float(), C), None)
+    assert "fp32, fp16 or bf16" in kernel_lacks((dt_low.double(), B.double(), C.double()), None)
     assert "leading" in kernel_lacks((dt_low, B[:1], C), None)
     weights = norm_weights(4, 2, torch.float16, seed=0)
     assert "weights" in kernel_lacks((dt_low, B, C), (weights[0].float(),) + weights[1:])

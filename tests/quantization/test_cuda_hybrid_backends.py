@@ -1,6 +1,6 @@
 """Quantized Falcon-Mamba and Nemotron-H on the GPU (small random models, W8A8 and W4A8): the
-norms of dt, B and C, the int8 input quantizers of the hybrids' linears and of Falcon-Mamba's
-dt, B and C run their Triton kernels (op_backends records a prefill and a decode step), and
+norms of dt, B and C (with their int8 codes) and the int8 input quantizers of the hybrids'
+linears run their Triton kernels (op_backends records a prefill and a decode step), and
 the model's logits stay finite on them."""
 import pytest
 import torch
@@ -52,7 +52,7 @@ def finite_logits(model, tokens) -> bool:
 def test_falcon_mamba_norms_and_codes_run_their_kernels(falcon, monkeypatch):
     monkeypatch.delenv("QUAMBA_BACKEND", raising=False)
     ran = falcon.op_backends()
-    assert ran["mixer_rms_norm"] == "cuda" and ran["quantize_per_tensor"] == "cuda"
+    assert ran["mixer_rms_norm"] == "cuda"
     assert finite_logits(falcon, ids(FALCON_SHAPE["vocab_size"], 3, 41, seed=1))
 
 
