@@ -43,6 +43,7 @@ from quamba.ops.conv.qconv1d import qconv1d, qconv1d_update
 from quamba.ops.fused_decode.layer_step import LayerWeights
 from quamba.ops.fused_decode.mixer_step import qmixer_ssm_step
 from quamba.ops.fused_decode.weights import ConvWeights, StepScales, W4A8Weight, W8A8Weight
+from quamba.ops.linear.input_quant import quantize_per_tensor
 from quamba.ops.norm.hadamard import hadamard_transform
 from quamba.ops.norm.mixer_norm import mixer_rms_norm
 from quamba.ops.norm.qhadamard import hadamard_quant
@@ -231,10 +232,13 @@ class QMambaMixer(QuantModule):
         parts = torch.split(x_dbl, [self.dt_rank, self.d_state, self.d_state], dim=-1)
         if self.mixer_rms_eps is None:
             return parts
-        normed = mixer_rms_norm(*parts, self.mixer_rms_eps, backend_name=self.backend,
-                                weights=self.mixer_norm_weights)
-        to_int8 = fake_quantize if self.simulate else quantize
-        return tuple(to_int8(part, self._scale("xdbl_scale", suffix)) for part in normed)
+        scale = self._scale("xdbl_scale", suffix)
+        if self.simulate:
+            normed = mixer_rms_norm(*parts, self.mixer_rms_eps, backend_name=self.backend,
+                                    weights=self.mixer_norm_weights)
+            return tuple(fake_quantize(part, scale) for part in normed)
+        return mixer_rms_norm(*parts, self.mixer_rms_eps, backend_name=self.backend,
+                              weights=self.mixer_norm_weights, out_scale=scale)
 
     def _out(self, y):
         """Gated scan output y [..., d_inner] → (Hadamard) → int8 → out_proj."""
@@ -456,7 +460,7 @@ def out_projection(mixer: QuantModule, y):
     elif mixer.hadamard:
         y_q = hadamard_quant(y, s["y_scale"], backend_name=mixer.backend)
     else:
-        y_q = quantize(y, s["y_scale"])
+        y_q = quantize_per_tensor(y, s["y_scale"], backend_name=mixer.backend)
     return project_codes(mixer, y_q)
 
 

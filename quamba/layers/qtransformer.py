@@ -6,8 +6,9 @@ TopkRouter; Granite's nn.Linear router, FLOAT_LINEARS) stay as they are.
 
 Input scales: static per tensor from calibration, except down_proj's input (relu² or SwiGLU
 outputs, large range), quantized per token at run time (DYNAMIC_INPUTS; a family's config may
-name others: Jamba's and Falcon-H1's add o_proj): that quantizer is a torch op, with no kernel yet; the GEMM after
-it is the W8A8 / W4A8 kernel with an input scale of 1, its fp32 output times each token's scale.
+name others: Jamba's and Falcon-H1's add o_proj). Both quantizers are ops of
+quamba.ops.linear.input_quant (one Triton kernel each on a GPU); the GEMM after a per-token one
+is the W8A8 / W4A8 kernel with an input scale of 1, its fp32 output times each token's scale.
 """
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from quamba.layers.base import QuantModule
 from quamba.layers.qlinear import W4A8Linear, W4A16Linear, W8A8Linear
 from quamba.models.state import DEFAULT_MAX_SEQLEN, AttentionState
 from quamba.models.transformer_layers import MLP, Attention, GatedMLP, GraniteMoE, MoE
-from quamba.ops.quant import INT8_MAX, SCALE_FLOOR, fake_quantize, quantize, scale_from_range
+from quamba.ops.linear.input_quant import per_token_scales, quantize_per_tensor, quantize_per_token
+from quamba.ops.quant import fake_quantize, scale_from_range
 
 # The hybrid layers whose nn.Linear modules quantize_linears_ replaces
 TRANSFORMER_LAYERS = (Attention, MLP, GatedMLP, MoE, GraniteMoE)
@@ -61,22 +63,18 @@ class QInputLinear(QuantModule):
         super().__init__()
         self.linear, self.dynamic = linear, dynamic
 
-    def _scale(self, x):
-        if self.dynamic:
-            absmax = x.detach().abs().amax(-1, keepdim=True).float()
-            return absmax.clamp(min=SCALE_FLOOR) / INT8_MAX
-        return self.linear.scales["in_scale"]
-
     def forward(self, x):
         if x.dtype == torch.int8 and not self.dynamic:
             return self.linear(x)
-        scale = self._scale(x)
         if self.simulate:
+            scale = per_token_scales(x) if self.dynamic else self.linear.scales["in_scale"]
             y = self.linear(fake_quantize(x, scale))
-        else:
-            y = self.linear(quantize(x, scale))
-            y = y * scale if self.dynamic else y
-        return y.to(x.dtype) if self.dynamic else y
+            return y.to(x.dtype) if self.dynamic else y
+        if self.dynamic:
+            codes, scales = quantize_per_token(x, backend_name=self.backend)
+            return (self.linear(codes) * scales).to(x.dtype)
+        return self.linear(quantize_per_tensor(x, self.linear.scales["in_scale"],
+                                               backend_name=self.backend))
 
     def extra_repr(self) -> str:
         return f"input={'per-token dynamic' if self.dynamic else 'static'}"

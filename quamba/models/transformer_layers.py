@@ -220,6 +220,23 @@ class SoftmaxTopkRouter(nn.Module):
         return weights.to(h.dtype), experts
 
 
+def expert_assignments(experts: torch.Tensor, num_experts: int):
+    """For each expert that some token chose (``experts`` [tokens, top_k] of expert indices), in
+    ascending order: (expert, token indices, slot indices) of its (token, slot) pairs in
+    row-major order, the pairs and the order in which ``torch.where(experts == expert)`` lists
+    them (transformers sums the experts so). One stable sort and one read of the experts' bounds
+    in it: a single host synchronization a layer on a GPU, where the unique experts and a
+    ``torch.where`` per expert took one each."""
+    top_k = experts.shape[-1]
+    sorted_experts, order = experts.flatten().sort(stable=True)
+    every_expert = torch.arange(num_experts + 1, device=experts.device, dtype=experts.dtype)
+    bounds = torch.searchsorted(sorted_experts, every_expert).tolist()
+    for expert, (start, end) in enumerate(zip(bounds, bounds[1:])):
+        if end > start:
+            pairs = order[start:end]
+            yield expert, pairs // top_k, pairs % top_k
+
+
 class MoE(nn.Module):
     """Routed experts (``expert`` modules without bias, MLPs by default; each token to the
     router's top_k, weighted) plus, where ``shared_size`` is not 0, one shared expert MLP that
@@ -245,8 +262,7 @@ class MoE(nn.Module):
         tokens = h.reshape(-1, h.shape[-1])
         weights, experts = self.gate(tokens)
         routed = torch.zeros_like(tokens, dtype=weights.dtype)
-        for expert in experts.unique().tolist():  # ascending, as transformers sums them
-            token, slot = torch.where(experts == expert)
+        for expert, token, slot in expert_assignments(experts, len(self.experts)):
             out = self.experts[expert](tokens[token]) * weights[token, slot, None]
             routed.index_add_(0, token, out.to(routed.dtype))
         routed = routed.to(h.dtype).view_as(h)
@@ -278,8 +294,7 @@ class GraniteMoE(nn.Module):
         logits, experts = self.router(tokens).float().topk(self.top_k, dim=-1)
         weights = logits.softmax(dim=-1).to(h.dtype)
         routed = torch.zeros_like(tokens)
-        for expert in experts.unique().tolist():  # ascending, as transformers sums them
-            token, slot = torch.where(experts == expert)
+        for expert, token, slot in expert_assignments(experts, len(self.experts)):
             out = self.experts[expert](tokens[token]) * weights[token, slot, None]
             routed.index_add_(0, token, out)
         return routed.view_as(h) + self.shared_mlp(h)

@@ -32,3 +32,13 @@ def load_file(filename: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def kernels_for_references(monkeypatch, filename: str, launchers: dict[str, str]) -> None:
+    """Loads quamba/ops/``filename`` (:func:`load_backend_file`) and has each op of ``launchers``
+    (op → the name of its launcher there) run that launcher wherever it would run its torch
+    reference, until the test ends: a model on the CPU then runs those kernels under Triton's
+    interpreter."""
+    module = load_backend_file(monkeypatch, filename)
+    for op, launcher in launchers.items():
+        backend._IMPLS[op]["torch"] = getattr(module, launcher)

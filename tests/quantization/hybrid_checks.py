@@ -1,6 +1,6 @@
 """The checks every quantized hybrid family's tests run (tests/quantization/test_quantize_*.py
 of Nemotron-H, Bamba, Granite-4.0-H): error against FP in every SSM mode, decode against
-prefill, bit-identical reload."""
+prefill, bit-identical reload; and a prefill with one decode step (Falcon-Mamba's tests too)."""
 import torch
 
 import quamba
@@ -22,6 +22,13 @@ def rel(a, b) -> float:
 def modes(a_bits: int) -> tuple:
     """The SSM modes a recipe runs: every int8 one, or only fp16 for weight-only W4A16."""
     return ("fp16",) if a_bits == 16 else INT8_MODES
+
+
+def prefill_and_step(qmodel, tokens):
+    """Logits of a prefill of all but the last token, then of one decode step."""
+    cache = qmodel.allocate_cache(tokens.shape[0])
+    with torch.no_grad():
+        return qmodel(tokens[:, :-1], cache=cache), qmodel(tokens[:, -1:], cache=cache)
 
 
 def assert_close_to_fp(qmodel, fp_model, tokens, a_bits: int, bound: float, top1: float):

@@ -15,6 +15,9 @@ from quamba.quantization.checkpoint import MIXER_NORMS_FORMAT_VERSION
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
 from test_falcon_mamba import max_relative_error, random_falcon_mamba  # noqa: E402
 
+from tests.ops.standalone_backend import kernels_for_references  # noqa: E402
+from tests.quantization.hybrid_checks import prefill_and_step  # noqa: E402
+
 SHAPE = dict(hidden_size=64, num_hidden_layers=2, vocab_size=128, state_size=16, time_step_rank=8)
 RECIPES = {"w8a8": {}, "w4a8": dict(w_bits=4, group_size=32),
            "w4a16": dict(w_bits=4, a_bits=16, group_size=32)}
@@ -108,13 +111,35 @@ def test_the_decode_step_runs_op_by_op(recipe):
         qmodel.set_fused_decode(False)
 
 
-def test_the_norm_op_is_logged_and_has_no_gpu_kernel_yet(recipe):
+def test_the_norm_op_is_logged_and_is_a_kernel_op_on_a_gpu(recipe):
     name, qmodel = recipe
     qmodel.set_ssm_mode(modes_of(name)[0])
     assert qmodel.op_backends()["mixer_rms_norm"] == "torch"
-    # a GPU run would take the torch reference, with the warning naming why
-    assert backend.resolve("mixer_rms_norm", torch.device("cuda")) == (
-        "torch", "no CUDA kernel implements mixer_rms_norm yet")
+    # on a GPU it takes quamba's Triton kernel wherever the other Triton norm does
+    cuda = torch.device("cuda")
+    assert backend.resolve("mixer_rms_norm", cuda) == backend.resolve("gated_rms_norm", cuda)
+    assert "mixer_rms_norm" in backend.quamba_ops()
+
+
+def test_the_triton_kernels_give_the_same_logits(recipe, held_out, monkeypatch):
+    """The Triton kernel of the norms (interpreted here; with dt, B and C's codes in W8A8 and W4A8)
+    in place of its torch reference, in prefill and decode: W8A8 and W4A8 give the same logits
+    bit for bit (on this model the codes absorb the norms' last-ulp differences), W4A16 (float
+    dt, B and C) within 1e-5."""
+    name, qmodel = recipe
+    tokens = held_out[:2, :9]
+    qmodel.set_ssm_mode(modes_of(name)[0])
+    expected = prefill_and_step(qmodel, tokens)
+    kernels_for_references(monkeypatch, "norm/mixer_norm_triton.py",
+                           {"mixer_rms_norm": "_mixer_rms_norm_cuda"})
+    with backend.recording() as ran:
+        got = prefill_and_step(qmodel, tokens)
+    assert "mixer_rms_norm" in ran
+    for got_logits, expected_logits in zip(got, expected):
+        if name == "w4a16":
+            assert max_relative_error(got_logits, expected_logits) < 1e-5
+        else:
+            assert torch.equal(got_logits, expected_logits)
 
 
 def test_learned_scales_are_refused(fp_model):

@@ -17,10 +17,13 @@ import quamba
 from quamba.layers.qmixer2 import QMamba2Mixer
 from quamba.layers.qtransformer import QAttention, QInputLinear
 from quamba.models.quantized_hybrid import QuantizedNemotronHLM
+from quamba.ops import backend
 from tests.models.test_nemotron_h import HF_CONFIG, random_reference
+from tests.ops.standalone_backend import kernels_for_references
 from tests.quantization.hybrid_checks import (assert_close_to_fp,
                                               assert_decode_continues_the_prefill,
-                                              assert_reload_is_bit_identical, logits, rel)
+                                              assert_reload_is_bit_identical, logits,
+                                              prefill_and_step, rel)
 
 # recipe → (w_bits, a_bits, bound on the relative error, bound on top-1 agreement)
 RECIPES = {"w8a8": (8, 8, 0.22, 0.82), "w4a8": (4, 8, 0.65, 0.35), "w4a16": (4, 16, 0.65, 0.35)}
@@ -106,6 +109,22 @@ def test_decode_continues_the_prefill(quantized, recipe):
     if recipe != "w4a16":
         bounds["int8"] = {"w8a8": 0.08, "w4a8": 0.25}[recipe]
     assert_decode_continues_the_prefill(quantized[recipe], ids(3, 29, seed=2), bounds)
+
+
+@pytest.mark.parametrize("recipe", ["w8a8", "w4a8"])
+def test_the_input_quantizers_triton_kernels_give_the_same_logits(quantized, recipe,
+                                                                   monkeypatch):
+    """The Triton kernels of the static and per-token input quantizers (interpreted here) in
+    place of their torch references: the same codes, so the same logits in prefill and decode."""
+    qmodel, tokens = quantized[recipe], ids(2, 9, seed=1)
+    expected = prefill_and_step(qmodel, tokens)
+    kernels_for_references(monkeypatch, "linear/input_quant_triton.py",
+                           {"quantize_per_tensor": "_quantize_per_tensor_cuda",
+                            "quantize_per_token": "_quantize_per_token_cuda"})
+    with backend.recording() as ran:
+        got = prefill_and_step(qmodel, tokens)
+    assert {"quantize_per_tensor", "quantize_per_token"} <= set(ran)
+    assert all(torch.equal(g, e) for g, e in zip(got, expected))
 
 
 @pytest.mark.parametrize("recipe", list(RECIPES))

@@ -26,7 +26,7 @@ def _gated_rms_norm_kernel(y_ptr, y_row_stride, z_ptr, z_row_stride, z_scale, we
     tl.store(out_ptr + row * dim + c, normed.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
+def as_rows(t: torch.Tensor) -> torch.Tensor:
     """t as [rows, dim] with unit stride along dim (a view where one exists: z is a slice of
     in_proj's output)."""
     rows = t.reshape(-1, t.shape[-1])
@@ -36,7 +36,7 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 @backend.register("gated_rms_norm", "cuda", kernels=())
 def _gated_rms_norm_cuda(y, z, weight, group_size, eps, z_scale, out_dtype):
     dim = y.shape[-1]
-    y_rows, z_rows = _rows(y), _rows(z)
+    y_rows, z_rows = as_rows(y), as_rows(z)
     out = torch.empty(y_rows.shape, dtype=out_dtype, device=y.device)
     block = triton.next_power_of_2(group_size)
     grid = (y_rows.shape[0], dim // group_size)

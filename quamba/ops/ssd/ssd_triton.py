@@ -27,6 +27,7 @@ import triton.language as tl
 from quamba.ops import backend
 from quamba.ops.constants import cached, keeps_constants
 from quamba.ops.quant import fp32_reciprocal, fp32_value, quantize
+from quamba.ops.quant_triton import int8_codes
 from quamba.ops.ssd.ssd import KERNEL_CHUNK
 
 # Tiles, chosen on an H100 at Mamba2-2.7B's heads (80 × 64, d_state 128), L 1024-2048, batch 1-8
@@ -50,20 +51,6 @@ STEP_FEW_HEADS = 256
 def _block(size: int) -> int:
     """A power of two ≥ size and ≥ 16 (tl.dot's smallest tile)."""
     return max(16, triton.next_power_of_2(size))
-
-
-@triton.jit
-def _round_half_even(x):
-    # |x| ≤ 2^22: adding 1.5·2^23 leaves no fraction bits, so fp32 addition rounds half to even
-    return (x + 12582912.0) - 12582912.0
-
-
-@triton.jit
-def _int8_codes(x, inverse):
-    """quamba.ops.quant.quantize's codes of fp32 ``x`` for fp32 ``inverse`` = fp32(1/scale): round
-    half to even, clamped to ±127."""
-    codes = _round_half_even(tl.clamp(x * inverse, -128.0, 128.0))
-    return tl.clamp(codes, -127.0, 127.0).to(tl.int8)
 
 
 @triton.jit
@@ -183,7 +170,7 @@ def _state_passing_kernel(states_ptr, log_decay_ptr, initial_state_ptr, carried_
         chunk_decay = tl.load(log_decay_ptr + bh * padded_len + c * CHUNK_SIZE + CHUNK_SIZE - 1)
         state = state * tl.exp(chunk_decay) + own
     if INT8_FINAL:
-        tl.store(final_state_ptr + bh * state_size + e, _int8_codes(state, final_inverse), mask=mask)
+        tl.store(final_state_ptr + bh * state_size + e, int8_codes(state, final_inverse), mask=mask)
     else:
         tl.store(final_state_ptr + bh * state_size + e, state, mask=mask)
 
@@ -289,7 +276,7 @@ def _ssd_step_kernel(state_ptr, state_scale, state_inverse, x_ptr, x_scale_ptr, 
         state = state * state_scale
     state = state * tl.exp(dt * A) + (dt * x)[:, None] * B[None, :]
     if INT8_STATE:
-        tl.store(state_ptr + offsets, _int8_codes(state, state_inverse), mask=mask)
+        tl.store(state_ptr + offsets, int8_codes(state, state_inverse), mask=mask)
     else:
         tl.store(state_ptr + offsets, state, mask=mask)
     y = tl.sum(state * C[None, :], axis=1) + D * x

@@ -1,0 +1,51 @@
+"""The int8 quantizer of a linear's float input: per tensor with a static scale
+(``quantize_per_tensor``), or per token with each row's scale measured at run time,
+absmax / 127 floored as quamba.ops.quant.scale_from_range floors it (``quantize_per_token``: the
+hybrids' down_proj inputs, quamba.layers.qtransformer). The torch references are
+quamba.ops.quant.quantize's rule; on CUDA tensors each runs one Triton kernel
+(quamba.ops.linear.input_quant_triton) instead of the reference's chain of elementwise,
+reduction and copy kernels, with the same codes and scales bit for bit."""
+from __future__ import annotations
+
+import torch
+
+from quamba.errors import QuambaError
+from quamba.ops import backend
+from quamba.ops.quant import quantize, scale_from_range
+
+
+def quantize_per_tensor(x: torch.Tensor, scale: float, backend_name=None) -> torch.Tensor:
+    """int8 codes of float ``x`` for the per-tensor ``scale`` (a Python float)."""
+    _check_float("quantize_per_tensor", x)
+    if not scale > 0:
+        raise QuambaError(f"quantize_per_tensor: the scale must be positive, got {scale}")
+    return backend.select("quantize_per_tensor", x.device, backend_name)(x, scale)
+
+
+def quantize_per_token(x: torch.Tensor, backend_name=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 codes of float ``x``, fp32 scales [..., 1]): one scale per row of the last dimension,
+    :func:`per_token_scales`."""
+    _check_float("quantize_per_token", x)
+    return backend.select("quantize_per_token", x.device, backend_name)(x)
+
+
+def per_token_scales(x: torch.Tensor) -> torch.Tensor:
+    """fp32 [..., 1]: each row's absmax over the last dimension, floored, / 127."""
+    return scale_from_range(x.detach().abs().amax(-1, keepdim=True))
+
+
+def _check_float(op: str, x: torch.Tensor) -> None:
+    if not x.is_floating_point() or x.dim() == 0:
+        raise QuambaError(f"{op}: x must be a float tensor of at least one dimension, got "
+                          f"{x.dtype} of shape {tuple(x.shape)}")
+
+
+@backend.register("quantize_per_tensor", "torch")
+def _quantize_per_tensor_torch(x, scale):
+    return quantize(x, scale)
+
+
+@backend.register("quantize_per_token", "torch")
+def _quantize_per_token_torch(x):
+    scales = per_token_scales(x)
+    return quantize(x, scales), scales
