@@ -497,11 +497,17 @@ def transformers_config(args) -> dict | None:
         return HYBRID_PRESETS.get(args.config)
     from quamba.models.hub import read_config_json, resolve_model_dir
     raw = read_config_json(resolve_model_dir(args.model))
-    return raw if raw.get("model_type") in TRANSFORMERS_FAMILIES else None
+    return raw if raw.get("model_type") in HYBRID_TYPES else None
 
 
-# the hybrid families' transformers model types (transformers >= 5 has a class for each)
-TRANSFORMERS_FAMILIES = ("nemotron_h", "bamba", "granitemoehybrid", "falcon_h1", "zamba2", "jamba")
+# transformers' model types of the hybrid families quamba loads
+HYBRID_TYPES = ("nemotron_h", "bamba", "granitemoehybrid", "falcon_h1", "zamba2", "jamba")
+
+
+def transformers_has(model_type: str) -> bool:
+    """Whether the installed transformers has a model class for ``model_type``."""
+    from transformers import CONFIG_MAPPING
+    return model_type in CONFIG_MAPPING
 
 
 def quantized_model(fp_model, precision: str, args):
@@ -601,8 +607,10 @@ def baseline_rows(fp_model, prompt, args, bandwidth, notes) -> list[dict]:
             return []
         return [_baseline_row(fp_model, prompt, args, bandwidth, notes)]
     raw = transformers_config(args)
-    if raw is None:
-        notes["transformers_baseline"] = "transformers has no model class for this family"
+    if raw is None or not transformers_has(raw["model_type"]):
+        import transformers
+        notes["transformers_baseline"] = (f"transformers {transformers.__version__} has no model "
+                                          "class for this family")
         return []
     fp_model.to("cpu")
     try:

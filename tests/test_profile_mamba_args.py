@@ -185,3 +185,12 @@ def test_the_baselines_are_described_in_the_record():
     hybrid = profile_mamba.baseline_descriptions(_tiny_hybrid(), hybrid=True)
     assert set(hybrid) == {"quamba fp16", "transformers fp16"}
     assert "attention in SDPA" in hybrid["quamba fp16"]
+
+
+def test_a_family_without_a_transformers_class_gets_no_transformers_row():
+    assert profile_mamba.transformers_has("nemotron_h")
+    assert not profile_mamba.transformers_has("no_such_hybrid")
+    notes = {}
+    args = Namespace(model=None, config="mamba2-8b")
+    assert profile_mamba.baseline_rows(_tiny_hybrid(), None, args, 0.0, notes) == []
+    assert "has no model class for this family" in notes["transformers_baseline"]
