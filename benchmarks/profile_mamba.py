@@ -634,7 +634,8 @@ def _transformers_row(raw: dict, prompt, args, bandwidth) -> dict:
 def baseline_descriptions(fp_model, hybrid: bool) -> dict:
     """What each FP16 baseline row is, for the record."""
     quamba_fp16 = ("quamba's FP model: its Mamba layers on mamba-ssm's and causal-conv1d's kernels "
-                   "(quamba.ops.fp_kernels), SSD in Triton" + (", attention in SDPA" if hybrid else ""))
+                   "(quamba.ops.fp_kernels; Mamba2's SSD in Triton)"
+                   + (", attention in SDPA" if hybrid else ""))
     if hybrid:
         return {QUAMBA_FP16: quamba_fp16, TRANSFORMERS_BASELINE: (
             "transformers' own model of the family from the same config.json, its own random "
