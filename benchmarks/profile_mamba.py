@@ -210,7 +210,8 @@ class QuambaRunner:
         and attention's KV cache as it stands."""
         states = decode_states(self.cache.states)
         mixers = [s for s in states if isinstance(s, MixerState)]
-        return {"ssm": sum(s.ssm.nbytes + (0 if s.drive is None else s.drive.nbytes) for s in mixers),
+        return {"ssm": sum(s.ssm.nbytes + (0 if s.drive is None else s.drive.nbytes)
+                           for s in mixers),
                 "conv": sum(s.conv.nbytes for s in mixers),
                 "kv": sum(s.key.nbytes + s.value.nbytes for s in states
                           if isinstance(s, AttentionState))}

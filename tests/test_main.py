@@ -435,8 +435,9 @@ def test_the_hybrid_test_model_quantizes_and_is_reused_by_name(tmp_path, caplog)
     text.write_text("To be, or not to be, that is the question. " * 5)
     caplog.set_level(logging.INFO, logger="quamba")
     assert main.main([str(a) for a in ["quamba-tiny-hybrid-w8a8", "--pretrained_dir", pretrained,
-                                       "--ssm_mode", "fp32-conv", "--eval_ppl", "--ppl_dataset", text,
-                                       "--ppl_window", "32", "--log_dir", tmp_path / "logs"]]) == 0
+                                       "--ssm_mode", "fp32-conv", "--eval_ppl", "--ppl_dataset",
+                                       text, "--ppl_window", "32", "--log_dir",
+                                       tmp_path / "logs"]]) == 0
     assert "W8A8 (no hadamard), SSM mode fp32-conv" in caplog.text
     record = json.loads(next((tmp_path / "logs").iterdir()).read_text())
     assert record["model"]["ssm_mode"] == "fp32-conv"

@@ -151,8 +151,9 @@ def test_decode_states_of_every_hybrid_layout():
 
 
 def _row(name, ttft, tpot, ttlt, weights=100):
-    return {"name": name, "ttft_ms": ttft, "tpot_ms": tpot, "ttlt_ms": ttlt, "weights_bytes": weights,
-            "cache_bytes": 0, "ssm_state_bytes_per_seq": 0, "peak_bytes": 0}
+    return {"name": name, "ttft_ms": ttft, "tpot_ms": tpot, "ttlt_ms": ttlt,
+            "weights_bytes": weights, "cache_bytes": 0, "ssm_state_bytes_per_seq": 0,
+            "peak_bytes": 0}
 
 
 def test_a_hybrids_ratios_are_to_the_faster_baseline_of_each_number():

@@ -43,7 +43,8 @@ def test_the_hybrid_layer_patterns_are_the_published_ones():
     assert list(zamba.layer_types) == default_kinds and zamba.layer_types.count("hybrid") == 9
     assert (zamba.nheads, zamba.headdim, zamba.head_dim, zamba.num_mem_blocks) == (80, 64, 160, 2)
     granite = model_config("granite-4.0-h-tiny")
-    assert [i for i, kind in enumerate(granite.layer_types) if kind == "attention"] == [5, 15, 25, 35]
+    attention = [i for i, kind in enumerate(granite.layer_types) if kind == "attention"]
+    assert attention == [5, 15, 25, 35]
     assert (granite.num_experts, granite.expert_size, granite.rotary_dim) == (64, 512, 0)
     falcon = model_config("falcon-h1-1.5b")
     assert (falcon.d_inner, falcon.nheads, falcon.headdim, falcon.n_layer) == (3072, 48, 64, 48)
