@@ -244,7 +244,9 @@ class TransformersRunner:
 
     def __init__(self, raw_config: dict, device="cuda", dtype=torch.float16, **config_changes):
         from transformers import AutoConfig, AutoModelForCausalLM
-        fields = {k: v for k, v in raw_config.items() if k not in ("model_type", "architectures")}
+        # auto_map (Nemotron-H's remote code) left out: the installed transformers' class is timed
+        fields = {k: v for k, v in raw_config.items()
+                  if k not in ("model_type", "architectures", "auto_map")}
         config = AutoConfig.for_model(raw_config["model_type"], **fields, **config_changes)
         with torch.device(device):
             self.model = AutoModelForCausalLM.from_config(config, dtype=dtype,

@@ -195,3 +195,19 @@ def test_a_family_without_a_transformers_class_gets_no_transformers_row():
     args = Namespace(model=None, config="mamba2-8b")
     assert profile_mamba.baseline_rows(_tiny_hybrid(), None, args, 0.0, notes) == []
     assert "has no model class for this family" in notes["transformers_baseline"]
+
+
+def test_a_hybrid_directorys_config_builds_transformers_baseline(tmp_path):
+    """--model DIR: its config.json as published (Nemotron-H's names its remote code in auto_map,
+    which is left out: the installed transformers' class is the baseline)."""
+    import json
+    from quamba.models.presets import NEMOTRON_H_8B
+    auto_map = {"AutoConfig": "configuration_nemotron_h.NemotronHConfig",
+                "AutoModelForCausalLM": "modeling_nemotron_h.NemotronHForCausalLM"}
+    (tmp_path / "config.json").write_text(json.dumps(
+        {**NEMOTRON_H_8B, "architectures": ["NemotronHForCausalLM"], "auto_map": auto_map,
+         "torch_dtype": "bfloat16"}))
+    raw = profile_mamba.transformers_config(Namespace(model=str(tmp_path), config="130m"))
+    runner = profile_mamba.TransformersRunner(raw, device="meta")
+    assert type(runner.model).__name__ == "NemotronHForCausalLM"
+    assert sum(p.numel() for p in runner.model.parameters()) == 8_100_852_736
