@@ -1,6 +1,7 @@
 """Plot TTFT and TPOT per precision from benchmarks/profile_mamba.py results (one JSON per model
 size and batch): one panel per measure, a group of bars per run, one bar per precision, each
-labelled with its speed-up over the run's FP16 anchor (mamba-ssm).
+labelled with its speed-up over the run's FP16 baseline (mamba-ssm's model; a hybrid's: the
+faster of quamba's FP16 model and transformers' for that measure, as ``ratio_baselines`` records).
 
     python benchmarks/plot_profile.py profile_130m_b1.json profile_2.8b_b1.json ... --out e2e.png
 """
@@ -53,7 +54,7 @@ def plot(runs: list[dict], out: str) -> None:
         ax.set_title(title)
     meta = runs[0]["meta"]
     fig.suptitle(f"prompt {runs[0]['prompt_len']}, on {meta['device']} ({meta['date']}, commit "
-                 f"{meta['commit']}); labels: speed-up over the run's FP16 anchor (mamba-ssm)", fontsize=9)
+                 f"{meta['commit']}); labels: speed-up over the run's FP16 baseline", fontsize=9)
     axes[0].legend(fontsize=8)
     fig.tight_layout()
     directory = os.path.dirname(os.path.abspath(out))

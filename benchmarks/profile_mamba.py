@@ -1,6 +1,12 @@
 """End-to-end generation speed and memory per precision: TTFT, TPOT, TTLT and memory of FP16
 (mamba-ssm's own MambaLMHeadModel, and quamba's FP model on the same kernels), W8A8, W4A8 and
 W4A16, at the shapes of a published Mamba size with random weights (no download) or of a real model.
+A hybrid (--config nemotron-h-8b, falcon-h1-1.5b, zamba2-2.7b, granite-4.0-h-tiny, or a hybrid
+--model) has two FP16 baselines: quamba's FP model (mamba-ssm's kernels for its Mamba layers, SDPA
+attention) and transformers' own model of the family (SDPA attention; mamba-ssm's kernels when
+installed), built from the same config.json with its own random weights; each ratio is to the
+faster of them for its number (``ratio_baselines`` names which). A family that quamba does not
+quantize yet has FP16 rows only (the notes say why).
 
     python benchmarks/profile_mamba.py --config 2.8b [--precisions fp16,w8a8,w4a8,w4a16]
         [--batch 1,8,32,64] [--prompt_len 1024] [--gen_len 128] [--repeats 10] [--breakdown]
@@ -11,7 +17,9 @@ W4A16, at the shapes of a published Mamba size with random weights (no download)
 * TTFT: a prefill of prompt_len tokens that fills the decode cache and returns the last token's
   logits (eager; its kernels are long enough to hide the launches).
 * TPOT: one decode step replayed from a CUDA graph (quamba.models.generation.GraphedStep; the same
-  capture for mamba-ssm's model).
+  capture for mamba-ssm's model). A model whose decode the graphs refuse (a QuambaError: attention
+  whose KV cache grows every step), and transformers' model, decode eagerly: such a row records
+  ``graphed: false`` and the reason (``graph_refusal``), and has no TTFT graph.
 * TTFT graph (quamba rows): the same prefill replayed from its CUDA graph through
   quamba.models.generation.graphed_prefill, which generate(prefill_graph=True) runs
   (`ttft_graph_ms`, median of replays timed as TTFT), and its first, capturing call
@@ -72,26 +80,34 @@ import torch
 from common import (check_backends, copy_bandwidth_gbs, format_table, graph_launch_timing, host_ms,
                     median_ms, run_metadata, write_json)
 
-from quamba import QuantConfig, quantize
+from quamba import QuambaError, QuantConfig, quantize
 from quamba.layers.qhead import LM_HEAD_FORMATS
-from quamba.models.config import PRESETS, preset_config
+from quamba.models.config import MambaConfig
 from quamba.models.generation import GraphedStep, graphed_decoder, graphed_prefill
 from quamba.models.mamba import MambaLMHeadModel, randomize_
+from quamba.models.presets import HYBRID_PRESETS, PRESET_NAMES, build_preset
+from quamba.models.state import AttentionState, MixerState
 from quamba.ops import backend, fp_kernels
 from quamba.quantization.config import STATE_CACHE_FORMATS
 
 PRECISIONS = {"fp16": None, "w8a8": (8, 8), "w4a8": (4, 8), "w4a16": (4, 16)}
 FP_MIXER = ("fp16", "w4a16")  # run mamba-ssm's conv and scan kernels, or their torch references
 BASELINE = "mamba-ssm fp16"
+TRANSFORMERS_BASELINE = "transformers fp16"
+QUAMBA_FP16 = "quamba fp16"
+TRANSFORMERS_REFUSAL = ("transformers' hybrid cache (DynamicCache) grows every step: its decode "
+                        "runs eagerly")
 CALIB_SAMPLES, CALIB_SEQLEN = 4, 256
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--config", choices=list(PRESETS), default="130m",
-                        help="random weights at this model size (default 130m; mamba2-*: a "
-                             "Mamba2 model, against mamba-ssm's own Mamba2 model)")
+    source.add_argument("--config", choices=list(PRESET_NAMES), default="130m",
+                        help="random weights at this published shape (default 130m; mamba2-*: a "
+                             "Mamba2 model, against mamba-ssm's own Mamba2 model; "
+                             f"{', '.join(HYBRID_PRESETS)}: hybrids, against quamba's FP16 model "
+                             "and transformers' own)")
     source.add_argument("--model", help="a real FP model: Hub id or directory")
     parser.add_argument("--precisions", default=",".join(PRECISIONS),
                         help=f"comma-separated, of {', '.join(PRECISIONS)} (default all)")
@@ -105,7 +121,8 @@ def parse_args(argv=None):
     parser.add_argument("--gen_len", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=10, help="timed runs per number (median)")
     parser.add_argument("--group_size", type=int, default=128, help="4-bit weight group size")
-    parser.add_argument("--no_baseline", action="store_true", help="skip mamba-ssm's own model")
+    parser.add_argument("--no_baseline", action="store_true",
+                        help="skip mamba-ssm's own model (a hybrid: transformers' own model)")
     parser.add_argument("--reference_fp_ops", action="store_true",
                         help="without mamba-ssm, time fp16 and w4a16 on the torch references of its "
                              "conv and scan kernels (minutes per row; skipped otherwise)")
@@ -158,11 +175,18 @@ def batch_sizes(text: str, parser: argparse.ArgumentParser) -> list[int]:
 # --- what is timed: a model with a prefill and a graphed decode step -------------------------------
 
 class QuambaRunner:
-    """A quamba model (FP or quantized): eager prefill into the cache of its graphed decoder."""
+    """A quamba model (FP or quantized): eager prefill into the cache of its graphed decoder, or
+    where graphed decode refuses the model (``graph_refusal``, its QuambaError), into a cache it
+    then decodes eagerly."""
 
-    def __init__(self, model, batch: int):
+    def __init__(self, model, batch: int, device="cuda"):
         self.model = model
-        self.cache, self.step = graphed_decoder(model, batch, "cuda")
+        try:
+            self.cache, self.step = graphed_decoder(model, batch, device)
+            self.graph_refusal = None
+        except QuambaError as exc:
+            self.cache, self.step = model.allocate_cache(batch, device=device), self.eager_step
+            self.graph_refusal = str(exc)
 
     def prefill(self, input_ids):
         self.cache.seqlen_offset = 0
@@ -178,17 +202,80 @@ class QuambaRunner:
         return self.model(next_ids[:, None], cache=self.cache)[:, -1]
 
     def generate(self, prompt, gen_len: int, **kwargs):
-        return self.model.generate(prompt, max_new_tokens=gen_len, eos_token_id=-1, cache_graph=True,
-                                   **kwargs)
+        return self.model.generate(prompt, max_new_tokens=gen_len, eos_token_id=-1,
+                                   cache_graph=self.graph_refusal is None, **kwargs)
 
     def cache_parts(self) -> dict:
-        """Bytes of the decode cache: SSM state and conv state (foh's drive counted with the SSM)."""
-        states = self.cache.states
-        return {"ssm": sum(s.ssm.nbytes + (0 if s.drive is None else s.drive.nbytes) for s in states),
-                "conv": sum(s.conv.nbytes for s in states)}
+        """Bytes of the decode cache: SSM state and conv state (foh's drive counted with the SSM),
+        and attention's KV cache as it stands."""
+        states = decode_states(self.cache.states)
+        mixers = [s for s in states if isinstance(s, MixerState)]
+        return {"ssm": sum(s.ssm.nbytes + (0 if s.drive is None else s.drive.nbytes)
+                           for s in mixers),
+                "conv": sum(s.conv.nbytes for s in mixers),
+                "kv": sum(s.key.nbytes + s.value.nbytes for s in states
+                          if isinstance(s, AttentionState))}
 
     def close(self):
         self.model.__dict__.pop("_decode_graphs", None)
+
+
+def decode_states(states) -> list:
+    """The MixerStates and AttentionStates in a cache's per-layer states, which a hybrid's layers
+    hold as None (MLP, MoE), a pair (Falcon-H1's parallel mixer) or a HybridState (Zamba2)."""
+    flat = []
+    for state in states:
+        if isinstance(state, (MixerState, AttentionState)):
+            flat.append(state)
+        elif isinstance(state, tuple):
+            flat += decode_states(state)
+        elif state is not None:
+            flat += decode_states((state.mixer, state.attention))
+    return flat
+
+
+class TransformersRunner:
+    """transformers' own model of a hybrid family, built from the same config.json fields with its
+    own random initialisation, fp16, SDPA attention (and mamba-ssm's kernels where installed):
+    prefilled into a fresh DynamicCache, then decoded eagerly (the cache grows every step).
+    ``config_changes`` go to its config (the CPU tests: experts_implementation)."""
+
+    graph_refusal = TRANSFORMERS_REFUSAL
+
+    def __init__(self, raw_config: dict, device="cuda", dtype=torch.float16, **config_changes):
+        from transformers import AutoConfig, AutoModelForCausalLM
+        # auto_map (Nemotron-H's remote code) left out: the installed transformers' class is timed
+        fields = {k: v for k, v in raw_config.items()
+                  if k not in ("model_type", "architectures", "auto_map")}
+        config = AutoConfig.for_model(raw_config["model_type"], **fields, **config_changes)
+        with torch.device(device):
+            self.model = AutoModelForCausalLM.from_config(config, dtype=dtype,
+                                                          attn_implementation="sdpa").eval()
+        self.cache, self.seqlen = None, 0
+        self.step = self.eager_step
+
+    def prefill(self, input_ids):
+        out = self.model(input_ids, use_cache=True, logits_to_keep=1)
+        self.cache, self.seqlen = out.past_key_values, input_ids.shape[1]
+        return out.logits[:, -1]
+
+    def eager_step(self, next_ids):
+        position = torch.tensor([self.seqlen], device=next_ids.device)
+        out = self.model(next_ids[:, None], past_key_values=self.cache, use_cache=True,
+                         cache_position=position, logits_to_keep=1)
+        self.seqlen += 1
+        return out.logits[:, -1]
+
+    def cache_parts(self) -> dict:
+        """Bytes of the decode cache as it stands, read from transformers 5's cache layers."""
+        parts = {"ssm": 0, "conv": 0, "kv": 0}
+        for layer in self.cache.layers:
+            parts["ssm"] += sum(t.nbytes for t in getattr(layer, "recurrent_states", {}).values())
+            parts["conv"] += sum(t.nbytes for t in getattr(layer, "conv_states", {}).values())
+            parts["kv"] += sum(t.nbytes for t in (getattr(layer, "keys", None),
+                                                  getattr(layer, "values", None))
+                               if torch.is_tensor(t))
+        return parts
 
 
 class MambaSSMRunner:
@@ -206,6 +293,7 @@ class MambaSSMRunner:
         self.params = InferenceParams(max_seqlen=max_seqlen, max_batch_size=batch,
                                       key_value_memory_dict=self.cache)
         self.step = GraphedStep(self.eager_step_ids, batch, "cuda")
+        self.graph_refusal = None
 
     def eager_step_ids(self, input_ids):
         self.params.seqlen_offset = 1  # > 0 selects the decode path
@@ -319,10 +407,13 @@ def measure(name: str, runner, weights: int, prompt, args, bandwidth_gbs: float)
     """The row of one model: its timings and memory, or with --breakdown_only its profiles."""
     first = runner.prefill(prompt).argmax(-1)
     if args.breakdown_only:
-        return {"name": name,
-                "decode_kernels": kernel_breakdown(lambda: runner.eager_step(first)),
-                "graph_decode": graph_breakdown(lambda: runner.step(first)),
-                "prefill_kernels": kernel_breakdown(lambda: runner.prefill(prompt))}
+        profiles = {"name": name,
+                    "decode_kernels": kernel_breakdown(lambda: runner.eager_step(first)),
+                    "prefill_kernels": kernel_breakdown(lambda: runner.prefill(prompt))}
+        if runner.graph_refusal is None:
+            profiles["graph_decode"] = graph_breakdown(lambda: runner.step(first))
+        return profiles
+    graphed = runner.graph_refusal is None
     row = {
         "name": name,
         "ttft_ms": median_ms(lambda: runner.prefill(prompt), args.repeats),
@@ -331,8 +422,10 @@ def measure(name: str, runner, weights: int, prompt, args, bandwidth_gbs: float)
         "weights_bytes": weights,
         **cache_memory(runner.cache_parts(), args.batch),
         "tpot_floor_ms": weights / (bandwidth_gbs * 1e9) * 1e3,
-        "graph_launch": graph_launch_timing(lambda: runner.step(first), max(args.repeats, 50)),
+        **decode_mode(runner),
     }
+    if graphed:
+        row["graph_launch"] = graph_launch_timing(lambda: runner.step(first), max(args.repeats, 50))
     if isinstance(runner, QuambaRunner):
         row["generate_ms"] = median_ms(lambda: runner.generate(prompt, args.gen_len), args.repeats, warmup=1)
         row["generate_each_ms"] = median_ms(lambda: runner.generate(prompt, args.gen_len, eos_check_every=1),
@@ -343,10 +436,17 @@ def measure(name: str, runner, weights: int, prompt, args, bandwidth_gbs: float)
     torch.cuda.synchronize()
     row["peak_bytes"] = torch.cuda.max_memory_allocated()
     row["prefill_host_ms"], row["prefill_host_waited"] = host_ms(lambda: runner.prefill(prompt))
-    if isinstance(runner, QuambaRunner):  # after the peak: the prefill graphs' pool is not in it
+    if isinstance(runner, QuambaRunner) and graphed:  # after the peak: not the prefill graphs' pool
         row["prefill_capture_ms"] = wall_ms(lambda: runner.graphed_prefill(prompt))
         row["ttft_graph_ms"] = median_ms(lambda: runner.graphed_prefill(prompt), args.repeats)
     return row
+
+
+def decode_mode(runner) -> dict:
+    """How a row's decode steps ran: ``graphed`` and, when not, why (``graph_refusal``)."""
+    if runner.graph_refusal is None:
+        return {"graphed": True}
+    return {"graphed": False, "graph_refusal": runner.graph_refusal}
 
 
 def wall_ms(fn) -> float:
@@ -359,10 +459,12 @@ def wall_ms(fn) -> float:
 
 
 def cache_memory(parts: dict, batch: int) -> dict:
-    """A row's decode cache bytes: in all, the SSM state and the conv state, and per sequence."""
-    return {"cache_bytes": parts["ssm"] + parts["conv"], "ssm_state_bytes": parts["ssm"],
-            "conv_state_bytes": parts["conv"], "ssm_state_bytes_per_seq": parts["ssm"] // batch,
-            "cache_bytes_per_seq": (parts["ssm"] + parts["conv"]) // batch}
+    """A row's decode cache bytes: in all, the SSM state, the conv state and attention's KV cache
+    (``kv``, where the model has one: as it stood after the last timed run), and per sequence."""
+    total = parts["ssm"] + parts["conv"] + parts.get("kv", 0)
+    return {"cache_bytes": total, "ssm_state_bytes": parts["ssm"],
+            "conv_state_bytes": parts["conv"], "kv_cache_bytes": parts.get("kv", 0),
+            "ssm_state_bytes_per_seq": parts["ssm"] // batch, "cache_bytes_per_seq": total // batch}
 
 
 def breakdowns_in_child(argv: list[str]) -> dict:
@@ -388,8 +490,27 @@ def fp_model_for(args) -> MambaLMHeadModel:
         from quamba.models.loading import load_model
         model, _ = load_model(args.model, dtype=torch.float16, device="cuda", tokenizer=False)
         return model
-    model = MambaLMHeadModel(preset_config(args.config), device="cuda", dtype=torch.float16)
-    return randomize_(model, seed=args.seed)
+    return randomize_(build_preset(args.config, device="cuda", dtype=torch.float16), seed=args.seed)
+
+
+def transformers_config(args) -> dict | None:
+    """The config.json fields transformers builds the hybrid's own model from (a preset's, or the
+    --model directory's), None for a Mamba model (its baseline is mamba-ssm's)."""
+    if not args.model:
+        return HYBRID_PRESETS.get(args.config)
+    from quamba.models.hub import read_config_json, resolve_model_dir
+    raw = read_config_json(resolve_model_dir(args.model))
+    return raw if raw.get("model_type") in HYBRID_TYPES else None
+
+
+# transformers' model types of the hybrid families quamba loads
+HYBRID_TYPES = ("nemotron_h", "bamba", "granitemoehybrid", "falcon_h1", "zamba2", "jamba")
+
+
+def transformers_has(model_type: str) -> bool:
+    """Whether the installed transformers has a model class for ``model_type``."""
+    from transformers import CONFIG_MAPPING
+    return model_type in CONFIG_MAPPING
 
 
 def quantized_model(fp_model, precision: str, args):
@@ -431,21 +552,23 @@ def run(args) -> dict:
     prompt = torch.randint(0, fp_model.config.vocab_size, (args.batch, args.prompt_len),
                            generator=gen, device="cuda")
     rows, notes = [], {}
+    hybrid = not isinstance(fp_model.config, MambaConfig)
     if not args.no_baseline:
-        if fp_kernels.missing():
-            notes["baseline"] = fp_kernels.missing()
-        else:
-            rows.append(_baseline_row(fp_model, prompt, args, bandwidth, notes))
+        rows += baseline_rows(fp_model, prompt, args, bandwidth, notes)
     for precision in args.precisions:
         if precision in FP_MIXER and fp_kernels.missing() and not args.reference_fp_ops:
             notes[f"skipped {precision}"] = f"{fp_kernels.missing()}; see --reference_fp_ops"
             continue
         print(f"profiling {precision} ...", file=sys.stderr, flush=True)
         if precision == "fp16":
-            rows.append(measure_quamba("quamba fp16", fp_model, prompt, args, bandwidth))
+            rows.append(measure_quamba(QUAMBA_FP16, fp_model, prompt, args, bandwidth))
             continue
-        with torch.no_grad():
-            qmodel = quantized_model(fp_model, precision, args)
+        try:
+            with torch.no_grad():
+                qmodel = quantized_model(fp_model, precision, args)
+        except QuambaError as exc:  # a family quamba does not quantize yet
+            notes[f"skipped {precision}"] = str(exc)
+            continue
         fp_model.to("cpu")
         rows.append(measure_quamba(f"quamba {precision}", qmodel, prompt, args, bandwidth))
         for variant in variant_rows(precision, args):
@@ -456,13 +579,13 @@ def run(args) -> dict:
         del qmodel
         release()
         fp_model.to("cuda")
-    if not args.breakdown_only:
-        _add_ratios(rows, args)
+    anchors = {} if args.breakdown_only else _add_ratios(rows, args, hybrid)
     config = fp_model.config.to_dict()
     return {"meta": run_metadata(), "copy_bandwidth_gbs": bandwidth, "model": args.model or args.config,
             "config": config, "batch": args.batch, "state_cache": args.state_cache, "lm_head": args.lm_head,
             "prompt_len": args.prompt_len,
             "gen_len": args.gen_len, "repeats": args.repeats, "fp_kernels": fp_kernels.missing() is None,
+            "baselines": baseline_descriptions(fp_model, hybrid), "ratio_baselines": anchors,
             "rows": rows, "notes": notes}
 
 
@@ -476,6 +599,55 @@ def measure_quamba(name: str, model, prompt, args, bandwidth) -> dict:
     row["reference_fp_ops"] = backend.on_reference(ran, backend.fp_ops())
     release(runner)
     return row
+
+
+def baseline_rows(fp_model, prompt, args, bandwidth, notes) -> list[dict]:
+    """The external FP16 baseline's row: mamba-ssm's model for a Mamba model, transformers' own
+    model for a hybrid (none, with a note, where it cannot be built)."""
+    if isinstance(fp_model.config, MambaConfig):
+        if fp_kernels.missing():
+            notes["baseline"] = fp_kernels.missing()
+            return []
+        return [_baseline_row(fp_model, prompt, args, bandwidth, notes)]
+    raw = transformers_config(args)
+    if raw is None or not transformers_has(raw["model_type"]):
+        import transformers
+        notes["transformers_baseline"] = (f"transformers {transformers.__version__} has no model "
+                                          "class for this family")
+        return []
+    fp_model.to("cpu")
+    try:
+        return [_transformers_row(raw, prompt, args, bandwidth)]
+    finally:
+        release()
+        fp_model.to("cuda")
+
+
+def _transformers_row(raw: dict, prompt, args, bandwidth) -> dict:
+    print("profiling transformers' model ...", file=sys.stderr, flush=True)
+    with torch.inference_mode():
+        runner = TransformersRunner(raw)
+        row = measure(TRANSFORMERS_BASELINE, runner, weight_bytes(runner.model), prompt, args,
+                      bandwidth)
+    row["mamba_ssm_kernels"] = fp_kernels.missing() is None
+    del runner
+    return row
+
+
+def baseline_descriptions(fp_model, hybrid: bool) -> dict:
+    """What each FP16 baseline row is, for the record."""
+    quamba_fp16 = ("quamba's FP model: its Mamba layers on mamba-ssm's and causal-conv1d's kernels "
+                   "(quamba.ops.fp_kernels; Mamba2's SSD in Triton)"
+                   + (", attention in SDPA" if hybrid else ""))
+    if hybrid:
+        return {QUAMBA_FP16: quamba_fp16, TRANSFORMERS_BASELINE: (
+            "transformers' own model of the family from the same config.json, its own random "
+            "weights, SDPA attention, mamba-ssm's kernels when installed (the row's "
+            "mamba_ssm_kernels), eager decode")}
+    ssm = "mamba-ssm's MambaLMHeadModel with the same weights, decode from a CUDA graph"
+    if fp_model.config.mixer_rms_eps is not None:
+        ssm += "; without Falcon-Mamba's norms of dt, B and C, which mamba-ssm's Mamba lacks"
+    return {BASELINE: ssm, QUAMBA_FP16: quamba_fp16}
 
 
 def _baseline_row(fp_model, prompt, args, bandwidth, notes) -> dict:
@@ -501,9 +673,25 @@ def _baseline_row(fp_model, prompt, args, bandwidth, notes) -> dict:
     return row
 
 
-def _add_ratios(rows: list[dict], args) -> None:
-    anchor = next((r for r in rows if r["name"] == BASELINE), None) or \
-        next((r for r in rows if r["name"] == "quamba fp16"), None)
+RATIO_METRICS = ("ttft_ms", "tpot_ms", "ttlt_ms")
+
+
+def ratio_anchors(rows: list[dict], hybrid: bool) -> dict:
+    """Each timed number's baseline row: a Mamba model's mamba-ssm row (quamba's FP16 row without
+    it); for a hybrid, the faster of quamba's FP16 row and transformers' for that number. {} when
+    there is none."""
+    names = (QUAMBA_FP16, TRANSFORMERS_BASELINE) if hybrid else (BASELINE,)
+    candidates = [r for r in rows if r["name"] in names]
+    if not candidates:
+        candidates = [r for r in rows if r["name"] == QUAMBA_FP16]
+    if not candidates:
+        return {}
+    return {metric: min(candidates, key=lambda r: r[metric]) for metric in RATIO_METRICS}
+
+
+def _add_ratios(rows: list[dict], args, hybrid: bool = False) -> dict:
+    """Adds each row's throughputs, sizes and speed-ups; returns which row each ratio is to."""
+    anchors = ratio_anchors(rows, hybrid)
     for row in rows:
         row["batch"] = args.batch
         row["decode_tokens_per_s"] = args.batch / row["tpot_ms"] * 1e3
@@ -512,13 +700,13 @@ def _add_ratios(rows: list[dict], args) -> None:
         row["cache_mb"] = row["cache_bytes"] / 1e6
         row["ssm_state_mb_per_seq"] = row["ssm_state_bytes_per_seq"] / 1e6
         row["peak_gb"] = row["peak_bytes"] / 1e9
-        if anchor is not None:
-            row["ttft_speedup"] = anchor["ttft_ms"] / row["ttft_ms"]
+        if anchors:
+            for metric in RATIO_METRICS:
+                row[metric.replace("_ms", "_speedup")] = anchors[metric][metric] / row[metric]
             if "ttft_graph_ms" in row:
-                row["ttft_graph_speedup"] = anchor["ttft_ms"] / row["ttft_graph_ms"]
-            row["tpot_speedup"] = anchor["tpot_ms"] / row["tpot_ms"]
-            row["ttlt_speedup"] = anchor["ttlt_ms"] / row["ttlt_ms"]
-            row["weights_ratio"] = row["weights_bytes"] / anchor["weights_bytes"]
+                row["ttft_graph_speedup"] = anchors["ttft_ms"]["ttft_ms"] / row["ttft_graph_ms"]
+            row["weights_ratio"] = row["weights_bytes"] / anchors["tpot_ms"]["weights_bytes"]
+    return {metric.replace("_ms", "_speedup"): anchor["name"] for metric, anchor in anchors.items()}
 
 
 COLUMNS = ["name", "batch", "ttft_ms", "ttft_graph_ms", "prefill_capture_ms", "prefill_host_ms", "tpot_ms",
@@ -575,6 +763,8 @@ def run_one(args, argv: list[str]) -> tuple[dict, int]:
     print(format_table(result["rows"], COLUMNS, title))
     for key, value in result["notes"].items():
         print(f"{key}: {value}")
+    for ratio, name in result["ratio_baselines"].items():
+        print(f"{ratio} is to {name!r}: {result['baselines'][name]}")
     for row in result["rows"]:
         for part in ("decode_kernels", "prefill_kernels"):
             if part in row:
@@ -587,6 +777,8 @@ def run_one(args, argv: list[str]) -> tuple[dict, int]:
             print(format_table(graph["kernels"], columns, f"{row['name']}: graph replay ({summary})"))
             print(format_table(graph["critical"], columns, f"{row['name']}: share of the critical path"))
             print(format_table(graph["gaps_before"], columns, f"{row['name']}: idle before"))
+        if not row.get("graphed", True):
+            print(f"{row['name']}: decoded eagerly, not from CUDA graphs: {row['graph_refusal']}")
         if "graph_launch" in row:
             print(f"{row['name']}: graph launch, µs: " +
                   ", ".join(f"{key} {value:.1f}" for key, value in row["graph_launch"].items()))

@@ -69,3 +69,34 @@ def test_device_cuda_without_cuda_is_one_line(tiny_model_dir, tmp_path, capsys, 
         "error: --device cuda: this torch (2.0.0+cpu) was built without CUDA; use --device cpu, or "
         "install a CUDA build of torch"]
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("family, builder", [
+    ("test_bamba", "random_reference"), ("test_granite_hybrid", "random_reference"),
+    ("test_falcon_h1", "random_reference"), ("test_zamba2", "random_reference"),
+    ("test_jamba", "random_reference"), ("test_falcon_mamba", "random_falcon_mamba")])
+def test_every_family_generates(family, builder, tiny_model_dir, tmp_path, capsys):
+    """A small random model of each family in transformers' layout (the test model's tokenizer
+    beside it) generates a batch from a random prompt."""
+    import importlib
+    import shutil
+    getattr(importlib.import_module(f"tests.models.{family}"), builder)().save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_model_dir / name, tmp_path / name)
+    argv = [str(tmp_path), "--promptlen", "5", "--genlen", "3", "--batch", "2", "--ignore_eos"]
+    assert generate.main(argv) == 0
+    err = capsys.readouterr().err
+    assert "unquantized" in err and "3 new tokens x batch 2 after a 5-token prompt" in err
+
+
+def test_the_hybrid_test_model_generates_quantized(shared_data_dir, tmp_path, capsys):
+    """tests/fixtures/tiny-hybrid (Nemotron-H) quantized W8A8 on the fly: text out, and its
+    Mamba2 layers on the int8 ops."""
+    from tests.models.test_fixture_hybrid import TINY_HYBRID_DIR
+    argv = [str(TINY_HYBRID_DIR), "--quantize", "--calib_data",
+            str(shared_data_dir / "text" / "c4_sample.jsonl"), "--calib_data_num", "4",
+            "--calib_seqlen", "32", "--prompt", "The king said", "--genlen", "5", "--ignore_eos"]
+    assert generate.main(argv) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("The king said") and len(out.strip()) > len("The king said")
+    assert "W8A8 (no hadamard), SSM mode int8" in err and "qssd_scan torch" in err

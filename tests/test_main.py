@@ -420,3 +420,25 @@ def test_output_directory_under_a_file_is_one_line(tiny_model_dir, tmp_path, cap
     assert main.main(argv) == 2
     assert _only_error_line(capsys.readouterr().err) == message.format(target=target, file=file)
     assert [p.name for p in tmp_path.iterdir()] == ["file"] and file.read_text() == "x\n"
+
+
+def test_the_hybrid_test_model_quantizes_and_is_reused_by_name(tmp_path, caplog):
+    """tests/fixtures/tiny-hybrid (Nemotron-H: Mamba2, attention and MLP layers): quantized and
+    saved W8A8, then evaluated by its saved name in another SSM mode."""
+    from tests.models.test_fixture_hybrid import TINY_HYBRID_DIR
+    pretrained = tmp_path / "pretrained"
+    calibration = ["--calib_data", SHARED_DATA / "text" / "tinyshakespeare.txt", "--calib_data_num",
+                   "4", "--calib_seqlen", "32"]
+    assert main.main([str(a) for a in [TINY_HYBRID_DIR, "--quantize", "--pretrained_dir",
+                                       pretrained, *calibration]]) == 0
+    text = tmp_path / "text.txt"
+    text.write_text("To be, or not to be, that is the question. " * 5)
+    caplog.set_level(logging.INFO, logger="quamba")
+    assert main.main([str(a) for a in ["quamba-tiny-hybrid-w8a8", "--pretrained_dir", pretrained,
+                                       "--ssm_mode", "fp32-conv", "--eval_ppl", "--ppl_dataset",
+                                       text, "--ppl_window", "32", "--log_dir",
+                                       tmp_path / "logs"]]) == 0
+    assert "W8A8 (no hadamard), SSM mode fp32-conv" in caplog.text
+    record = json.loads(next((tmp_path / "logs").iterdir()).read_text())
+    assert record["model"]["ssm_mode"] == "fp32-conv"
+    assert 1 < record["perplexity"]["perplexity"] < 4096

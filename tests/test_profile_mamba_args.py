@@ -4,6 +4,7 @@ from argparse import Namespace
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 profile_mamba = pytest.importorskip("profile_mamba")
@@ -68,3 +69,145 @@ def test_variant_rows_are_added_for_the_quantized_precisions(op_by_op, fused_dec
     with their SSM side as qmixer_ssm_step instead; FP16 has neither."""
     args = Namespace(op_by_op=op_by_op, fused_decode=fused_decode)
     assert profile_mamba.variant_rows(precision, args) == rows
+
+
+@pytest.mark.parametrize("name", ["falcon-mamba-7b", "mamba2-8b", "nemotron-h-8b", "falcon-h1-1.5b",
+                                  "zamba2-2.7b", "granite-4.0-h-tiny"])
+def test_every_preset_is_a_config_choice(name, capsys):
+    with pytest.raises(SystemExit):  # accepted, then refused for want of a GPU
+        profile_mamba.parse_args(["--config", name])
+    assert "profiling needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_a_hybrids_transformers_baseline_is_built_from_its_preset():
+    """transformers' own model of each hybrid preset (meta device: no memory) has as many
+    parameters as quamba's model of the preset; a Mamba preset has no transformers baseline."""
+    from quamba.models.presets import HYBRID_PRESETS, build_preset
+    for name in HYBRID_PRESETS:
+        raw = profile_mamba.transformers_config(Namespace(model=None, config=name))
+        runner = profile_mamba.TransformersRunner(raw, device="meta")
+        ours = build_preset(name, device="meta")
+        assert sum(p.numel() for p in runner.model.parameters()) == \
+            sum(p.numel() for p in ours.parameters())
+        assert runner.graph_refusal == profile_mamba.TRANSFORMERS_REFUSAL
+    assert profile_mamba.transformers_config(Namespace(model=None, config="mamba2-8b")) is None
+
+
+def _tiny_hybrid():
+    from tests.models.test_fixture_hybrid import TINY_HYBRID_DIR
+    import quamba
+    return quamba.load_model(TINY_HYBRID_DIR, tokenizer=False)[0]
+
+
+@torch.no_grad()
+def test_a_model_that_graphs_refuse_decodes_eagerly_and_says_why():
+    """A hybrid whose graphed decode is refused (attention's growing KV cache; on the CPU, any
+    model): the runner decodes eagerly into its own cache, which follows the full forward, and
+    its row says so."""
+    model = _tiny_hybrid()
+    ids = torch.randint(0, 4096, (2, 11), generator=torch.Generator().manual_seed(0))
+    runner = profile_mamba.QuambaRunner(model, 2, device="cpu")
+    assert runner.step == runner.eager_step
+    assert profile_mamba.decode_mode(runner) == {"graphed": False,
+                                                 "graph_refusal": runner.graph_refusal}
+    assert "CUDA graph" in runner.graph_refusal  # KV cache grows (a GPU would say the same)
+    full = model(ids)
+    logits = [runner.prefill(ids[:, :8])] + [runner.step(ids[:, t]) for t in range(8, 10)]
+    for t, step_logits in zip(range(7, 10), logits):
+        assert torch.allclose(step_logits, full[:, t], atol=1e-4, rtol=1e-4)
+    parts = runner.cache_parts()  # 3 Mamba2 layers; one attention layer holding 10 tokens
+    c = model.config
+    assert parts["ssm"] == 3 * 2 * c.nheads * c.headdim * c.d_state * 4 and parts["conv"] > 0
+    assert parts["kv"] == 2 * 2 * c.num_key_value_heads * 10 * c.attention_head_dim * 4
+
+
+@torch.no_grad()
+def test_transformers_runner_decodes_from_its_cache():
+    """transformers' model (a small Nemotron-H with MoE layers) prefilled, then stepped: each
+    step's logits equal its full forward's, and its cache is read by kind."""
+    from transformers import NemotronHConfig
+    from tests.models.hybrid_checks import rel
+    from tests.models.test_nemotron_h import HF_CONFIG
+    raw = {"model_type": "nemotron_h", **NemotronHConfig(**HF_CONFIG).to_dict()}
+    runner = profile_mamba.TransformersRunner(raw, device="cpu", dtype=torch.float32,
+                                              experts_implementation="eager")
+    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(0))
+    full = runner.model(ids).logits
+    logits = [runner.prefill(ids[:, :6])] + [runner.step(ids[:, t]) for t in range(6, 8)]
+    for t, step_logits in zip(range(5, 8), logits):
+        assert rel(step_logits, full[:, t]) < 1e-5
+    parts = runner.cache_parts()
+    assert parts["ssm"] > 0 and parts["conv"] > 0 and parts["kv"] > 0
+
+
+def test_decode_states_of_every_hybrid_layout():
+    from quamba.models.state import AttentionState, MixerState
+    from quamba.models.zamba2 import HybridState
+    mixer = MixerState(torch.zeros(1, 4, 3), torch.zeros(1, 4, 2))
+    attention = AttentionState(torch.zeros(1, 1, 5, 2), torch.zeros(1, 1, 5, 2))
+    states = [mixer, None, (mixer, attention), HybridState(mixer, attention), attention]
+    assert profile_mamba.decode_states(states) == [mixer, mixer, attention, mixer, attention,
+                                                   attention]
+
+
+def _row(name, ttft, tpot, ttlt, weights=100):
+    return {"name": name, "ttft_ms": ttft, "tpot_ms": tpot, "ttlt_ms": ttlt,
+            "weights_bytes": weights, "cache_bytes": 0, "ssm_state_bytes_per_seq": 0,
+            "peak_bytes": 0}
+
+
+def test_a_hybrids_ratios_are_to_the_faster_baseline_of_each_number():
+    rows = [_row("transformers fp16", 40.0, 30.0, 4000.0, 200),
+            _row("quamba fp16", 50.0, 20.0, 3000.0, 100), _row("quamba w8a8", 25.0, 5.0, 700.0, 50)]
+    args = Namespace(batch=1, prompt_len=1024)
+    anchors = profile_mamba._add_ratios(rows, args, hybrid=True)
+    assert anchors == {"ttft_speedup": "transformers fp16", "tpot_speedup": "quamba fp16",
+                       "ttlt_speedup": "quamba fp16"}
+    w8a8 = rows[2]
+    assert (w8a8["ttft_speedup"], w8a8["tpot_speedup"], w8a8["weights_ratio"]) == (1.6, 4.0, 0.5)
+
+
+def test_a_mamba_models_ratios_stay_with_mamba_ssm():
+    """mamba-ssm's row is the baseline even where quamba's FP16 row is faster; without it,
+    quamba's FP16 row."""
+    rows = [_row("mamba-ssm fp16", 60.0, 3.0, 500.0), _row("quamba fp16", 50.0, 2.0, 400.0)]
+    args = Namespace(batch=1, prompt_len=1024)
+    assert set(profile_mamba._add_ratios(rows, args).values()) == {"mamba-ssm fp16"}
+    assert rows[1]["tpot_speedup"] == 1.5
+    assert set(profile_mamba._add_ratios(rows[1:], args).values()) == {"quamba fp16"}
+    assert profile_mamba._add_ratios([_row("quamba w8a8", 1.0, 1.0, 1.0)], args) == {}
+
+
+def test_the_baselines_are_described_in_the_record():
+    from quamba.models import MambaConfig
+    falcon = Namespace(config=MambaConfig(d_model=64, n_layer=2, mixer_rms_eps=1e-6))
+    described = profile_mamba.baseline_descriptions(falcon, hybrid=False)
+    assert "without Falcon-Mamba's norms of dt, B and C" in described["mamba-ssm fp16"]
+    hybrid = profile_mamba.baseline_descriptions(_tiny_hybrid(), hybrid=True)
+    assert set(hybrid) == {"quamba fp16", "transformers fp16"}
+    assert "attention in SDPA" in hybrid["quamba fp16"]
+
+
+def test_a_family_without_a_transformers_class_gets_no_transformers_row():
+    assert profile_mamba.transformers_has("nemotron_h")
+    assert not profile_mamba.transformers_has("no_such_hybrid")
+    notes = {}
+    args = Namespace(model=None, config="mamba2-8b")
+    assert profile_mamba.baseline_rows(_tiny_hybrid(), None, args, 0.0, notes) == []
+    assert "has no model class for this family" in notes["transformers_baseline"]
+
+
+def test_a_hybrid_directorys_config_builds_transformers_baseline(tmp_path):
+    """--model DIR: its config.json as published (Nemotron-H's names its remote code in auto_map,
+    which is left out: the installed transformers' class is the baseline)."""
+    import json
+    from quamba.models.presets import NEMOTRON_H_8B
+    auto_map = {"AutoConfig": "configuration_nemotron_h.NemotronHConfig",
+                "AutoModelForCausalLM": "modeling_nemotron_h.NemotronHForCausalLM"}
+    (tmp_path / "config.json").write_text(json.dumps(
+        {**NEMOTRON_H_8B, "architectures": ["NemotronHForCausalLM"], "auto_map": auto_map,
+         "torch_dtype": "bfloat16"}))
+    raw = profile_mamba.transformers_config(Namespace(model=str(tmp_path), config="130m"))
+    runner = profile_mamba.TransformersRunner(raw, device="meta")
+    assert type(runner.model).__name__ == "NemotronHForCausalLM"
+    assert sum(p.numel() for p in runner.model.parameters()) == 8_100_852_736

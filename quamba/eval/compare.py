@@ -24,9 +24,12 @@ from quamba.layers.modes import SSM_MODES
 from quamba.utils.io import atomic_write_text
 
 REFERENCE_MODE = "int8"
-# Intermediates compared layer by layer (names of the mixers' taps), Mamba1's and Mamba2's.
+# Intermediates compared layer by layer (names of the mixers' taps), Mamba1's and Mamba2's; a
+# hybrid's other layers (attention, MLP, MoE) are compared by their output only.
 LAYER_TAPS = ("x", "u", "dt", "y", "out_proj.input", "out")
 MAMBA2_LAYER_TAPS = ("z", "xbc", "y", "out_proj.input", "out")
+OUTPUT_TAPS = ("out",)
+KIND_TAPS = {"mamba1": LAYER_TAPS, "mamba2": MAMBA2_LAYER_TAPS}
 
 
 # --- paired statistics -------------------------------------------------------------------------
@@ -156,48 +159,93 @@ def sqnr_db(reference: torch.Tensor, approx: torch.Tensor) -> float:
     return math.inf if noise == 0 else 10 * math.log10(signal / noise)
 
 
-def _record_taps(model, mixers, ids) -> list[dict]:
-    for mixer in mixers:
-        mixer.taps = {}
+def layer_kinds(model) -> list[str]:
+    """Each block's kind, as the layer report labels it: "mamba1" or "mamba2" for a Mamba mixer,
+    else its mixer's class in lower case (a hybrid's "attention", "mlp", "gatedmlp", "moe" ...)."""
+    from quamba.models.mamba import MambaMixer
+    from quamba.models.mamba2 import Mamba2Mixer
+    kinds = []
+    for mixer in model.mixers():
+        if isinstance(mixer, Mamba2Mixer):
+            kinds.append("mamba2")
+        elif isinstance(mixer, MambaMixer):
+            kinds.append("mamba1")
+        else:
+            kinds.append(type(mixer).__name__.lower())
+    return kinds
+
+
+def _record_taps(model, ids) -> list[dict]:
+    """Each block's intermediates on ``ids``: a Mamba mixer's taps (FP or quantized, which record
+    them when their ``taps`` is a dict), another layer's output ("out", by a forward hook)."""
+    mixers = model.mixers()
+    records = [{} for _ in mixers]
+    hooks = []
+    for mixer, record in zip(mixers, records):
+        if hasattr(mixer, "taps"):
+            mixer.taps = record
+        else:
+            hooks.append(mixer.register_forward_hook(_output_recorder(record)))
     try:
         with torch.no_grad():
             model(ids)
-        return [{name: t.float().cpu() for name, t in mixer.taps.items()} for mixer in mixers]
     finally:
+        for hook in hooks:
+            hook.remove()
         for mixer in mixers:
-            mixer.taps = None
+            if hasattr(mixer, "taps"):
+                mixer.taps = None
+    return [{name: t.float().cpu() for name, t in record.items()} for record in records]
+
+
+def _output_recorder(record: dict):
+    def hook(module, inputs, output):
+        record["out"] = output
+    return hook
 
 
 def layerwise_sqnr(qmodel, ids: torch.Tensor, modes=SSM_MODES[:-1]) -> dict:
     """``sqnr[mode][layer][tap]`` in dB of each quantized mode against the unquantized model,
-    rotated as the quantized one is so every intermediate lives in the same basis."""
+    rotated as the quantized one is so every intermediate lives in the same basis. A Mamba
+    layer has its mixer's taps (LAYER_TAPS or MAMBA2_LAYER_TAPS), a hybrid's other layers their
+    output only; :func:`layer_kinds` names each layer's kind."""
     from quamba.quantization.rotation import quantization_basis_
     reference_model = copy.deepcopy(qmodel._fp())
     reference_model.float()
     quantization_basis_(reference_model, qmodel.quant_config.hadamard)
-    reference = _record_taps(reference_model, reference_model.mixers(), ids)
-    tap_names = MAMBA2_LAYER_TAPS if qmodel.config.layer == "Mamba2" else LAYER_TAPS
+    tap_names = [KIND_TAPS.get(kind, OUTPUT_TAPS) for kind in layer_kinds(reference_model)]
+    reference = _record_taps(reference_model, ids)
     previous_mode = qmodel.ssm_mode
     results = {}
     try:
         for mode in modes:
             qmodel.set_ssm_mode(mode)
-            taps = _record_taps(qmodel, qmodel.mixers(), ids)
-            results[mode] = [{name: sqnr_db(ref[name], layer[name]) for name in tap_names}
-                             for ref, layer in zip(reference, taps)]
+            taps = _record_taps(qmodel, ids)
+            results[mode] = [{name: sqnr_db(ref[name], layer[name]) for name in names}
+                             for names, ref, layer in zip(tap_names, reference, taps)]
     finally:
         qmodel.set_ssm_mode(previous_mode)
     return results
 
 
-def sqnr_markdown(sqnr: dict) -> str:
+def _taps_in_order(sqnr: dict) -> list[str]:
+    """Every tap of any layer, in the order the layers first record them."""
+    layers = next(iter(sqnr.values()))
+    return list(dict.fromkeys(tap for layer in layers for tap in layer))
+
+
+def sqnr_markdown(sqnr: dict, kinds: list[str]) -> str:
+    """One table a tap, a row for each layer that has it, labelled with its kind."""
     lines = ["# Layer-wise SQNR against the unquantized model (dB; higher is better)", ""]
     modes = list(sqnr)
-    for tap in sqnr[modes[0]][0]:
+    layers = sqnr[modes[0]]
+    for tap in _taps_in_order(sqnr):
         lines += [f"## {tap}", "", "| layer | " + " | ".join(modes) + " |",
                   "|---|" + "---|" * len(modes)]
-        for layer in range(len(sqnr[modes[0]])):
-            lines.append(f"| {layer} | " + " | ".join(f"{sqnr[m][layer][tap]:.1f}" for m in modes) + " |")
+        for index, layer in enumerate(layers):
+            if tap in layer:
+                lines.append(f"| {index} ({kinds[index]}) | "
+                             + " | ".join(f"{sqnr[m][index][tap]:.1f}" for m in modes) + " |")
         lines.append("")
     return "\n".join(lines)
 
@@ -207,14 +255,14 @@ def plot_sqnr(sqnr: dict, path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
-    taps = list(next(iter(sqnr.values()))[0])
+    taps = _taps_in_order(sqnr)
     cols = 3
     rows = math.ceil(len(taps) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3 * rows), squeeze=False)
     for ax, tap in zip(axes.flat, taps):
         for mode, layers in sqnr.items():
-            values = [min(layer[tap], 99.0) for layer in layers]
-            ax.plot(range(len(values)), values, marker="o", markersize=3, label=mode)
+            points = [(i, min(layer[tap], 99.0)) for i, layer in enumerate(layers) if tap in layer]
+            ax.plot(*zip(*points), marker="o", markersize=3, label=mode)
         ax.set_title(tap)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("layer")
@@ -230,11 +278,13 @@ def plot_sqnr(sqnr: dict, path) -> None:
 
 def write_layer_report(qmodel, ids, out_dir) -> tuple[Path, Path]:
     sqnr = layerwise_sqnr(qmodel, ids)
+    kinds = layer_kinds(qmodel._fp())
     out_dir = Path(out_dir)
-    report = atomic_write_text(out_dir / "layer_sqnr.md", sqnr_markdown(sqnr))
+    report = atomic_write_text(out_dir / "layer_sqnr.md", sqnr_markdown(sqnr, kinds))
     plot = out_dir / "layer_sqnr.png"
     plot_sqnr(sqnr, plot)
-    atomic_write_text(out_dir / "layer_sqnr.json", json.dumps(sqnr, indent=2, default=str))
+    atomic_write_text(out_dir / "layer_sqnr.json",
+                      json.dumps({"layer_kinds": kinds, "sqnr": sqnr}, indent=2, default=str))
     return report, plot
 
 

@@ -43,6 +43,12 @@ MEGATRON_MARKERS = ("latest_checkpointed_iteration.txt", "release/mp_rank_00/mod
 # transformers model types that load_model reads
 SUPPORTED_MODEL_TYPES = (*TRANSFORMERS_MAMBA1_TYPES, "mamba2", "nemotron_h", *BAMBA_TYPES, "jamba",
                          "falcon_h1", "zamba2")
+# each transformers model_type's config class besides Mamba1 / Mamba2's MambaConfig, and each
+# config class's LM
+_FAMILY_CONFIGS = {"nemotron_h": NemotronHConfig, **dict.fromkeys(BAMBA_TYPES, BambaConfig),
+                   "jamba": JambaConfig, "zamba2": Zamba2Config, "falcon_h1": FalconH1Config}
+_FAMILY_LMS = {NemotronHConfig: NemotronHLM, BambaConfig: BambaLM, JambaConfig: JambaLM,
+               Zamba2Config: Zamba2LM, FalconH1Config: FalconH1LM}
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
 
@@ -67,25 +73,22 @@ def read_config(model_dir: Path) -> tuple[dict, str, MambaConfig | NemotronHConf
     config_path = model_dir / "config.json"
     layout = detect_layout(raw)
     try:
-        if layout == "mamba_ssm":
-            config = MambaConfig.from_mamba_ssm(raw)
-        elif raw.get("model_type") == "nemotron_h":
-            config = NemotronHConfig.from_transformers(raw)
-        elif raw.get("model_type") in BAMBA_TYPES:
-            config = BambaConfig.from_transformers(raw)
-        elif raw.get("model_type") == "jamba":
-            config = JambaConfig.from_transformers(raw)
-        elif raw.get("model_type") == "zamba2":
-            config = Zamba2Config.from_transformers(raw)
-        elif raw.get("model_type") == "falcon_h1":
-            config = FalconH1Config.from_transformers(raw)
-        else:
-            config = MambaConfig.from_transformers(raw)
+        config = config_from_dict(raw, layout)
     except KeyError as exc:
         raise CheckpointError(f"{config_path} ({layout} layout) lacks the field {exc.args[0]!r}") from None
     except ConfigError as exc:
         raise CheckpointError(f"{config_path}: {exc}") from None
     return raw, layout, config
+
+
+def config_from_dict(raw: dict, layout: str = "transformers"):
+    """The model config of a config.json's fields in ``layout``: its family's (by model_type in
+    the transformers layout). Raises KeyError for a missing field, ConfigError for a value quamba
+    cannot build."""
+    if layout == "mamba_ssm":
+        return MambaConfig.from_mamba_ssm(raw)
+    family = _FAMILY_CONFIGS.get(raw.get("model_type"), MambaConfig)
+    return family.from_transformers(raw)
 
 
 def read_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -157,7 +160,7 @@ def load_model(name_or_path, dtype="fp32", device="cpu", tokenizer=None):
         if is_vision_config(raw):
             return load_vision_model(model_dir, raw, parse_dtype(dtype), device, name_or_path), None
     layout, config, state = _read_lm_checkpoint(model_dir, tokenizer)
-    model = _lm_class(config)(config)
+    model = lm_class(config)(config)
     load_state_into(model, state, str(model_dir))
     model = cast_model(model, parse_dtype(dtype)).to(device).eval()
     is_local = Path(os.path.expanduser(str(name_or_path))).is_dir()
@@ -170,16 +173,9 @@ def load_model(name_or_path, dtype="fp32", device="cpu", tokenizer=None):
     return model, tok
 
 
-def _lm_class(config) -> type:
-    if isinstance(config, NemotronHConfig):
-        return NemotronHLM
-    if isinstance(config, JambaConfig):
-        return JambaLM
-    if isinstance(config, Zamba2Config):
-        return Zamba2LM
-    if isinstance(config, FalconH1Config):
-        return FalconH1LM
-    return BambaLM if isinstance(config, BambaConfig) else MambaLMHeadModel
+def lm_class(config) -> type:
+    """The LM class that builds a model of ``config`` (a config_from_dict result)."""
+    return _FAMILY_LMS.get(type(config), MambaLMHeadModel)
 
 
 def _refuse_megatron(model_dir: Path) -> None:

@@ -31,9 +31,10 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from quamba.errors import QuambaError
 from quamba.models.mamba import MambaLMHeadModel, MambaMixer, RMSNorm
 from quamba.models.mamba2 import GatedRMSNorm, Mamba2Mixer
-from quamba.ops.norm.hadamard import HadamardTransform, hadamard_matrix
+from quamba.ops.norm.hadamard import HadamardTransform, hadamard_factors, hadamard_matrix
 
 
 def rotate_model_(model: MambaLMHeadModel) -> MambaLMHeadModel:
@@ -88,6 +89,12 @@ def _rotate_block(block, rotation: torch.Tensor, inner_rotation: torch.Tensor, d
 def _check_rotatable(model: MambaLMHeadModel) -> None:
     if getattr(model, "rotated", False):
         raise ValueError("model is already Hadamard-rotated: the rotation runs once per model")
+    for name in ("d_model", "d_inner"):
+        try:
+            hadamard_factors(getattr(model.config, name))
+        except ValueError as exc:
+            raise QuambaError(f"the Hadamard rotation cannot rotate {name}: {exc}; quantize "
+                              "without it (QuantConfig(hadamard=False), --no_hadamard)") from None
     layers = model.backbone.layers if hasattr(model, "backbone") else model.layers
     for i, block in enumerate(layers):
         if not (isinstance(block.norm, RMSNorm) and isinstance(block.mixer, (MambaMixer, Mamba2Mixer))

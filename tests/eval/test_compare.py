@@ -7,8 +7,8 @@ import torch
 
 import quamba
 from quamba.errors import QuambaError
-from quamba.eval.compare import (LAYER_TAPS, layerwise_sqnr, mcnemar_exact, sqnr_db,
-                                 write_layer_report, write_mode_report)
+from quamba.eval.compare import (LAYER_TAPS, MAMBA2_LAYER_TAPS, layer_kinds, layerwise_sqnr,
+                                 mcnemar_exact, sqnr_db, write_layer_report, write_mode_report)
 from quamba.models import MambaConfig, MambaLMHeadModel, randomize_
 
 
@@ -82,3 +82,25 @@ def test_layerwise_sqnr_covers_every_mode_layer_and_tap(quantized_random_model, 
     assert quantized_random_model.ssm_mode == "int8"
     report, plot = write_layer_report(quantized_random_model, ids, tmp_path)
     assert "## u" in report.read_text() and plot.stat().st_size > 1000
+
+
+def test_layerwise_sqnr_walks_a_hybrids_blocks(tmp_path):
+    """The trained Nemotron-H (pattern M*M-M-): its Mamba2 layers report their mixers' taps, its
+    attention and MLP layers their output, each row labelled with the layer's kind."""
+    from tests.models.test_fixture_hybrid import TINY_HYBRID_DIR
+    model, _ = quamba.load_model(TINY_HYBRID_DIR)
+    calib = torch.randint(0, 4096, (4, 32), generator=torch.Generator().manual_seed(0))
+    qmodel = quamba.quantize(model, None, quamba.QuantConfig(hadamard=False), calib_data=calib,
+                             progress=False)
+    assert layer_kinds(model) == ["mamba2", "attention", "mamba2", "mlp", "mamba2", "mlp"]
+    ids = torch.randint(0, 4096, (2, 37), generator=torch.Generator().manual_seed(1))
+    sqnr = layerwise_sqnr(qmodel, ids, modes=("int8", "fp32-conv"))
+    for layers in sqnr.values():
+        assert [set(layer) for layer in layers[:2]] == [set(MAMBA2_LAYER_TAPS), {"out"}]
+        assert set(layers[3]) == {"out"}
+        assert all(10 < value < 80 for layer in layers for value in layer.values())
+    report, plot = write_layer_report(qmodel, ids, tmp_path)
+    text = report.read_text()
+    assert "| 1 (attention) |" in text and "| 3 (mlp) |" in text and "| 2 (mamba2) |" in text
+    assert "| 1 (attention) |" not in text.split("## out\n")[0]  # only in the output table
+    assert json.loads((tmp_path / "layer_sqnr.json").read_text())["layer_kinds"][1] == "attention"

@@ -82,3 +82,16 @@ def test_rotation_on_cuda_matches_cpu():
     cuda_state = rotated_cuda.state_dict()
     for name, expected in rotated_cpu.state_dict().items():
         torch.testing.assert_close(cuda_state[name].cpu(), expected, msg=name)
+
+
+def test_a_width_without_a_hadamard_matrix_is_a_one_line_error():
+    import quamba
+    from quamba.errors import QuambaError
+    model = randomize_(MambaLMHeadModel(MambaConfig(d_model=37, n_layer=1, vocab_size=64)))
+    calib = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    message = (r"cannot rotate d_model: no Hadamard matrix of size 37: supported sizes .*; "
+               r"quantize without it .*--no_hadamard")
+    with pytest.raises(QuambaError, match=message):
+        quamba.quantize(model, None, quamba.QuantConfig(), calib_data=calib, progress=False)
+    quamba.quantize(model, None, quamba.QuantConfig(hadamard=False), calib_data=calib,
+                    progress=False)
