@@ -17,8 +17,8 @@ quantize yet has FP16 rows only (the notes say why).
 * TTFT: a prefill of prompt_len tokens that fills the decode cache and returns the last token's
   logits (eager; its kernels are long enough to hide the launches).
 * TPOT: one decode step replayed from a CUDA graph (quamba.models.generation.GraphedStep; the same
-  capture for mamba-ssm's model). A model whose decode the graphs refuse (a QuambaError: attention
-  whose KV cache grows every step), and transformers' model, decode eagerly: such a row records
+  capture for mamba-ssm's model). A model whose decode the graphs refuse (a QuambaError: MoE
+  layers, whose routing is read on the host), and transformers' model, decode eagerly: such a row records
   ``graphed: false`` and the reason (``graph_refusal``), and has no TTFT graph.
 * TTFT graph (quamba rows): the same prefill replayed from its CUDA graph through
   quamba.models.generation.graphed_prefill, which generate(prefill_graph=True) runs
@@ -207,7 +207,7 @@ class QuambaRunner:
 
     def cache_parts(self) -> dict:
         """Bytes of the decode cache: SSM state and conv state (foh's drive counted with the SSM),
-        and attention's KV cache as it stands."""
+        and attention's KV cache as allocated (buffers of the cache's max_seqlen tokens)."""
         states = decode_states(self.cache.states)
         mixers = [s for s in states if isinstance(s, MixerState)]
         return {"ssm": sum(s.ssm.nbytes + (0 if s.drive is None else s.drive.nbytes)

@@ -101,8 +101,8 @@ def _tiny_hybrid():
 
 @torch.no_grad()
 def test_a_model_that_graphs_refuse_decodes_eagerly_and_says_why():
-    """A hybrid whose graphed decode is refused (attention's growing KV cache; on the CPU, any
-    model): the runner decodes eagerly into its own cache, which follows the full forward, and
+    """A model whose graphed decode is refused (on the CPU, any model; on a GPU, one with MoE
+    layers): the runner decodes eagerly into its own cache, which follows the full forward, and
     its row says so."""
     model = _tiny_hybrid()
     ids = torch.randint(0, 4096, (2, 11), generator=torch.Generator().manual_seed(0))
@@ -110,15 +110,15 @@ def test_a_model_that_graphs_refuse_decodes_eagerly_and_says_why():
     assert runner.step == runner.eager_step
     assert profile_mamba.decode_mode(runner) == {"graphed": False,
                                                  "graph_refusal": runner.graph_refusal}
-    assert "CUDA graph" in runner.graph_refusal  # KV cache grows (a GPU would say the same)
+    assert "CUDA graph" in runner.graph_refusal
     full = model(ids)
     logits = [runner.prefill(ids[:, :8])] + [runner.step(ids[:, t]) for t in range(8, 10)]
     for t, step_logits in zip(range(7, 10), logits):
         assert torch.allclose(step_logits, full[:, t], atol=1e-4, rtol=1e-4)
-    parts = runner.cache_parts()  # 3 Mamba2 layers; one attention layer holding 10 tokens
-    c = model.config
+    parts = runner.cache_parts()  # 3 Mamba2 layers; one attention layer's preallocated buffers
+    c, kv_tokens = model.config, runner.cache.max_seqlen
     assert parts["ssm"] == 3 * 2 * c.nheads * c.headdim * c.d_state * 4 and parts["conv"] > 0
-    assert parts["kv"] == 2 * 2 * c.num_key_value_heads * 10 * c.attention_head_dim * 4
+    assert parts["kv"] == 2 * 2 * c.num_key_value_heads * kv_tokens * c.attention_head_dim * 4
 
 
 @torch.no_grad()
@@ -144,7 +144,7 @@ def test_decode_states_of_every_hybrid_layout():
     from quamba.models.state import AttentionState, MixerState
     from quamba.models.zamba2 import HybridState
     mixer = MixerState(torch.zeros(1, 4, 3), torch.zeros(1, 4, 2))
-    attention = AttentionState(torch.zeros(1, 1, 5, 2), torch.zeros(1, 1, 5, 2))
+    attention = AttentionState.empty(1, 1, 5, 2, "cpu", torch.float32)
     states = [mixer, None, (mixer, attention), HybridState(mixer, attention), attention]
     assert profile_mamba.decode_states(states) == [mixer, mixer, attention, mixer, attention,
                                                    attention]
