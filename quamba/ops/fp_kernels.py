@@ -47,7 +47,17 @@ def _selective_state_update(state, u, delta, A, B, C, D, z, delta_bias, delta_so
 @backend.register("causal_conv1d", "cuda", requires=missing)
 def _causal_conv1d(x, weight, bias, activation):
     from causal_conv1d import causal_conv1d_fn
-    return causal_conv1d_fn(x, weight, bias, activation=activation)
+    return causal_conv1d_fn(conv_layout(x), weight, bias, activation=activation)
+
+
+def conv_layout(x):
+    """``x`` [batch, channels, length] as causal-conv1d takes it: channel-last (Mamba2's xBC,
+    transposed) only with batch and length strides that are multiples of 8, else a
+    channel-first copy (a model of odd widths; its kernel refuses the view)."""
+    channel_last = x.stride(1) == 1 and x.stride(2) != 1
+    if channel_last and (x.stride(0) % 8 or x.stride(2) % 8):
+        return x.contiguous()
+    return x
 
 
 @backend.register("causal_conv1d_update", "cuda", requires=missing)

@@ -176,3 +176,16 @@ def test_why_the_extension_does_not_load_is_in_the_message(monkeypatch, finder, 
         assert backend.cuda_extension_error().startswith(expected)
     finally:
         backend.cuda_extension_error.cache_clear()
+
+
+def test_conv_input_layout_for_causal_conv1d():
+    """Channel-last views whose strides causal-conv1d refuses (odd widths) become channel-first
+    copies; the others pass as they are."""
+    from quamba.ops.fp_kernels import conv_layout
+    odd = torch.randn(2, 11, 37).transpose(1, 2)  # xBC [batch, length, 37] seen as [b, 37, len]
+    fixed = conv_layout(odd)
+    assert fixed.is_contiguous() and torch.equal(fixed, odd)
+    aligned = torch.randn(2, 16, 40).transpose(1, 2)
+    assert conv_layout(aligned) is aligned
+    first = torch.randn(2, 37, 11)
+    assert conv_layout(first) is first
