@@ -190,8 +190,6 @@ def test_export_is_refused_in_one_line(quantized, tmp_path):
 
 
 @pytest.mark.parametrize("changes, message", [
-    (dict(w_bits=4, mixed_precision=0.25), "mixed_precision is not supported for falcon_h1 yet"),
-    (dict(w_bits=4, apply_gptq=True), "apply_gptq is not supported for falcon_h1 yet"),
     (dict(learn_scales=True), "learn_scales is not supported for falcon_h1 yet"),
     (dict(quantize_embedding=True), "quantize_embedding is not supported for falcon_h1 with an "
                                     "embedding_multiplier"),

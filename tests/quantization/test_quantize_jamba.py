@@ -172,8 +172,6 @@ def test_reload_in_bf16_casts_the_float_parts(quantized, recipe, tmp_path):
 
 
 @pytest.mark.parametrize("changes, message", [
-    (dict(w_bits=4, mixed_precision=0.25), "mixed_precision is not supported for jamba yet"),
-    (dict(w_bits=4, apply_gptq=True), "apply_gptq is not supported for jamba yet"),
     (dict(learn_scales=True), "learn_scales is not supported for jamba yet"),
 ])
 def test_unsupported_recipes_are_refused_in_one_line(fp_model, changes, message):
@@ -187,9 +185,9 @@ def test_export_is_refused_in_one_line(quantized, tmp_path):
         quamba.export(quantized["w8a8"], tmp_path / "out")
 
 
-def test_main_refuses_gptq_for_jamba(fp_dir, tmp_path, capsys):
-    argv = [fp_dir, "--tokenizer", TOKENIZER, "--quantize", "--w_bits", "4", "--apply_gptq",
+def test_main_refuses_learned_scales_for_jamba(fp_dir, tmp_path, capsys):
+    argv = [fp_dir, "--tokenizer", TOKENIZER, "--quantize", "--learn_scales",
             "--pretrained_dir", tmp_path]
     assert main.main([str(arg) for arg in argv]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == \
-        "error: apply_gptq is not supported for jamba yet"
+        "error: learn_scales is not supported for jamba yet"
