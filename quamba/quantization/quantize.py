@@ -207,7 +207,8 @@ def _quantize_ends_(qmodel: QuantizedMambaLM, fp_model: MambaLMHeadModel, ranges
 
 def _apply_gptq(qmodel: QuantizedMambaLM, fp_model: MambaLMHeadModel, tokenizer,
                 config: QuantConfig, progress: bool) -> None:
-    """GPTQ's codes for ``config.gptq_layers`` of every block, sequentially on the quantized model
+    """GPTQ's codes for ``config.gptq_layers`` of every Mamba block (and every 4-bit linear of a
+    hybrid's attention, MLP and MoE blocks), sequentially on the quantized model
     (quamba.quantization.gptq.gptq_sequential_), against the static group scales round-to-nearest
     uses (W4A8: the two-level scales; W4A16: the fp16 scales)."""
     from quamba.calibrate import load_calibration_set
