@@ -128,7 +128,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> _Flags:
               help="input channels per scale group of 4-bit weights (default 128)")
     flags.add(group, "--apply_gptq", action="store_true",
               help="GPTQ instead of round-to-nearest for the 4-bit weights (in_proj, out_proj; "
-                   "W4A8 and W4A16)")
+                   "a hybrid's attention, MLP and expert linears too; W4A8 and W4A16)")
     flags.add(group, "--gptq_data", metavar="SOURCE",
               help="text for GPTQ's Hessians (default: wikitext-2 train from the Hub)")
     flags.add(group, "--gptq_data_num", type=int, default=128, help="GPTQ samples (default 128)")
@@ -137,7 +137,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> _Flags:
     flags.add(group, "--act_order", action="store_true", help="GPTQ in decreasing Hessian-diagonal order")
     flags.add(group, "--mixed_precision", type=float, metavar="FRACTION",
               help="W4A8 only: per-layer mixed precision (Quamba2's W4AX), this fraction of the "
-                   "layers, those whose quantization raises the calibration loss most, run W4A16")
+                   "layers (a hybrid's blocks of every kind), those whose quantization raises the "
+                   "calibration loss most, run W4A16")
     flags.add(group, "--no_hadamard", action="store_true",
               help="do not rotate with Hadamard transforms (W8A8 and W4A8 rotate by default; "
                    "W4A16 does not rotate)")

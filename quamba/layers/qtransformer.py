@@ -45,9 +45,14 @@ def is_dynamic(name: str, dynamic_inputs: tuple | None = None) -> bool:
     return name.rsplit(".", 1)[-1] in (DYNAMIC_INPUTS if dynamic_inputs is None else dynamic_inputs)
 
 
+def reads_layer_input(name: str) -> bool:
+    """Whether linear ``name`` reads the layer's normed input (LAYER_INPUTS)."""
+    return name.rsplit(".", 1)[-1] in LAYER_INPUTS
+
+
 def input_kind(name: str) -> str:
     """The calibrated kind whose range gives linear ``name``'s static input scale."""
-    return "in_proj.input" if name.rsplit(".", 1)[-1] in LAYER_INPUTS else f"{name}.input"
+    return "in_proj.input" if reads_layer_input(name) else f"{name}.input"
 
 
 class QInputLinear(QuantModule):

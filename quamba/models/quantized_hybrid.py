@@ -174,6 +174,6 @@ class QuantizedZamba2LM(QuantizedHybridLM, Zamba2LM):
 
     def _bits(self) -> tuple[int, int, int]:
         """(w_bits, a_bits, group_size) of the shared blocks and the layers' linears: the
-        model's (hybrids take no per-layer precision)."""
+        model's (Zamba2 takes no per-layer precision)."""
         config = self.quant_config
         return config.w_bits, config.a_bits, config.group_size

@@ -19,11 +19,15 @@ only changes which codes are chosen.
 from __future__ import annotations
 
 from contextlib import contextmanager
+from itertools import zip_longest
 
 import torch
 from tqdm.auto import tqdm
 
 from quamba.errors import QuambaError
+from quamba.layers.qtransformer import (TRANSFORMER_LAYERS, QInputLinear, quantized_linears,
+                                        reads_layer_input)
+from quamba.models.falcon_h1 import ParallelMixer
 from quamba.ops.quant import reciprocal
 from quamba.ops.quant4 import INT4_MAX, expand_groups
 
@@ -124,41 +128,77 @@ def _quantize_block(work, upper, column_scales, column_inverses, codes, start, e
 def gptq_sequential_(qmodel, fp_model, tokens: torch.Tensor, layer_names=("in_proj", "out_proj"),
                      damp: float = 0.01, block_size: int = 128, act_order: bool = False,
                      batch_size: int = 8, progress: bool = True) -> None:
-    """Replace the round-to-nearest codes of the 4-bit linears ``layer_names`` of every block of
-    ``qmodel`` (W4A8 or W4A16, built from ``fp_model``) by GPTQ's, in place, in execution order.
+    """Replace the round-to-nearest codes of the 4-bit linears of every block of ``qmodel``
+    (W4A8 or W4A16, built from ``fp_model``) by GPTQ's, in place, in execution order: a Mamba
+    mixer's ``layer_names``, and every quantized linear of a hybrid's attention, MLP or MoE
+    (block_stages; routers stay float).
 
     The calibration tokens [samples, seqlen] run once through the embedding; then, block by block,
-    each named linear gets the Hessian of its input in the quantized block (one block forward per
-    linear, the earlier linears of the block already replaced), is quantized by GPTQ from its FP
-    weight against its own static group scales (``group_scales()``), and the block's outputs,
-    computed with every replacement in place, become the next block's inputs. The blocks run in
-    their present SSM mode and backend. Deterministic.
+    each stage of linears gets the Hessians of their inputs in the quantized block (one block
+    forward per stage, the earlier stages already replaced; an expert's Hessian over the tokens
+    routed to it), each linear is quantized by GPTQ from its FP weight against its own static
+    group scales (``group_scales()``), and the block's outputs, computed with every replacement
+    in place, become the next block's inputs. The blocks run in their present SSM mode and
+    backend. Deterministic.
     """
-    names = [name for name in MIXER_ORDER if name in layer_names]
     device = qmodel.backbone.embedding.weight.device
     hidden = [qmodel.backbone.embedding(tokens[start:start + batch_size].to(device))
               for start in range(0, tokens.shape[0], batch_size)]
     residual = [None] * len(hidden)
     blocks = list(zip(qmodel.backbone.layers, fp_model.backbone.layers))
     for block, fp_block in tqdm(blocks, desc="GPTQ", unit="layer", disable=not progress):
-        for name in names:
-            layer = getattr(block.mixer, name)
-            hessian = _block_input_hessian(block, layer, hidden, residual)
-            fp_weight = getattr(fp_block.mixer, name).weight.detach().float()
-            codes = gptq_quantize(fp_weight, hessian, layer.group_scales(), layer.group_size,
-                                  damp=damp, block_size=block_size, act_order=act_order)
-            layer.load_float_weight(fp_weight, codes)
+        for stage in block_stages(block.mixer, fp_block.mixer, layer_names):
+            hessians = _block_input_hessians(block, stage, hidden, residual)
+            for (layer, fp_linear), hessian in zip(stage, hessians):
+                _replace_codes(_four_bit(layer), fp_linear.weight.detach().float(), hessian,
+                               damp, block_size, act_order)
         hidden, residual = map(list, zip(*(block(h, r) for h, r in zip(hidden, residual))))
 
 
-def _block_input_hessian(block, layer, hidden: list, residual: list) -> torch.Tensor:
-    """(2 / n) Σ xᵀx of ``layer``'s input x (dequantized when int8) over one forward of ``block``
-    on every batch."""
-    sums, counts = {layer: None}, {layer: 0}
-    with _accumulating({layer: layer}, sums, counts, dequantize=True):
+def block_stages(mixer, fp_mixer, layer_names) -> list[list[tuple]]:
+    """The 4-bit linears of a block's quantized ``mixer`` that GPTQ replaces, each beside its FP
+    linear of ``fp_mixer``, in stages: the inputs of a stage's linears depend on no linear of
+    the same stage or a later one, so one forward gives a stage's Hessians. A Mamba mixer: one
+    stage per name of ``layer_names`` it has, in MIXER_ORDER; attention, MLP or MoE: the
+    linears reading the layer's input (q, k, v, gate and up projections, of every expert too),
+    then the others (o_proj, down_proj); Falcon-H1's parallel mixer: the stages of its Mamba2
+    mixer and of its attention side by side."""
+    if isinstance(fp_mixer, ParallelMixer):
+        return [sum(stage, []) for stage in zip_longest(
+            block_stages(mixer.mamba, fp_mixer.mamba, layer_names),
+            block_stages(mixer.self_attn, fp_mixer.self_attn, layer_names), fillvalue=[])]
+    if isinstance(fp_mixer, TRANSFORMER_LAYERS):
+        named = quantized_linears(fp_mixer)
+        stages = [[(mixer.get_submodule(name), fp_linear) for name, fp_linear in named
+                   if reads_layer_input(name) == first] for first in (True, False)]
+        return [stage for stage in stages if stage]
+    return [[(getattr(mixer, name), getattr(fp_mixer, name))] for name in MIXER_ORDER
+            if name in layer_names and hasattr(fp_mixer, name)]
+
+
+def _four_bit(layer):
+    """The W4A8Linear or W4A16Linear that holds ``layer``'s codes (inside a QInputLinear)."""
+    return layer.linear if isinstance(layer, QInputLinear) else layer
+
+
+def _replace_codes(layer, fp_weight, hessian, damp, block_size, act_order) -> None:
+    codes = gptq_quantize(fp_weight, hessian, layer.group_scales(), layer.group_size,
+                          damp=damp, block_size=block_size, act_order=act_order)
+    layer.load_float_weight(fp_weight, codes)
+
+
+def _block_input_hessians(block, stage: list, hidden: list, residual: list) -> list:
+    """(2 / n) Σ xᵀx of the input x of each quantized linear of ``stage`` [(linear, FP linear)]
+    (dequantized when int8; zeros for a linear that saw no token, such as an expert no token
+    was routed to) over one forward of ``block`` on every batch."""
+    layers = [layer for layer, _ in stage]
+    sums, counts = dict.fromkeys(layers), dict.fromkeys(layers, 0)
+    with _accumulating({layer: layer for layer in layers}, sums, counts, dequantize=True):
         for h, r in zip(hidden, residual):
             block(h, r)
-    return sums[layer] * (2.0 / counts[layer])
+    return [torch.zeros(fp_linear.in_features, fp_linear.in_features, device=hidden[0].device)
+            if counts[layer] == 0 else sums[layer] * (2.0 / counts[layer])
+            for layer, fp_linear in stage]
 
 
 @torch.no_grad()
@@ -219,7 +259,7 @@ def _accumulate_hook(key, sums: dict, counts: dict, dequantize: bool):
         x = inputs[0].detach()
         rows = x.reshape(-1, x.shape[-1]).float()
         if dequantize and x.dtype == torch.int8:
-            rows *= module.scales["in_scale"]
+            rows *= _four_bit(module).scales["in_scale"]
         gram = rows.T @ rows
         sums[key] = gram if sums[key] is None else sums[key].add_(gram)
         counts[key] += rows.shape[0]

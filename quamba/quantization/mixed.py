@@ -5,6 +5,10 @@ with that layer alone replaced by its W4A8 block, scored by its mean next-token 
 calibration samples, minus the FP model's. The ``mixed_precision`` fraction of the layers whose
 NLL rises most run W4A16 (the same 4-bit weights, float activations and SSM: no activation
 error, fp16 prefill), the others W4A8. Deterministic: ties go to the earlier layer.
+
+A hybrid's layers are its blocks of every kind, ranked together by the same measure: a Mamba
+block's W4A8 form is its int8 mixer, an attention, MLP or MoE block's its W4A8 linears (routers
+float); its W4A16 form has the same 4-bit weights with float activations.
 """
 from __future__ import annotations
 

@@ -96,10 +96,13 @@ def _hybrid_config(model, config: QuantConfig) -> QuantConfig:
 
 
 def _check_hybrid(model, config: QuantConfig) -> None:
-    """The recipes that a hybrid (Nemotron-H, Bamba, Granite, Jamba, Falcon-H1) cannot take yet,
-    refused in one line."""
+    """The recipes that a hybrid cannot take yet, refused in one line: learned scales; for
+    Zamba2 (its shared blocks quantized once for every depth) GPTQ and mixed precision too."""
     name = model.config.model_type
-    for field in ("mixed_precision", "layer_bits", "apply_gptq", "learn_scales"):
+    refused = ("learn_scales",)
+    if isinstance(model, Zamba2LM):
+        refused += ("mixed_precision", "layer_bits", "apply_gptq")
+    for field in refused:
         if getattr(config, field) not in (None, False):
             raise QuambaError(f"{field} is not supported for {name} yet")
     for field in ("mlp_bias", "attention_bias"):
@@ -204,7 +207,8 @@ def _quantize_ends_(qmodel: QuantizedMambaLM, fp_model: MambaLMHeadModel, ranges
 
 def _apply_gptq(qmodel: QuantizedMambaLM, fp_model: MambaLMHeadModel, tokenizer,
                 config: QuantConfig, progress: bool) -> None:
-    """GPTQ's codes for ``config.gptq_layers`` of every block, sequentially on the quantized model
+    """GPTQ's codes for ``config.gptq_layers`` of every Mamba block (and every 4-bit linear of a
+    hybrid's attention, MLP and MoE blocks), sequentially on the quantized model
     (quamba.quantization.gptq.gptq_sequential_), against the static group scales round-to-nearest
     uses (W4A8: the two-level scales; W4A16: the fp16 scales)."""
     from quamba.calibrate import load_calibration_set

@@ -105,8 +105,7 @@ def test_save_reload_is_bit_identical(quantized, recipe, tmp_path):
 
 
 @pytest.mark.parametrize("changes, message", [
-    (dict(w_bits=4, mixed_precision=0.25), "mixed_precision is not supported for bamba yet"),
-    (dict(w_bits=4, apply_gptq=True), "apply_gptq is not supported for bamba yet"),
+    (dict(learn_scales=True), "learn_scales is not supported for bamba yet"),
 ])
 def test_unsupported_recipes_are_refused_in_one_line(fp_model, changes, message):
     with pytest.raises(quamba.QuambaError, match=f"^{message}$"):

@@ -25,6 +25,8 @@ from quamba.models.falcon_h1 import FalconH1Config, ParallelMixer, SiluGate
 from quamba.models.mamba2 import GatedRMSNorm
 from quamba.models.quantized_hybrid import QuantizedFalconH1LM
 from quamba.ops.quant import quantize
+from quamba.ops.quant4 import pack_int4
+from quamba.quantization.gptq import block_stages, gptq_quantize, gptq_sequential_
 from tests.models.test_falcon_h1 import ids, random_reference
 from tests.quantization.hybrid_checks import (INT8_MODES, assert_close_to_fp,
                                               assert_decode_continues_the_prefill,
@@ -189,9 +191,38 @@ def test_export_is_refused_in_one_line(quantized, tmp_path):
         quamba.export(quantized["w8a8"], tmp_path)
 
 
+def test_gptq_takes_both_branches_of_a_parallel_block_together(fp_model, tmp_path):
+    """W4A8 with the most sensitive third of the blocks W4A16, then GPTQ: a parallel block's
+    in_proj, q, k and v from one forward, out_proj and o_proj from a second; q_proj's Hessian is
+    that of the norm's int8 codes it reads, dequantized. Reloads bit-identically."""
+    qmodel = quantized_model(fp_model, 4, 8, mixed_precision=0.34)
+    layer = next(i for i, bits in enumerate(qmodel.quant_config.layer_bits)
+                 if bits == (4, 8) and not i % 2)
+    mixer, fp_mixer = qmodel.backbone.layers[layer].mixer, fp_model.backbone.layers[layer].mixer
+    stages = block_stages(mixer, fp_mixer, ("in_proj", "out_proj"))
+    assert [[fp_linear for _, fp_linear in stage] for stage in stages] == [
+        [fp_mixer.mamba.in_proj, *(getattr(fp_mixer.self_attn, f"{n}_proj") for n in "qkv")],
+        [fp_mixer.mamba.out_proj, fp_mixer.self_attn.o_proj]]
+    tokens = ids(3, 16, seed=4)
+    gptq_sequential_(qmodel, fp_model, tokens, batch_size=3, progress=False)
+    q_proj = mixer.self_attn.q_proj
+    in_scale = q_proj.linear.scales["in_scale"]
+    inputs = []
+    handle = q_proj.register_forward_pre_hook(lambda _, args: inputs.append(args[0]))
+    with torch.no_grad():
+        qmodel(tokens)
+    handle.remove()
+    assert inputs[0].dtype == torch.int8
+    rows = inputs[0].reshape(-1, inputs[0].shape[-1]).float() * in_scale
+    codes = gptq_quantize(fp_mixer.self_attn.q_proj.weight.float(),
+                          rows.T @ rows * (2.0 / len(rows)), q_proj.linear.group_scales(),
+                          q_proj.linear.group_size)
+    assert torch.equal(q_proj.linear.weight, pack_int4(codes))
+    assert_reload_is_bit_identical(qmodel, tmp_path, ids(2, 37, seed=1), QuantizedFalconH1LM, 10,
+                                   8)
+
+
 @pytest.mark.parametrize("changes, message", [
-    (dict(w_bits=4, mixed_precision=0.25), "mixed_precision is not supported for falcon_h1 yet"),
-    (dict(w_bits=4, apply_gptq=True), "apply_gptq is not supported for falcon_h1 yet"),
     (dict(learn_scales=True), "learn_scales is not supported for falcon_h1 yet"),
     (dict(quantize_embedding=True), "quantize_embedding is not supported for falcon_h1 with an "
                                     "embedding_multiplier"),

@@ -15,10 +15,13 @@ import torch.nn as nn
 
 import quamba
 from quamba.calibrate import calibrate
+from quamba.layers.qlinear import W4A8Linear, W4A16Linear
 from quamba.layers.qtransformer import QAttention, QInputLinear
 from quamba.models.bamba import ScaledEmbedding
 from quamba.models.quantized_hybrid import QuantizedBambaLM
 from quamba.models.transformer_layers import GraniteMoE
+from quamba.ops.quant4 import pack_int4
+from quamba.quantization.gptq import gptq_quantize, gptq_sequential_
 from tests.models.test_bamba import ids
 from tests.models.test_granite_hybrid import DENSE, random_reference
 from tests.quantization.hybrid_checks import (assert_close_to_fp,
@@ -114,3 +117,66 @@ def test_an_int8_embedding_with_a_multiplier_is_refused_in_one_line(fp_model):
     with pytest.raises(quamba.QuambaError, match="^quantize_embedding is not supported for "
                        "granitemoehybrid with an embedding_multiplier$"):
         quantized_model(fp_model, quantize_embedding=True)
+
+
+def test_mixed_precision_ranks_blocks_of_every_kind_and_reloads_bit_identically(fp_model,
+                                                                                tmp_path):
+    """W4A8 with the most sensitive 30% of the ten blocks (Mamba2, attention, MoE) in W4A16,
+    chosen by each block's measured NLL increase; saved and reloaded with its layer_bits."""
+    qmodel = quantized_model(fp_model, 4, 8, mixed_precision=0.3)
+    sensitivity = qmodel.calibration["layer_sensitivity"]
+    layer_bits = qmodel.quant_config.layer_bits
+    most_sensitive = sorted(range(10), key=lambda i: -sensitivity[i])[:3]
+    assert [i for i, bits in enumerate(layer_bits) if bits == (4, 16)] == sorted(most_sensitive)
+    for block, bits in zip(qmodel.backbone.layers, layer_bits):
+        linears = [module for module in block.mixer.modules()
+                   if isinstance(module, (W4A8Linear, W4A16Linear))]
+        assert linears and all(isinstance(linear, W4A16Linear) == (bits == (4, 16))
+                               for linear in linears)
+    reloaded = assert_reload_is_bit_identical(qmodel, tmp_path, ids(2, 37, seed=1),
+                                              QuantizedBambaLM, 8, 8)
+    assert reloaded.quant_config.layer_bits == layer_bits
+
+
+def _input_hessian(model, module, tokens):
+    """((2 / n) Σ xᵀx of ``module``'s float input over one forward of ``model``, n); None for
+    no input."""
+    inputs = []
+    handle = module.register_forward_pre_hook(
+        lambda _, args: inputs.append(args[0].reshape(-1, args[0].shape[-1]).float()))
+    with torch.no_grad():
+        model(tokens)
+    handle.remove()
+    if not inputs:
+        return None, 0
+    rows = torch.cat(inputs)
+    return (rows.T @ rows) * (2.0 / len(rows)), len(rows)
+
+
+@pytest.mark.parametrize("a_bits", [8, 16])
+def test_gptq_quantizes_each_expert_on_the_tokens_routed_to_it(fp_model, a_bits):
+    """Every expert's linears get GPTQ codes from the Hessian of their inputs in the quantized
+    model, over the tokens routed to them (two tokens, two experts each of five); an expert no
+    token reached keeps its round-to-nearest codes (an identity Hessian), the router its float
+    weight."""
+    qmodel = quantized_model(fp_model, 4, a_bits)
+    rtn = copy.deepcopy(qmodel)
+    tokens = ids(1, 2, seed=3)
+    gptq_sequential_(qmodel, fp_model, tokens, progress=False)
+    moe, fp_moe, rtn_moe = (model.backbone.layers[1].mixer for model in (qmodel, fp_model, rtn))
+    assert torch.equal(moe.router.weight, fp_moe.router.weight)
+    unreached = 0
+    for expert, fp_expert, rtn_expert in zip(moe.experts, fp_moe.experts, rtn_moe.experts):
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            layer = getattr(expert, name)
+            inner, rtn_inner = (getattr(m, "linear", m) for m in (layer, getattr(rtn_expert, name)))
+            hessian, count = _input_hessian(qmodel, layer, tokens)
+            if count == 0:
+                unreached += 1
+                assert torch.equal(inner.weight, rtn_inner.weight), name
+                continue
+            codes = gptq_quantize(getattr(fp_expert, name).weight.float(), hessian,
+                                  inner.group_scales(), inner.group_size)
+            assert torch.equal(inner.weight, pack_int4(codes)), name
+            assert not torch.equal(inner.weight, rtn_inner.weight), name
+    assert 0 < unreached <= 3 * 3

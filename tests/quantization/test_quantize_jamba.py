@@ -23,6 +23,7 @@ from quamba.layers.qtransformer import QAttention, QInputLinear
 from quamba.models.jamba import JambaConfig, JambaMambaMixer
 from quamba.models.quantized_hybrid import QuantizedJambaLM
 from quamba.models.transformer_layers import Attention, GatedMLP, MoE, SoftmaxTopkRouter
+from quamba.quantization.gptq import gptq_sequential_
 from tests.models.test_jamba import ids, random_reference
 from tests.quantization.hybrid_checks import (assert_close_to_fp,
                                               assert_decode_continues_the_prefill,
@@ -171,9 +172,25 @@ def test_reload_in_bf16_casts_the_float_parts(quantized, recipe, tmp_path):
     assert out.dtype == torch.bfloat16 and rel(out.float(), logits(qmodel, tokens)) < 0.08
 
 
+@pytest.mark.parametrize("a_bits", [8, 16])
+def test_gptq_replaces_every_4_bit_linear_but_the_routers(quantized, fp_model, tmp_path, a_bits):
+    """GPTQ with x_proj too: new codes for in_proj, x_proj and out_proj of every Mamba1 mixer and
+    for every attention, MLP and expert linear some token reached; the routers' weights stay
+    float; reloads bit-identically."""
+    qmodel = copy.deepcopy(quantized[f"w4a{a_bits}"])
+    rtn = {name: tensor.clone() for name, tensor in qmodel.state_dict().items()}
+    gptq_sequential_(qmodel, fp_model, ids(4, 16, seed=3), ("in_proj", "x_proj", "out_proj"),
+                     batch_size=2, progress=False)
+    changed = {name for name, tensor in qmodel.state_dict().items()
+               if not torch.equal(tensor, rtn[name])}
+    assert {"backbone.layers.0.mixer.x_proj.weight", "backbone.layers.2.mixer.q_proj.linear.weight"
+            if a_bits == 8 else "backbone.layers.2.mixer.q_proj.weight"} <= changed
+    assert all(name.endswith(".weight") and ".gate." not in name for name in changed)
+    assert_reload_is_bit_identical(qmodel, tmp_path, ids(2, 37, seed=1), QuantizedJambaLM, 9,
+                                   a_bits)
+
+
 @pytest.mark.parametrize("changes, message", [
-    (dict(w_bits=4, mixed_precision=0.25), "mixed_precision is not supported for jamba yet"),
-    (dict(w_bits=4, apply_gptq=True), "apply_gptq is not supported for jamba yet"),
     (dict(learn_scales=True), "learn_scales is not supported for jamba yet"),
 ])
 def test_unsupported_recipes_are_refused_in_one_line(fp_model, changes, message):
@@ -187,9 +204,9 @@ def test_export_is_refused_in_one_line(quantized, tmp_path):
         quamba.export(quantized["w8a8"], tmp_path / "out")
 
 
-def test_main_refuses_gptq_for_jamba(fp_dir, tmp_path, capsys):
-    argv = [fp_dir, "--tokenizer", TOKENIZER, "--quantize", "--w_bits", "4", "--apply_gptq",
+def test_main_refuses_learned_scales_for_jamba(fp_dir, tmp_path, capsys):
+    argv = [fp_dir, "--tokenizer", TOKENIZER, "--quantize", "--learn_scales",
             "--pretrained_dir", tmp_path]
     assert main.main([str(arg) for arg in argv]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == \
-        "error: apply_gptq is not supported for jamba yet"
+        "error: learn_scales is not supported for jamba yet"
