@@ -86,9 +86,9 @@ def quantize(model: MambaLMHeadModel, tokenizer=None, config: QuantConfig | None
 
 
 def _hybrid_config(model, config: QuantConfig) -> QuantConfig:
-    """A hybrid whose residual rotation is not exact or cannot be built
-    (quamba.quantization.rotation.hybrid_rotation_obstacle) is quantized without it:
-    ``hadamard`` is switched off, with a warning naming why."""
+    """A hybrid whose d_model or d_inner has no Hadamard matrix
+    (quamba.quantization.rotation.hybrid_rotation_obstacle) is quantized unrotated: ``hadamard``
+    is switched off, with a warning naming why."""
     from quamba.quantization.rotation import hybrid_rotation_obstacle
 
     if type(model) not in QUANTIZED_HYBRIDS or not config.hadamard:

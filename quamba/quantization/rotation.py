@@ -29,8 +29,11 @@ that reads it, and
 RoPE, attention scores, SwiGLU, the KV cache and the routing are untouched: the rotation acts on
 the residual dimension only (a router's logits equal up to float rounding). Falcon-H1's parallel
 Mamba2 and attention read one norm, so both take its weight; its remaining µP multipliers, like
-Granite's embedding multiplier and logits scaling, are scalars and commute. Zamba2 is not rotated
-(hybrid_rotation_obstacle says why).
+Granite's embedding multiplier and logits scaling, are scalars and commute. Zamba2's shared
+blocks read RMSNorm([h, e]) of the residual h and the token embeddings e, both rotated, so their
+concatenation is rotated by blockdiag(H, H) (orthonormal): the norm's weight folds into q, k, v
+and the q, k, v LoRA adapters, W̃ = W diag(w) blockdiag(H, H); each layer's ``linear`` that
+brings the block's output t back into the residual width is rotated on its output side, Hᵀ W.
 
 A Vision Mamba classifier (quamba.models.vision) is rotated the same way; its residual stream
 starts at the patch embedding, the class token and the position embedding, and ends in the head:
@@ -50,7 +53,7 @@ from quamba.models.falcon_h1 import ParallelMixer
 from quamba.models.mamba import Block, MambaLMHeadModel, MambaMixer, RMSNorm
 from quamba.models.mamba2 import GatedRMSNorm, Mamba2Mixer
 from quamba.models.transformer_layers import MLP, Attention, GatedMLP, GraniteMoE, MoE
-from quamba.models.zamba2 import Zamba2LM
+from quamba.models.zamba2 import Zamba2Layer, Zamba2LM
 from quamba.ops.norm.hadamard import HadamardTransform, hadamard_factors, hadamard_matrix
 
 # Each mixer part: (the modules whose weight reads the block's normed input, the linears that
@@ -65,7 +68,7 @@ _RESIDUAL_LINEARS = {
     GraniteMoE: (("router",), ()),
 }
 # The mixers whose every part is in _RESIDUAL_LINEARS, so the rotation is exact across them
-ROTATABLE_MIXERS = (MambaMixer, Mamba2Mixer, Attention, MLP, GatedMLP, MoE, GraniteMoE,
+_ROTATABLE_MIXERS = (MambaMixer, Mamba2Mixer, Attention, MLP, GatedMLP, MoE, GraniteMoE,
                     ParallelMixer)
 
 
@@ -83,6 +86,8 @@ def rotate_model_(model: MambaLMHeadModel) -> MambaLMHeadModel:
         _assign(backbone.embedding.weight, backbone.embedding.weight.double() @ rotation)
         for block in backbone.layers:
             _rotate_block(block, rotation)
+        if isinstance(model, Zamba2LM):
+            _rotate_shared_blocks(model, rotation)
     model.config.tie_embeddings = False
     model.rotated = True
     return model
@@ -111,10 +116,7 @@ def _rotate_block(block, rotation: torch.Tensor) -> None:
     """Fold the block's norm into the linears that read it and rotate their input side, rotate
     the output side of those that write the residual; a Mamba mixer's y is rotated online."""
     inputs, outputs, mambas = _residual_linears(block.mixer)
-    norm_weight = block.norm.weight.double()
-    for linear in inputs:
-        _assign(linear.weight, (linear.weight.double() * norm_weight) @ rotation)
-    block.norm.weight.fill_(1.0)
+    _fold_into_readers(inputs, block.norm, rotation)
     for linear in outputs:
         _rotate_output(linear, rotation.T @ linear.weight.double(), rotation)
     for mixer in mambas:
@@ -124,6 +126,33 @@ def _rotate_block(block, rotation: torch.Tensor) -> None:
         out_proj = mixer.out_proj
         _rotate_output(out_proj, rotation.T @ out_proj.weight.double() @ inner_rotation, rotation)
         mixer.online_hadamard = HadamardTransform(mixer.d_inner)
+
+
+def _rotate_shared_blocks(model: Zamba2LM, rotation: torch.Tensor) -> None:
+    """Zamba2: each shared block reads RMSNorm([h, e]) of the rotated h and embeddings e, i.e.
+    [h, e] times blockdiag(H, H), orthonormal: its input norm's weight folds into q, k, v and the
+    first linear of every use's q, k, v adapters, whose inputs rotate by blockdiag(H, H). Its
+    output t is no residual (each layer adds linear(t) to h inside its norm), so each layer's
+    ``linear`` rotates its output side; the block's inside stays unrotated."""
+    both_halves = torch.block_diag(rotation, rotation)
+    for block in model.backbone.shared_blocks:
+        attention = block.attention
+        readers = [attention.q_proj, attention.k_proj, attention.v_proj]
+        for layer in model.backbone.layers:
+            if layer.shared is block and layer.adapters.qkv is not None:
+                readers += [lora[0] for lora in layer.adapters.qkv]
+        _fold_into_readers(readers, block.input_norm, both_halves)
+    for layer in model.backbone.layers:
+        if layer.shared is not None:
+            _rotate_output(layer.linear, rotation.T @ layer.linear.weight.double(), rotation)
+
+
+def _fold_into_readers(readers: list, norm: RMSNorm, rotation: torch.Tensor) -> None:
+    """W ← W diag(w) R for each module that reads ``norm``'s output, then w ← 1 (in float64)."""
+    norm_weight = norm.weight.double()
+    for linear in readers:
+        _assign(linear.weight, (linear.weight.double() * norm_weight) @ rotation)
+    norm.weight.fill_(1.0)
 
 
 def _residual_linears(mixer: nn.Module) -> tuple[list, list, list]:
@@ -160,8 +189,8 @@ def _check_rotatable(model: MambaLMHeadModel) -> None:
     layers = model.backbone.layers if hasattr(model, "backbone") else model.layers
     for i, block in enumerate(layers):
         mixer = block.mixer
-        if not (isinstance(block, Block) and isinstance(block.norm, RMSNorm)
-                and isinstance(mixer, ROTATABLE_MIXERS)
+        if not (isinstance(block, (Block, Zamba2Layer)) and isinstance(block.norm, RMSNorm)
+                and isinstance(mixer, _ROTATABLE_MIXERS)
                 and all(isinstance(m.online_hadamard, nn.Identity)
                         for m in _residual_linears(mixer)[2])):
             raise ValueError(f"the rotation needs an FP Mamba or hybrid model; block {i} is "
@@ -184,12 +213,7 @@ def _size_obstacle(model) -> str | None:
 
 def hybrid_rotation_obstacle(model) -> str | None:
     """Why a hybrid's residual stream is not rotated (None: it is, exactly; see the module
-    docstring). Zamba2's shared blocks read concat[h, embeddings] and write back through each
-    layer's own linear, beside LoRA adapters: exact in principle (both halves rotated by H), not
-    built yet."""
-    if isinstance(model, Zamba2LM):
-        return ("zamba2's shared blocks (reading concat[h, embeddings], with per-layer adapters) "
-                "are not rotated yet")
+    docstring): a d_model or d_inner without a Hadamard matrix."""
     reason = _size_obstacle(model)
     return None if reason is None else f"{model.config.model_type}: {reason}"
 

@@ -1,7 +1,7 @@
 """The Hadamard rotation of a hybrid's residual stream leaves the FP model's function unchanged
 (relative error of the fp32 logits ≤ 1e-5, prefill and decode), for each family it covers, on
-random small models; the quantized rotated hybrids stay close to FP and reload bit for bit;
-Zamba2 and sizes without a Hadamard matrix are quantized unrotated, with a warning saying why.
+random small models; the quantized rotated hybrids stay close to FP and reload bit for bit; a
+width without a Hadamard matrix is quantized unrotated, with a warning saying why.
 
 d_model 40 (H of order 40) and 24 (12·2), d_inner 24 and 40: non-symmetric Hadamard matrices,
 so a transposed H anywhere would show."""
@@ -16,8 +16,10 @@ from quamba.models.bamba import BambaConfig, BambaLM
 from quamba.models.falcon_h1 import FalconH1Config, FalconH1LM
 from quamba.models.jamba import JambaConfig, JambaLM
 from quamba.models.nemotron_h import NemotronHConfig, NemotronHLM
+from quamba.models.zamba2 import Zamba2Config, Zamba2LM
 from quamba.models.quantized_hybrid import (QuantizedBambaLM, QuantizedFalconH1LM,
-                                            QuantizedJambaLM, QuantizedNemotronHLM)
+                                            QuantizedJambaLM, QuantizedNemotronHLM,
+                                            QuantizedZamba2LM)
 from quamba.ops.norm.hadamard import HadamardTransform
 from quamba.quantization.rotation import rotate_model_
 from tests.models.hybrid_checks import randomize_, token_ids
@@ -65,17 +67,26 @@ def _falcon_h1(mamba_rms_norm: bool):
         head_dim=6, intermediate_size=22, embedding_multiplier=3.0, lm_head_multiplier=0.5))
 
 
+def _zamba2():
+    """Two shared blocks (block 0 run by layers 1 and 4) with RoPE and q, k, v adapters."""
+    return Zamba2LM(Zamba2Config(
+        layer_types=("mamba", "hybrid", "mamba", "hybrid", "hybrid"), d_model=24,
+        vocab_size=VOCAB, **MAMBA2, num_attention_heads=4, num_key_value_heads=4, use_rope=True,
+        intermediate_size=22, num_mem_blocks=2, adapter_rank=3, attention_adapters=True))
+
+
 # family → (FP model, its quantized class, bound on W8A8's relative error against FP). Measured
 # W8A8 rotated / unrotated (calibration 4 × 32 random tokens, 2 × 21 tokens): Nemotron-H 0.136 /
 # 0.115, Bamba 0.091 / 0.087, Granite 0.043 / 0.044, Jamba 0.254 / 0.354, Falcon-H1 0.036 / 0.041
-# (with its gated norm 0.044 / 0.051). Random models amplify any rounding; the accuracy that
+# (with its gated norm 0.044 / 0.051), Zamba2 0.186 / 0.210. Random models amplify any rounding; the accuracy that
 # counts is the trained model's (test_quantize_tiny_hybrid.py).
 FAMILIES = {"nemotron_h": (_nemotron_h, QuantizedNemotronHLM, 0.2),
             "bamba": (_bamba, QuantizedBambaLM, 0.15),
             "granite": (_granite, QuantizedBambaLM, 0.08),
             "jamba": (_jamba, QuantizedJambaLM, 0.35),
             "falcon_h1": (lambda: _falcon_h1(False), QuantizedFalconH1LM, 0.07),
-            "falcon_h1_rms_norm": (lambda: _falcon_h1(True), QuantizedFalconH1LM, 0.07)}
+            "falcon_h1_rms_norm": (lambda: _falcon_h1(True), QuantizedFalconH1LM, 0.07),
+            "zamba2": (_zamba2, QuantizedZamba2LM, 0.25)}
 
 
 def _random(family: str):
