@@ -78,8 +78,8 @@ def _zamba2():
 # family → (FP model, its quantized class, bound on W8A8's relative error against FP). Measured
 # W8A8 rotated / unrotated (calibration 4 × 32 random tokens, 2 × 21 tokens): Nemotron-H 0.136 /
 # 0.115, Bamba 0.091 / 0.087, Granite 0.043 / 0.044, Jamba 0.254 / 0.354, Falcon-H1 0.036 / 0.041
-# (with its gated norm 0.044 / 0.051), Zamba2 0.186 / 0.210. Random models amplify any rounding; the accuracy that
-# counts is the trained model's (test_quantize_tiny_hybrid.py).
+# (with its gated norm 0.044 / 0.051), Zamba2 0.186 / 0.210. Random models amplify any rounding;
+# the accuracy that counts is the trained model's (test_quantize_tiny_hybrid.py).
 FAMILIES = {"nemotron_h": (_nemotron_h, QuantizedNemotronHLM, 0.2),
             "bamba": (_bamba, QuantizedBambaLM, 0.15),
             "granite": (_granite, QuantizedBambaLM, 0.08),
@@ -159,5 +159,5 @@ def test_hybrids_without_an_exact_rotation_are_quantized_unrotated(caplog):
         qmodel = quamba.quantize(model, None, quamba.QuantConfig(),
                                  calib_data=token_ids(VOCAB, 2, 16), progress=False)
     assert not qmodel.quant_config.hadamard
-    assert "no Hadamard rotation: nemotron_h: cannot rotate d_model: no Hadamard matrix of size 36" \
-        in caplog.text
+    assert ("no Hadamard rotation: nemotron_h: cannot rotate d_model: no Hadamard matrix of "
+            "size 36") in caplog.text
