@@ -2,12 +2,13 @@
 Falcon-H1, Zamba2). Their Mamba2 layers are Quamba2's (QMamba2Mixer with Δ's floor), their
 Mamba1 layers (Jamba's) Quamba's (QMambaMixer, with the weighted norms of dt, B and C), their y
 rotated online where the residual stream is (quamba.quantization.rotation); W4A16 keeps the FP
-mixer with 4-bit in_proj and out_proj (Mamba1: and x_proj). Their attention, MLP and MoE layers keep their float RMSNorm and forward, with quantized linears
-(quamba.layers.qtransformer); MoE routers stay float. Everything else (SSM modes, state cache,
-forward, decode, generate, checkpoints) is QuantizedMambaLM's. A family adds only ``fp_mixer``:
-its FP mixer of a block (Granite and Falcon-H1: and their µP embedding and logits multipliers,
-in float; Falcon-H1: its blocks of parallel Mamba2 and attention; Zamba2: its shared
-transformer blocks and its layers' adapters and linears)."""
+mixer with 4-bit in_proj and out_proj (Mamba1: and x_proj). Their attention, MLP and MoE layers
+keep their float RMSNorm and forward, with quantized linears (quamba.layers.qtransformer); MoE
+routers stay float. Everything else (SSM modes, state cache, forward, decode, generate,
+checkpoints) is QuantizedMambaLM's. A family adds only ``fp_mixer``: its FP mixer of a block
+(Granite and Falcon-H1: and their µP embedding and logits multipliers, in float; Falcon-H1: its
+blocks of parallel Mamba2 and attention; Zamba2: its shared transformer blocks and its layers'
+adapters and linears)."""
 from __future__ import annotations
 
 import torch

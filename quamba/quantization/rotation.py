@@ -69,7 +69,7 @@ _RESIDUAL_LINEARS = {
 }
 # The mixers whose every part is in _RESIDUAL_LINEARS, so the rotation is exact across them
 _ROTATABLE_MIXERS = (MambaMixer, Mamba2Mixer, Attention, MLP, GatedMLP, MoE, GraniteMoE,
-                    ParallelMixer)
+                     ParallelMixer)
 
 
 def rotate_model_(model: MambaLMHeadModel) -> MambaLMHeadModel:
