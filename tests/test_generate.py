@@ -99,4 +99,4 @@ def test_the_hybrid_test_model_generates_quantized(shared_data_dir, tmp_path, ca
     assert generate.main(argv) == 0
     out, err = capsys.readouterr()
     assert out.startswith("The king said") and len(out.strip()) > len("The king said")
-    assert "W8A8 (no hadamard), SSM mode int8" in err and "qssd_scan torch" in err
+    assert "W8A8 (hadamard), SSM mode int8" in err and "qssd_scan torch" in err

@@ -438,7 +438,7 @@ def test_the_hybrid_test_model_quantizes_and_is_reused_by_name(tmp_path, caplog)
                                        "--ssm_mode", "fp32-conv", "--eval_ppl", "--ppl_dataset",
                                        text, "--ppl_window", "32", "--log_dir",
                                        tmp_path / "logs"]]) == 0
-    assert "W8A8 (no hadamard), SSM mode fp32-conv" in caplog.text
+    assert "W8A8 (hadamard), SSM mode fp32-conv" in caplog.text
     record = json.loads(next((tmp_path / "logs").iterdir()).read_text())
     assert record["model"]["ssm_mode"] == "fp32-conv"
     assert 1 < record["perplexity"]["perplexity"] < 4096

@@ -189,10 +189,11 @@ class QMamba2Mixer(QuantModule):
 
     def _out(self, y, z):
         """SSD output y [..., d_inner] and in_proj's z → gated RMSNorm → (Hadamard) → int8 →
-        out_proj; with the Hadamard, the norm, the transform and the int8 codes are one op."""
+        out_proj; with the Hadamard, the norm, the transform and the int8 codes are one op
+        (after a plain gate, Falcon-H1's SiluGate: the gate, then Hadamard → int8)."""
         if self.simulate:
             return out_projection(self, self.norm(y.float(), z.float(), backend_name="torch"))
-        if self.hadamard:
+        if self.hadamard and isinstance(self.norm, GatedRMSNorm):
             norm = self.norm
             return project_codes(self, gated_norm_hadamard_quant(
                 y, z, self.scales["z_scale"], norm.weight, norm.group_size, norm.eps,

@@ -1,13 +1,14 @@
 """Hybrids with quantized blocks (QuantizedHybridLM: Nemotron-H, Bamba, Granite-4.0-H, Jamba,
 Falcon-H1, Zamba2). Their Mamba2 layers are Quamba2's (QMamba2Mixer with Δ's floor), their
-Mamba1 layers (Jamba's) Quamba's (QMambaMixer, with the weighted norms of dt, B and C), neither
-rotated; W4A16 keeps the FP mixer with 4-bit in_proj and out_proj (Mamba1: and x_proj). Their
-attention, MLP and MoE layers keep their float RMSNorm and forward, with quantized linears
-(quamba.layers.qtransformer); MoE routers stay float. Everything else (SSM modes, state cache,
-forward, decode, generate, checkpoints) is QuantizedMambaLM's. A family adds only ``fp_mixer``:
-its FP mixer of a block (Granite and Falcon-H1: and their µP embedding and logits multipliers,
-in float; Falcon-H1: its blocks of parallel Mamba2 and attention; Zamba2: its shared
-transformer blocks and its layers' adapters and linears)."""
+Mamba1 layers (Jamba's) Quamba's (QMambaMixer, with the weighted norms of dt, B and C), their y
+rotated online where the residual stream is (quamba.quantization.rotation); W4A16 keeps the FP
+mixer with 4-bit in_proj and out_proj (Mamba1: and x_proj). Their attention, MLP and MoE layers
+keep their float RMSNorm and forward, with quantized linears (quamba.layers.qtransformer); MoE
+routers stay float. Everything else (SSM modes, state cache, forward, decode, generate,
+checkpoints) is QuantizedMambaLM's. A family adds only ``fp_mixer``: its FP mixer of a block
+(Granite and Falcon-H1: and their µP embedding and logits multipliers, in float; Falcon-H1: its
+blocks of parallel Mamba2 and attention; Zamba2: its shared transformer blocks and its layers'
+adapters and linears)."""
 from __future__ import annotations
 
 import torch
@@ -29,6 +30,7 @@ from quamba.models.quantized import QuantizedMambaLM
 from quamba.models.transformer_layers import GatedMLP
 from quamba.models.zamba2 import (Zamba2Layer, Zamba2LM, Zamba2SharedBlock, num_shared_blocks,
                                   shared_block_of)
+from quamba.ops.norm.hadamard import HadamardTransform
 
 
 class QuantizedHybridLM(QuantizedMambaLM):
@@ -54,29 +56,32 @@ class QuantizedHybridLM(QuantizedMambaLM):
         config = self.config
         if not to_int8:
             return RMSNorm(config.d_model, config.norm_epsilon, False, device=device, dtype=dtype)
-        return QRMSNorm(config.d_model, config.norm_epsilon, False, 1.0, has_weight=True,
-                        device=device)
+        return QRMSNorm(config.d_model, config.norm_epsilon, False, 1.0,
+                        has_weight=not self.quant_config.hadamard, device=device)
 
     def _empty_mamba_mixer(self, mixer: nn.Module, w_bits: int, a_bits: int, dtype,
                            device) -> nn.Module:
         """The quantized form of the empty FP Mamba1 or Mamba2 mixer ``mixer``: W4A16, the FP
         mixer with 4-bit linears; else Quamba's QMambaMixer (with the weighted norms of dt, B
         and C) or Quamba2's QMamba2Mixer (Δ's floor; its gate kept where it is not the gated
-        RMSNorm), neither rotated."""
+        RMSNorm); y rotated online where the model is (QuantConfig.hadamard)."""
         config, group_size = self.config, self.quant_config.group_size
+        hadamard = self.quant_config.hadamard
         if a_bits == 16:
+            if hadamard:
+                mixer.online_hadamard = HadamardTransform(mixer.d_inner)
             return empty_weight_only_linears_(mixer, group_size)
         if isinstance(mixer, MambaMixer):
             return QMambaMixer(config.d_model, mixer.d_inner, mixer.d_state, mixer.d_conv,
                                mixer.dt_rank, {name: 1.0 for name in MAMBA1_ACTIVATION_SCALES},
-                               1.0, False, dtype, device, w_bits, group_size,
+                               1.0, hadamard, dtype, device, w_bits, group_size,
                                discretization=mixer.discretization,
                                mixer_rms_eps=mixer.mixer_rms_eps,
                                mixer_norm_weights=mixer.mixer_norm_weights is not None)
         conv_ones = torch.ones(config.d_inner + 2 * config.ngroups * config.d_state)
         gate = None if isinstance(mixer.norm, GatedRMSNorm) else mixer.norm
         return QMamba2Mixer(config, {name: 1.0 for name in ACTIVATION_SCALES}, conv_ones,
-                            conv_ones, 1.0, False, dtype, device, w_bits, group_size,
+                            conv_ones, 1.0, hadamard, dtype, device, w_bits, group_size,
                             dt_floor(config), gate)
 
 

@@ -70,10 +70,14 @@ FORMAT_NAME = "quamba"
 # norm's ``out_scale``, which both read; µP multipliers in the model config) is written as 10. A
 # Zamba2 hybrid ("zamba2": Mamba2 layers, shared transformer blocks stored once under
 # backbone.shared_blocks with quantized linears, each hybrid layer's float LoRA adapters and
-# quantized linear) is written as 11, which older quambas refuse.
+# quantized linear) is written as 11, which older quambas refuse. A Hadamard-rotated hybrid (any of
+# these with ``hadamard`` in its quantization config: its Mamba mixers rotate y online, its int8
+# mixers' norms carry no weight) is written as 12, which older quambas, that would read it
+# unrotated, refuse.
 FORMAT_VERSION = 5
 MIXER_NORMS_FORMAT_VERSION = 6
-NEWEST_FORMAT_VERSION = 11
+ROTATED_HYBRID_FORMAT_VERSION = 12
+NEWEST_FORMAT_VERSION = 12
 # quantized hybrid class → the format version it is written as
 HYBRID_FORMAT_VERSIONS = {QuantizedNemotronHLM: 7, QuantizedBambaLM: 8, QuantizedJambaLM: 9,
                           QuantizedFalconH1LM: 10, QuantizedZamba2LM: 11}
@@ -121,7 +125,8 @@ def save_quantized(model: QuantizedMambaLM, out_dir, tokenizer=None):
 
 def _format_version(model) -> int:
     if type(model) in HYBRID_FORMAT_VERSIONS:
-        return HYBRID_FORMAT_VERSIONS[type(model)]
+        return (ROTATED_HYBRID_FORMAT_VERSION if model.quant_config.hadamard
+                else HYBRID_FORMAT_VERSIONS[type(model)])
     if getattr(model.config, "mixer_rms_eps", None) is not None:
         return MIXER_NORMS_FORMAT_VERSION
     return FORMAT_VERSION

@@ -86,12 +86,17 @@ def quantize(model: MambaLMHeadModel, tokenizer=None, config: QuantConfig | None
 
 
 def _hybrid_config(model, config: QuantConfig) -> QuantConfig:
-    """A hybrid is quantized without Hadamard rotation (it is not exact across its attention
-    and MLP blocks yet): ``hadamard`` is switched off, with a warning."""
+    """A hybrid whose d_model or d_inner has no Hadamard matrix
+    (quamba.quantization.rotation.hybrid_rotation_obstacle) is quantized unrotated: ``hadamard``
+    is switched off, with a warning naming why."""
+    from quamba.quantization.rotation import hybrid_rotation_obstacle
+
     if type(model) not in QUANTIZED_HYBRIDS or not config.hadamard:
         return config
-    log.warning("%s: no Hadamard rotation for hybrid models yet; quantizing without it",
-                model.config.model_type)
+    reason = hybrid_rotation_obstacle(model)
+    if reason is None:
+        return config
+    log.warning("no Hadamard rotation: %s; quantizing without it", reason)
     return dataclasses.replace(config, hadamard=False)
 
 
