@@ -1,6 +1,7 @@
 """The checks every quantized hybrid family's tests run (tests/quantization/test_quantize_*.py
 of Nemotron-H, Bamba, Granite-4.0-H): error against FP in every SSM mode, decode against
 prefill, bit-identical reload; and a prefill with one decode step (Falcon-Mamba's tests too)."""
+import pytest
 import torch
 
 import quamba
@@ -69,3 +70,22 @@ def assert_reload_is_bit_identical(qmodel, directory, tokens, model_class, forma
         assert torch.equal(logits(reloaded, tokens, mode), logits(qmodel, tokens, mode)), mode
     qmodel.set_ssm_mode("int8" if a_bits == 8 else "fp16")
     return reloaded
+
+
+def quantize_on(fp_model, calib_tokens, w_bits=8, a_bits=8, **fields):
+    """``fp_model`` quantized with QuantConfig(w_bits, a_bits, **fields), calibrated on
+    ``calib_tokens`` (each family's test draws them from its own vocabulary)."""
+    config = quamba.QuantConfig(w_bits=w_bits, a_bits=a_bits, **fields)
+    return quamba.quantize(fp_model, None, config, calib_data=calib_tokens, progress=False)
+
+
+def assert_older_quamba_refuses(qmodel, directory, monkeypatch, format_version: int):
+    """Saved, then loaded by a quamba that knows formats up to ``format_version`` - 1: refused
+    in one line rather than loaded without what that format added."""
+    from quamba.errors import CheckpointError
+    qmodel.save_pretrained(directory)
+    known = format_version - 1
+    monkeypatch.setattr("quamba.quantization.checkpoint.NEWEST_FORMAT_VERSION", known)
+    with pytest.raises(CheckpointError, match=f"format version {format_version} is newer than "
+                       rf"this quamba supports \({known}\); upgrade quamba$"):
+        quamba.from_pretrained(directory, tokenizer=False)

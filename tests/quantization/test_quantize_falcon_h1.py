@@ -16,10 +16,9 @@ import torch
 
 import quamba
 from quamba.calibrate import calibrate
-from quamba.errors import CheckpointError
 from quamba.layers.qmixer2 import QMamba2Mixer
 from quamba.layers.qnorm import QRMSNorm
-from quamba.layers.qtransformer import QAttention, QInputLinear
+from quamba.layers.qtransformer import QAttention
 from quamba.models.bamba import ScaledEmbedding
 from quamba.models.falcon_h1 import FalconH1Config, ParallelMixer, SiluGate
 from quamba.models.mamba2 import GatedRMSNorm
@@ -30,7 +29,9 @@ from quamba.quantization.gptq import block_stages, gptq_quantize, gptq_sequentia
 from tests.models.test_falcon_h1 import ids, random_reference
 from tests.quantization.hybrid_checks import (INT8_MODES, assert_close_to_fp,
                                               assert_decode_continues_the_prefill,
-                                              assert_reload_is_bit_identical, logits, rel)
+                                              assert_older_quamba_refuses,
+                                              assert_reload_is_bit_identical, logits, quantize_on,
+                                              rel)
 
 NO_BIAS = dict(attention_bias=False, mlp_bias=False, mamba_proj_bias=False, projectors_bias=False)
 # recipe → (w_bits, a_bits, bound on the relative error, bound on top-1 agreement)
@@ -43,8 +44,7 @@ def load(directory, **changes):
 
 
 def quantized_model(fp_model, w_bits=8, a_bits=8, **changes):
-    config = quamba.QuantConfig(w_bits=w_bits, a_bits=a_bits, **changes)
-    return quamba.quantize(fp_model, None, config, calib_data=ids(8, 64, seed=5), progress=False)
+    return quantize_on(fp_model, ids(8, 64, seed=5), w_bits, a_bits, **changes)
 
 
 @pytest.fixture(scope="module")
@@ -160,11 +160,7 @@ def test_save_reload_is_bit_identical(quantized, recipe, tmp_path):
 
 
 def test_a_quamba_that_knows_format_9_refuses_it(quantized, tmp_path, monkeypatch):
-    quantized["w8a8"].save_pretrained(tmp_path / "q")
-    monkeypatch.setattr("quamba.quantization.checkpoint.NEWEST_FORMAT_VERSION", 9)
-    with pytest.raises(CheckpointError, match="format version 10 is newer than this quamba "
-                       r"supports \(9\); upgrade quamba$"):
-        quamba.load_model(tmp_path / "q", tokenizer=False)
+    assert_older_quamba_refuses(quantized["w8a8"], tmp_path / "q", monkeypatch, 10)
 
 
 def test_reloaded_in_another_dtype(quantized, tmp_path):

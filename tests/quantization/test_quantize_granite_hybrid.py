@@ -26,7 +26,8 @@ from tests.models.test_bamba import ids
 from tests.models.test_granite_hybrid import DENSE, random_reference
 from tests.quantization.hybrid_checks import (assert_close_to_fp,
                                               assert_decode_continues_the_prefill,
-                                              assert_reload_is_bit_identical, logits, rel)
+                                              assert_reload_is_bit_identical, logits, quantize_on,
+                                              rel)
 
 # recipe → (w_bits, a_bits, bound on the relative error, bound on top-1 agreement)
 RECIPES = {"w8a8": (8, 8, 0.1, 0.8), "w4a8": (4, 8, 0.5, 0.4), "w4a16": (4, 16, 0.5, 0.4)}
@@ -38,8 +39,7 @@ def load(directory, **changes):
 
 
 def quantized_model(fp_model, w_bits=8, a_bits=8, **changes):
-    config = quamba.QuantConfig(w_bits=w_bits, a_bits=a_bits, **changes)
-    return quamba.quantize(fp_model, None, config, calib_data=ids(8, 64, seed=5), progress=False)
+    return quantize_on(fp_model, ids(8, 64, seed=5), w_bits, a_bits, **changes)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,6 @@ import pytest
 import torch
 
 import quamba
-from quamba.errors import CheckpointError
 from quamba.layers.qlinear import W4A16Linear
 from quamba.layers.qmixer import QMambaMixer
 from quamba.layers.qtransformer import QAttention, QInputLinear
@@ -27,7 +26,9 @@ from quamba.quantization.gptq import gptq_sequential_
 from tests.models.test_jamba import ids, random_reference
 from tests.quantization.hybrid_checks import (assert_close_to_fp,
                                               assert_decode_continues_the_prefill,
-                                              assert_reload_is_bit_identical, logits, rel)
+                                              assert_older_quamba_refuses,
+                                              assert_reload_is_bit_identical, logits, quantize_on,
+                                              rel)
 from tests.test_main import TOKENIZER, main
 
 # recipe → (w_bits, a_bits, bound on the relative error, bound on top-1 agreement)
@@ -36,8 +37,7 @@ NORMS = ("dt_layernorm", "b_layernorm", "c_layernorm")
 
 
 def quantized_model(fp_model, w_bits=8, a_bits=8):
-    return quamba.quantize(fp_model, None, quamba.QuantConfig(w_bits=w_bits, a_bits=a_bits),
-                           calib_data=ids(8, 64, seed=5), progress=False)
+    return quantize_on(fp_model, ids(8, 64, seed=5), w_bits, a_bits)
 
 
 @pytest.fixture(scope="module")
@@ -149,11 +149,7 @@ def test_save_reload_is_bit_identical(quantized, recipe, tmp_path):
 
 
 def test_a_quamba_that_knows_format_8_refuses_it(quantized, tmp_path, monkeypatch):
-    quantized["w8a8"].save_pretrained(tmp_path / "q")
-    monkeypatch.setattr("quamba.quantization.checkpoint.NEWEST_FORMAT_VERSION", 8)
-    with pytest.raises(CheckpointError, match="format version 9 is newer than this quamba "
-                       r"supports \(8\)"):
-        quamba.from_pretrained(tmp_path / "q", tokenizer=False)
+    assert_older_quamba_refuses(quantized["w8a8"], tmp_path / "q", monkeypatch, 9)
 
 
 @pytest.mark.parametrize("recipe", ["w8a8", "w4a16"])

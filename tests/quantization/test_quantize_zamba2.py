@@ -18,7 +18,6 @@ from safetensors import safe_open
 
 import quamba
 from quamba.calibrate import calibrate
-from quamba.errors import CheckpointError
 from quamba.layers.qmixer2 import QMamba2Mixer
 from quamba.layers.qtransformer import QAttention, QInputLinear, quantize_linears_
 from quamba.models.quantized_hybrid import QuantizedZamba2LM
@@ -28,7 +27,9 @@ from quamba.quantization.shared_blocks import shared_ranges
 from tests.models.test_zamba2 import ids, random_reference
 from tests.quantization.hybrid_checks import (assert_close_to_fp,
                                               assert_decode_continues_the_prefill,
-                                              assert_reload_is_bit_identical, logits, rel)
+                                              assert_older_quamba_refuses,
+                                              assert_reload_is_bit_identical, logits, quantize_on,
+                                              rel)
 
 # recipe → (w_bits, a_bits, bound on the relative error, bound on top-1 agreement)
 RECIPES = {"w8a8": (8, 8, 0.3, 0.6), "w4a8": (4, 8, 0.8, 0.25), "w4a16": (4, 16, 0.8, 0.25)}
@@ -49,8 +50,7 @@ def quantized(fp_model):
 
 
 def quantize(fp_model, **fields):
-    return quamba.quantize(fp_model, None, quamba.QuantConfig(**fields),
-                           calib_data=ids(8, 64, seed=5), progress=False)
+    return quantize_on(fp_model, ids(8, 64, seed=5), **fields)
 
 
 @pytest.mark.parametrize("recipe", list(RECIPES))
@@ -172,10 +172,7 @@ def test_save_reload_is_bit_identical(quantized, recipe, tmp_path):
 
 
 def test_a_quamba_before_format_11_refuses_the_checkpoint(quantized, tmp_path, monkeypatch):
-    quantized["w8a8"].save_pretrained(tmp_path / "w8a8")
-    monkeypatch.setattr("quamba.quantization.checkpoint.NEWEST_FORMAT_VERSION", 10)
-    with pytest.raises(CheckpointError, match="format version 11 is newer than this quamba"):
-        quamba.from_pretrained(tmp_path / "w8a8", tokenizer=False)
+    assert_older_quamba_refuses(quantized["w8a8"], tmp_path / "w8a8", monkeypatch, 11)
 
 
 def test_reload_in_bf16_casts_the_adapters_norms_and_kv_cache(quantized, tmp_path):
