@@ -29,7 +29,7 @@ from quamba.models.nemotron_h import NemotronHMamba2Mixer, dt_floor, nemotron_h_
 from quamba.models.quantized import QuantizedMambaLM
 from quamba.models.transformer_layers import GatedMLP
 from quamba.models.zamba2 import (Zamba2Layer, Zamba2LM, Zamba2SharedBlock, num_shared_blocks,
-                                  shared_block_of)
+                                  shared_block_of, shared_block_users)
 from quamba.ops.norm.hadamard import HadamardTransform
 
 
@@ -145,7 +145,8 @@ class QuantizedZamba2LM(QuantizedHybridLM, Zamba2LM):
     """Zamba2 (forward, cache and decode Zamba2LM's: every layer gets the token embeddings).
     The shared transformer blocks are held once (``backbone.shared_blocks``) with quantized
     linears, used at every depth as in the FP model; a hybrid layer keeps its LoRA adapters in
-    float (their outputs add to the quantized linears') and quantizes its own linear."""
+    float (their outputs add to the quantized linears') and quantizes its own linear at its
+    layer's bits; a shared block takes the bits of shared_block_bits."""
 
     def fp_mixer(self, layer: int, device=None, dtype=None) -> nn.Module:
         return NemotronHMamba2Mixer(self.config, device, dtype)
@@ -153,8 +154,8 @@ class QuantizedZamba2LM(QuantizedHybridLM, Zamba2LM):
     def _empty_block(self, layer: int, dtype, device) -> Zamba2Layer:
         if not hasattr(self.backbone, "shared_blocks"):  # before the first layer points to them
             self.backbone.shared_blocks = nn.ModuleList(
-                self._empty_shared_block(dtype, device)
-                for _ in range(num_shared_blocks(self.config)))
+                self._empty_shared_block(b, dtype, device)
+                for b in range(num_shared_blocks(self.config)))
         hybrid = self.config.layer_types[layer] == "hybrid"
         shared = (self.backbone.shared_blocks[shared_block_of(self.config, layer)] if hybrid
                   else None)
@@ -162,12 +163,14 @@ class QuantizedZamba2LM(QuantizedHybridLM, Zamba2LM):
         block = Zamba2Layer(self.config, shared, device, dtype)
         block.norm, block.mixer = quantized.norm, quantized.mixer
         if hybrid:
-            block.linear = empty_linear(block.linear, False, *self._bits())
+            block.linear = empty_linear(block.linear, False, *self.quant_config.bits_of(layer),
+                                        self.quant_config.group_size)
         return block
 
-    def _empty_shared_block(self, dtype, device) -> Zamba2SharedBlock:
+    def _empty_shared_block(self, b: int, dtype, device) -> Zamba2SharedBlock:
         block = Zamba2SharedBlock(self.config, device, dtype)
-        return quantize_linears_(block, *self._bits(), load=False)
+        bits = shared_block_bits(self.quant_config, shared_block_users(self.config, b))
+        return quantize_linears_(block, *bits, self.quant_config.group_size, load=False)
 
     def float_modules(self) -> list[nn.Module]:
         """What stays float beside the quantized linears, cast with the model's float dtype
@@ -177,8 +180,11 @@ class QuantizedZamba2LM(QuantizedHybridLM, Zamba2LM):
         return norms + [layer.adapters for layer in self.backbone.layers
                         if layer.shared is not None]
 
-    def _bits(self) -> tuple[int, int, int]:
-        """(w_bits, a_bits, group_size) of the shared blocks and the layers' linears: the
-        model's (Zamba2 takes no per-layer precision)."""
-        config = self.quant_config
-        return config.w_bits, config.a_bits, config.group_size
+
+def shared_block_bits(quant_config, users: list[int]) -> tuple[int, int]:
+    """(w_bits, a_bits) of a Zamba2 shared block run by the layers ``users``: the most precise
+    of theirs (float activations first, then 8-bit weights), since its one set of weights serves
+    them all: a layer chosen to run W4A16 keeps its shared block's activations float, and its
+    W4A8 co-users run that block W4A16 too. Found from layer_bits alone, so a checkpoint needs
+    no more than layer_bits."""
+    return max((quant_config.bits_of(i) for i in users), key=lambda bits: (bits[1], bits[0]))

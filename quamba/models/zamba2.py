@@ -282,6 +282,12 @@ def shared_block_of(config: Zamba2Config, layer: int) -> int:
     return _use(config, layer) % config.num_mem_blocks
 
 
+def shared_block_users(config: Zamba2Config, block: int) -> list[int]:
+    """The hybrid layers that run shared block ``block``."""
+    return [i for i, kind in enumerate(config.layer_types)
+            if kind == "hybrid" and shared_block_of(config, i) == block]
+
+
 class Zamba2LM(MambaLMHeadModel):
     """Zamba2 LM: embedding → the layers → final RMSNorm → lm_head (tied by default). Forward,
     cache, decode and generate are MambaLMHeadModel's, each layer given the token embeddings;

@@ -140,19 +140,62 @@ def gptq_sequential_(qmodel, fp_model, tokens: torch.Tensor, layer_names=("in_pr
     group scales (``group_scales()``), and the block's outputs, computed with every replacement
     in place, become the next block's inputs. The blocks run in their present SSM mode and
     backend. Deterministic.
+
+    Zamba2's shared transformer blocks are replaced first, once each (gptq_shared_blocks_); a
+    hybrid layer's own linear, which its Mamba2 mixer reads, before that mixer's linears.
     """
+    if hasattr(qmodel.backbone, "shared_blocks"):
+        gptq_shared_blocks_(qmodel, fp_model, tokens, damp, block_size, act_order, batch_size)
     device = qmodel.backbone.embedding.weight.device
     hidden = [qmodel.backbone.embedding(tokens[start:start + batch_size].to(device))
               for start in range(0, tokens.shape[0], batch_size)]
+    # what each block takes besides (hidden, residual): Zamba2's, the token embeddings
+    kwargs = [qmodel._layer_kwargs(h) for h in hidden]
     residual = [None] * len(hidden)
     blocks = list(zip(qmodel.backbone.layers, fp_model.backbone.layers))
     for block, fp_block in tqdm(blocks, desc="GPTQ", unit="layer", disable=not progress):
-        for stage in block_stages(block.mixer, fp_block.mixer, layer_names):
-            hessians = _block_input_hessians(block, stage, hidden, residual)
+        for stage in _layer_stages(block, fp_block, layer_names):
+            hessians = _block_input_hessians(block, stage, hidden, residual, kwargs)
             for (layer, fp_linear), hessian in zip(stage, hessians):
                 _replace_codes(_four_bit(layer), fp_linear.weight.detach().float(), hessian,
                                damp, block_size, act_order)
-        hidden, residual = map(list, zip(*(block(h, r) for h, r in zip(hidden, residual))))
+        hidden, residual = map(list, zip(*(block(h, r, **kw)
+                                           for h, r, kw in zip(hidden, residual, kwargs))))
+
+
+@torch.no_grad()
+def gptq_shared_blocks_(qmodel, fp_model, tokens: torch.Tensor, damp: float = 0.01,
+                        block_size: int = 128, act_order: bool = False,
+                        batch_size: int = 8) -> None:
+    """Replace the codes of every 4-bit linear of Zamba2's shared transformer blocks by GPTQ's,
+    each linear once, from one Hessian over all of its uses: the sum of xᵀx over every layer
+    that runs the block, its inputs as ``fp_model`` computes them (each use with its own
+    adapters). The weight is one for every depth, so its error is to be small over the inputs of
+    all of them together; they come from the FP model since the later uses' inputs in the
+    quantized model depend on the block's own codes."""
+    pairs = [(block.get_submodule(name), fp_linear)
+             for block, fp_block in zip(qmodel.backbone.shared_blocks,
+                                        fp_model.backbone.shared_blocks)
+             for name, fp_linear in quantized_linears(fp_block)]
+    fp_linears = {fp_linear: fp_linear for _, fp_linear in pairs}
+    sums, counts = dict.fromkeys(fp_linears), dict.fromkeys(fp_linears, 0)
+    device = fp_model.backbone.embedding.weight.device
+    with _accumulating(fp_linears, sums, counts):
+        for start in range(0, tokens.shape[0], batch_size):
+            fp_model(tokens[start:start + batch_size].to(device), num_last_tokens=1)
+    for layer, fp_linear in pairs:
+        hessian = sums[fp_linear] * (2.0 / counts[fp_linear])
+        _replace_codes(_four_bit(layer), fp_linear.weight.detach().float(), hessian, damp,
+                       block_size, act_order)
+
+
+def _layer_stages(block, fp_block, layer_names) -> list[list[tuple]]:
+    """block_stages of a block's mixer; a Zamba2 hybrid layer's own linear (its FP layer runs a
+    shared block) in a stage before them."""
+    stages = block_stages(block.mixer, fp_block.mixer, layer_names)
+    if getattr(fp_block, "shared", None) is None:
+        return stages
+    return [[(block.linear, fp_block.linear)]] + stages
 
 
 def block_stages(mixer, fp_mixer, layer_names) -> list[list[tuple]]:
@@ -187,15 +230,16 @@ def _replace_codes(layer, fp_weight, hessian, damp, block_size, act_order) -> No
     layer.load_float_weight(fp_weight, codes)
 
 
-def _block_input_hessians(block, stage: list, hidden: list, residual: list) -> list:
+def _block_input_hessians(block, stage: list, hidden: list, residual: list,
+                          kwargs: list) -> list:
     """(2 / n) Σ xᵀx of the input x of each quantized linear of ``stage`` [(linear, FP linear)]
     (dequantized when int8; zeros for a linear that saw no token, such as an expert no token
-    was routed to) over one forward of ``block`` on every batch."""
+    was routed to) over one forward of ``block`` on every batch (with its ``kwargs``)."""
     layers = [layer for layer, _ in stage]
     sums, counts = dict.fromkeys(layers), dict.fromkeys(layers, 0)
     with _accumulating({layer: layer for layer in layers}, sums, counts, dequantize=True):
-        for h, r in zip(hidden, residual):
-            block(h, r)
+        for h, r, kw in zip(hidden, residual, kwargs):
+            block(h, r, **kw)
     return [torch.zeros(fp_linear.in_features, fp_linear.in_features, device=hidden[0].device)
             if counts[layer] == 0 else sums[layer] * (2.0 / counts[layer])
             for layer, fp_linear in stage]

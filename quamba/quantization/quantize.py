@@ -101,15 +101,10 @@ def _hybrid_config(model, config: QuantConfig) -> QuantConfig:
 
 
 def _check_hybrid(model, config: QuantConfig) -> None:
-    """The recipes that a hybrid cannot take yet, refused in one line: learned scales; for
-    Zamba2 (its shared blocks quantized once for every depth) GPTQ and mixed precision too."""
+    """The recipes that a hybrid cannot take yet, refused in one line: learned scales."""
     name = model.config.model_type
-    refused = ("learn_scales",)
-    if isinstance(model, Zamba2LM):
-        refused += ("mixed_precision", "layer_bits", "apply_gptq")
-    for field in refused:
-        if getattr(config, field) not in (None, False):
-            raise QuambaError(f"{field} is not supported for {name} yet")
+    if config.learn_scales:
+        raise QuambaError(f"learn_scales is not supported for {name} yet")
     for field in ("mlp_bias", "attention_bias"):
         if getattr(model.config, field, False):
             raise QuambaError(f"{name} with {field} is not supported by the quantized linears")
@@ -165,6 +160,8 @@ def _mixed_precision_(qmodel: QuantizedMambaLM, fp_model, ranges: dict, config: 
     for i in w4a16:
         quantize_block_(qmodel.backbone.layers[i], fp_model.backbone.layers[i], i, ranges, config,
                         qmodel.config)
+    if isinstance(qmodel, QuantizedZamba2LM):  # its layers' linears and shared blocks too
+        quantize_shared_blocks_(qmodel, fp_model, ranges, config)
     qmodel.quant_config = config
     log.info("mixed precision: W4A16 layers %s", w4a16)
     return config, sensitivity

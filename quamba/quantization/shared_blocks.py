@@ -10,26 +10,28 @@ import copy
 
 from quamba.calibrate.calibrate import SHARED_PREFIX
 from quamba.layers.qtransformer import quantize_linears_, quantized_linear
+from quamba.models.quantized_hybrid import shared_block_bits
+from quamba.models.zamba2 import shared_block_users
 from quamba.quantization.config import QuantConfig
 
 
 def quantize_shared_blocks_(qmodel, fp_model, ranges: dict | None, config: QuantConfig) -> None:
     """Fill ``qmodel``'s shared blocks, adapters and layer linears from ``fp_model``'s (its
-    Mamba2 layers are quantized as every hybrid's, quamba.quantization.blocks)."""
-    bits = (config.w_bits, config.a_bits, config.group_size)
+    Mamba2 layers are quantized as every hybrid's, quamba.quantization.blocks): a layer's
+    linear at its layer's bits, a shared block at shared_block_bits of its users'."""
     fp_layers, layers = fp_model.backbone.layers, qmodel.backbone.layers
     for b, fp_block in enumerate(fp_model.backbone.shared_blocks):
-        uses = [i for i, layer in enumerate(fp_layers) if layer.shared is fp_block]
-        block = quantize_linears_(copy.deepcopy(fp_block), *bits,
-                                  ranges and shared_ranges(ranges, uses))
+        uses = shared_block_users(fp_model.config, b)
+        block = quantize_linears_(copy.deepcopy(fp_block), *shared_block_bits(config, uses),
+                                  config.group_size, ranges and shared_ranges(ranges, uses))
         qmodel.backbone.shared_blocks[b] = block
         for i in uses:
             layers[i].set_shared(block)
     for i, (layer, fp_layer) in enumerate(zip(layers, fp_layers)):
         if fp_layer.shared is not None:
             layer.adapters = copy.deepcopy(fp_layer.adapters)
-            layer.linear = quantized_linear(fp_layer.linear, "linear", *bits,
-                                            ranges and ranges[i])
+            layer.linear = quantized_linear(fp_layer.linear, "linear", *config.bits_of(i),
+                                            config.group_size, ranges and ranges[i])
 
 
 def shared_ranges(ranges: dict, uses: list[int]) -> dict:
