@@ -1,7 +1,9 @@
 """Zamba2 quantized: W8A8, W4A8 and W4A16 on the random model of tests/models/test_zamba2.py
 (layers mamba, hybrid, mamba, hybrid, hybrid, mamba; 2 shared blocks, block 0 run by layers 1
 and 4): error against FP, every SSM mode, the shared blocks quantized once with input scales
-over all their uses, float adapters, decode against prefill, save and reload, what is refused.
+over all their uses, float adapters, decode against prefill, save and reload, what is refused;
+GPTQ (each shared linear once, from one Hessian over all its uses) and mixed precision (a shared
+block at its most precise user's bits).
 
 Measured (2 × 37 tokens, calibration 8 × 64 random tokens): relative error of the logits
 (‖q - fp‖ / ‖fp‖) and top-1 agreement with FP, worst SSM mode: W8A8 0.261 / 0.649, W4A8
@@ -18,6 +20,7 @@ from safetensors import safe_open
 
 import quamba
 from quamba.calibrate import calibrate
+from quamba.layers.qlinear import W4A16Linear
 from quamba.layers.qmixer2 import QMamba2Mixer
 from quamba.layers.qtransformer import (QAttention, QInputLinear, quantize_linears_,
                                         quantized_linears)
@@ -323,3 +326,38 @@ def test_gptq_lowers_each_shared_linears_error_on_held_out_inputs(quantized, gpt
     ratios = {key: errors[key] / rtn[key] for key in errors}
     assert all(ratio < 0.98 for ratio in ratios.values()), ratios
     assert sum(ratios.values()) / len(ratios) < 0.8, ratios
+
+
+@pytest.fixture(scope="module")
+def mixed(fp_model):
+    """W4A8 with the most sensitive third of the layers W4A16."""
+    return quantize(fp_model, w_bits=4, mixed_precision=0.34)
+
+
+def test_mixed_precision_gives_a_shared_block_its_most_precise_users_bits(mixed, fp_model):
+    """The 2 of 6 layers (Mamba2 and hybrid ranked together) whose W4A8 form raises the NLL most
+    run W4A16 (measured layers 0 and 1), a hybrid layer's linear at its layer's bits; a shared
+    block runs W4A16 where any of its users does (block 0, for layer 1, and so for layer 4 too),
+    else W4A8 (block 1). Given as layer_bits, the same model."""
+    sensitivity = mixed.calibration["layer_sensitivity"]
+    assert len(sensitivity) == 6
+    layer_bits = mixed.quant_config.layer_bits
+    w4a16 = [i for i, bits in enumerate(layer_bits) if bits == (4, 16)]
+    assert w4a16 == sorted(sorted(range(6), key=lambda i: -sensitivity[i])[:2])
+    layers, blocks = mixed.backbone.layers, mixed.backbone.shared_blocks
+    for i in HYBRID_LAYERS:
+        assert isinstance(layers[i].linear, W4A16Linear) == (i in w4a16)
+    runs_w4a16 = [isinstance(block.attention.q_proj, W4A16Linear) for block in blocks]
+    assert runs_w4a16 == [bool({1, 4} & set(w4a16)), 3 in w4a16] == [True, False]
+    assert layers[4].shared is blocks[0] and layer_bits[4] == (4, 8)
+    given = quantize(fp_model, w_bits=4, layer_bits=layer_bits).state_dict()
+    assert all(torch.equal(tensor, given[name]) for name, tensor in mixed.state_dict().items())
+
+
+def test_mixed_precision_with_gptq_reloads_bit_identically(mixed, fp_model, tmp_path):
+    qmodel = copy.deepcopy(mixed)
+    work = quantization_basis_(copy.deepcopy(fp_model), hadamard=False)
+    gptq_sequential_(qmodel, work, ids(8, 64, seed=6), batch_size=4, progress=False)
+    reloaded = assert_reloads_with_shared_blocks_stored_once(qmodel, tmp_path, 8)
+    assert reloaded.quant_config.layer_bits == mixed.quant_config.layer_bits
+    assert isinstance(reloaded.backbone.shared_blocks[0].attention.q_proj, W4A16Linear)
