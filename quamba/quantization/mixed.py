@@ -8,7 +8,9 @@ error, fp16 prefill), the others W4A8. Deterministic: ties go to the earlier lay
 
 A hybrid's layers are its blocks of every kind, ranked together by the same measure: a Mamba
 block's W4A8 form is its int8 mixer, an attention, MLP or MoE block's its W4A8 linears (routers
-float); its W4A16 form has the same 4-bit weights with float activations.
+float); its W4A16 form has the same 4-bit weights with float activations. A Zamba2 hybrid
+layer's W4A8 form is its mixer, its linear and its use of the W4A8 shared block; the shared
+blocks' bits follow from the layers' (quamba.models.quantized_hybrid.shared_block_bits).
 """
 from __future__ import annotations
 

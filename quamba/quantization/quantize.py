@@ -210,9 +210,10 @@ def _quantize_ends_(qmodel: QuantizedMambaLM, fp_model: MambaLMHeadModel, ranges
 def _apply_gptq(qmodel: QuantizedMambaLM, fp_model: MambaLMHeadModel, tokenizer,
                 config: QuantConfig, progress: bool) -> None:
     """GPTQ's codes for ``config.gptq_layers`` of every Mamba block (and every 4-bit linear of a
-    hybrid's attention, MLP and MoE blocks), sequentially on the quantized model
-    (quamba.quantization.gptq.gptq_sequential_), against the static group scales round-to-nearest
-    uses (W4A8: the two-level scales; W4A16: the fp16 scales)."""
+    hybrid's attention, MLP and MoE blocks; Zamba2's shared blocks once each, then its layers'
+    linears), sequentially on the quantized model (quamba.quantization.gptq.gptq_sequential_),
+    against the static group scales round-to-nearest uses (W4A8: the two-level scales; W4A16:
+    the fp16 scales)."""
     from quamba.calibrate import load_calibration_set
     from quamba.quantization.gptq import gptq_sequential_
     tokens = load_calibration_set(config.gptq_source, tokenizer, config.gptq_num_samples,

@@ -3,7 +3,9 @@ each block's linears once, as the FP model holds it once, with static input scal
 over all of its uses (each clipping range the largest of its uses': the absmax over all of
 them) and down_proj's input per token (quamba.layers.qtransformer); every layer that uses the
 block points to the one quantized block. A hybrid layer's LoRA adapters stay float (their
-outputs add to the quantized linears'), its own linear is quantized with its own input scale."""
+outputs add to the quantized linears'), its own linear is quantized with its own input scale.
+With per-layer bits (mixed precision) a layer's linear takes its layer's, a shared block the most
+precise of its users' (quamba.models.quantized_hybrid.shared_block_bits)."""
 from __future__ import annotations
 
 import copy
