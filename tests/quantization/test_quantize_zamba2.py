@@ -17,6 +17,7 @@ import math
 import pytest
 import torch
 from safetensors import safe_open
+from transformers import AutoTokenizer
 
 import quamba
 from quamba.calibrate import calibrate
@@ -30,6 +31,7 @@ from quamba.ops.quant4 import pack_int4
 from quamba.quantization.gptq import gptq_quantize, gptq_sequential_
 from quamba.quantization.rotation import quantization_basis_
 from quamba.quantization.shared_blocks import shared_ranges
+from tests.models.test_fixture_hybrid import TINY_HYBRID_DIR
 from tests.models.test_zamba2 import ids, random_reference
 from tests.quantization.hybrid_checks import (assert_close_to_fp,
                                               assert_decode_continues_the_prefill,
@@ -361,3 +363,24 @@ def test_mixed_precision_with_gptq_reloads_bit_identically(mixed, fp_model, tmp_
     reloaded = assert_reloads_with_shared_blocks_stored_once(qmodel, tmp_path, 8)
     assert reloaded.quant_config.layer_bits == mixed.quant_config.layer_bits
     assert isinstance(reloaded.backbone.shared_blocks[0].attention.q_proj, W4A16Linear)
+
+
+def test_quantize_takes_gptq_and_mixed_precision_for_zamba2(tmp_path, shared_data_dir):
+    """quamba.quantize end to end (a random Zamba2 over the trained hybrid's 4096-token
+    vocabulary; calibration and GPTQ 8 × 64 tokens of c4_sample): the same layer_bits as without
+    GPTQ, and only 4-bit weights changed."""
+    random_reference(vocab_size=4096).save_pretrained(tmp_path)
+    fp_model = quamba.load_model(tmp_path, tokenizer=False)[0]
+    tokenizer = AutoTokenizer.from_pretrained(TINY_HYBRID_DIR)
+    text = str(shared_data_dir / "text" / "c4_sample.jsonl")
+    common = dict(w_bits=4, mixed_precision=0.34, calib_source=text, calib_num_samples=8,
+                  calib_seqlen=64)
+    models = [quamba.quantize(fp_model, tokenizer, quamba.QuantConfig(**common, **gptq),
+                              progress=False)
+              for gptq in ({}, dict(apply_gptq=True, gptq_source=text, gptq_num_samples=8,
+                                    gptq_seqlen=64))]
+    rtn, gptq = (model.state_dict() for model in models)
+    assert models[1].quant_config.layer_bits == models[0].quant_config.layer_bits
+    changed = {name for name in rtn if not torch.equal(rtn[name], gptq[name])}
+    assert "backbone.shared_blocks.1.gate_up_proj.linear.weight" in changed
+    assert all(name.endswith(".weight") for name in changed)
