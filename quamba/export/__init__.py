@@ -129,7 +129,9 @@ def export_state(qmodel, fp_model) -> tuple[dict, dict]:
         state.update({f"{name}.{k}": v
                       for k, v in compressed.linear_tensors(linear, dynamic).items()})
         scheme = compressed.linear_scheme(linear, dynamic)
-        if groups.setdefault(hybrid.target(name), scheme) != scheme:
+        target = (hybrid.target(name) if hybrid.is_hybrid(qmodel)
+                  else rf"re:.*mixer\.{name.rsplit('.', 1)[-1]}$")
+        if groups.setdefault(target, scheme) != scheme:
             raise QuambaError(f"{name} is quantized unlike the other linears of its name")
     if hybrid.is_hybrid(qmodel):
         return hybrid.transformers_names(qmodel, state), groups

@@ -9,16 +9,19 @@ from quamba.errors import QuambaError
 from quamba.layers.qlinear import W4A8Linear, W4A16Linear, W8A8Linear
 from quamba.layers.qtransformer import QInputLinear
 from quamba.models.hub import read_config_json, resolve_model_dir
+from quamba.models import bamba
 from quamba.models.loading import to_transformers_names
 
 QUANTIZED_LINEARS = (W8A8Linear, W4A16Linear, W4A8Linear)
-# The Mamba mixers' linears: their targets name the mixer (re:.*mixer\.in_proj$)
-MAMBA_LINEARS = ("in_proj", "x_proj", "out_proj")
 W8A8_EXPERTS_REFUSED = (
     "W8A8 MoE layers cannot be exported: quamba quantizes the experts' up_proj input with a "
     "static per-tensor scale, which vLLM's int8 MoE method (per-channel weights with dynamic "
     "per-token inputs only) cannot run, nor transformers' fused experts (no Linear modules for "
     "compressed-tensors); export W4A16")
+
+
+def _nemotron_h_names(state: dict, config) -> dict:
+    return to_transformers_names(state)
 
 
 def _nemotron_h_fields(config) -> dict:
@@ -27,11 +30,16 @@ def _nemotron_h_fields(config) -> dict:
     return {"hybrid_override_pattern": config.pattern}
 
 
-# model_type → (quamba's FP names → transformers' names, float Linear-like modules an engine
-# must not quantize beyond lm_head and conv1d: the MoE routers, config.json fields the engines
-# read that the FP config.json may lack)
+def _no_fields(config) -> dict:
+    return {}
+
+
+# model_type → ((quamba's FP names, config) → transformers' names, float Linear-like modules an
+# engine must not quantize beyond lm_head and conv1d (the MoE routers), config.json fields the
+# engines read that the FP config.json may lack)
 HYBRID_FAMILIES = {
-    "nemotron_h": (to_transformers_names, (r"re:.*mixer\.gate$",), _nemotron_h_fields),
+    "nemotron_h": (_nemotron_h_names, (r"re:.*mixer\.gate$",), _nemotron_h_fields),
+    "bamba": (bamba.to_transformers_names, (), _no_fields),
 }
 
 
@@ -41,8 +49,10 @@ def is_hybrid(qmodel) -> bool:
 
 
 def check_family(qmodel) -> None:
-    if qmodel.config.model_type not in HYBRID_FAMILIES:
-        raise QuambaError(f"exporting {type(qmodel).__name__} is not supported yet")
+    model_type = qmodel.config.model_type
+    if model_type not in HYBRID_FAMILIES:
+        raise QuambaError(f"exporting {type(qmodel).__name__} ({model_type}) is not supported "
+                          "yet")
     if any(".experts." in name and isinstance(linear, W8A8Linear)
            for name, linear, _ in quantized_linears(qmodel)):
         raise QuambaError(W8A8_EXPERTS_REFUSED)
@@ -62,18 +72,17 @@ def quantized_linears(qmodel) -> list[tuple[str, object, bool]]:
 
 
 def target(name: str) -> str:
-    """The compressed-tensors target of linear ``name``: a Mamba mixer's linear by
-    ``mixer.<name>``, the others by their last name (q_proj, up_proj, ...)."""
-    last = name.rsplit(".", 1)[-1]
-    return rf"re:.*mixer\.{last}$" if last in MAMBA_LINEARS else rf"re:.*\.{last}$"
+    """The compressed-tensors target of linear ``name``: its last name (in_proj, q_proj ...),
+    whichever module holds it (Nemotron-H's mixer, Bamba's mamba, self_attn, feed_forward)."""
+    return rf"re:.*\.{name.rsplit('.', 1)[-1]}$"
 
 
 def transformers_names(qmodel, state: dict) -> dict:
-    return HYBRID_FAMILIES[qmodel.config.model_type][0](state)
+    return HYBRID_FAMILIES[qmodel.config.model_type][0](state, qmodel.config)
 
 
 def ignore(qmodel) -> list[str]:
-    return ["lm_head", r"re:.*mixer\.conv1d$", *HYBRID_FAMILIES[qmodel.config.model_type][1]]
+    return ["lm_head", r"re:.*\.conv1d$", *HYBRID_FAMILIES[qmodel.config.model_type][1]]
 
 
 def transformers_config(fp_model) -> dict:

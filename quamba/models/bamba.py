@@ -350,3 +350,27 @@ def _moe_tensors(prefix: str, tail: str, value) -> dict:
     for j, expert in enumerate(value.unbind(0)):
         renamed.update(_split_gated(f"{prefix}.experts.{j}", tail, expert))
     return renamed
+
+
+def to_transformers_names(state: dict, config: BambaConfig) -> dict:
+    """quamba's tensors of a Bamba model under transformers' names (from_transformers_names
+    reversed): ``backbone.layers.{2i}.mixer`` → ``model.layers.{i}.mamba`` or ``.self_attn``,
+    ``backbone.layers.{2i+1}.mixer`` → ``model.layers.{i}.feed_forward``, their norms
+    input_layernorm and pre_ff_layernorm. Any suffix (weight, weight_scale ...) is kept.
+    Granite's fused, stacked and multiplied tensors have no reverse here (Bamba only)."""
+    top = {quamba: hf for hf, quamba in _TOP_NAMES.items() if hf != "model.norm.weight"}
+    return {top.get(key) or _transformers_name(key, config): value for key, value in state.items()}
+
+
+def _transformers_name(key: str, config: BambaConfig) -> str:
+    parts = key.split(".")
+    if not key.startswith("backbone.layers."):
+        return key
+    layer, second = divmod(int(parts[2]), 2)
+    if parts[3] == "norm":
+        sublayer = "pre_ff_layernorm" if second else "input_layernorm"
+    elif second:
+        sublayer = "feed_forward"
+    else:
+        sublayer = "mamba" if config.layer_types[layer] == "mamba" else "self_attn"
+    return ".".join(["model.layers", str(layer), sublayer, *parts[4:]])
