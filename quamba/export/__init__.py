@@ -134,7 +134,7 @@ def export_state(qmodel, fp_model) -> tuple[dict, dict]:
         if groups.setdefault(target, scheme) != scheme:
             raise QuambaError(f"{name} is quantized unlike the other linears of its name")
     if hybrid.is_hybrid(qmodel):
-        return hybrid.transformers_names(qmodel, state), groups
+        return hybrid.transformers_layout(qmodel, state, groups)
     return to_transformers_names(state), groups
 
 

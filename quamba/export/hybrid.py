@@ -1,15 +1,20 @@
 """The hybrids' part of the export (quamba.export): which quantized linears a QuantizedHybridLM
 holds, their compressed-tensors targets, and each family's transformers layout (config.json and
-tensor names). Only the families in HYBRID_FAMILIES export; the others are refused by name."""
+tensor names, Granite's fused and unscaled tensors). Only the families in HYBRID_FAMILIES
+export; the others are refused by name."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
+
+import torch
 
 from quamba.errors import QuambaError
 from quamba.layers.qlinear import W4A8Linear, W4A16Linear, W8A8Linear
 from quamba.layers.qtransformer import QInputLinear
-from quamba.models.hub import read_config_json, resolve_model_dir
 from quamba.models import bamba
+from quamba.models.hub import read_config_json, resolve_model_dir
 from quamba.models.loading import to_transformers_names
 
 QUANTIZED_LINEARS = (W8A8Linear, W4A16Linear, W4A8Linear)
@@ -18,6 +23,31 @@ W8A8_EXPERTS_REFUSED = (
     "static per-tensor scale, which vLLM's int8 MoE method (per-channel weights with dynamic "
     "per-token inputs only) cannot run, nor transformers' fused experts (no Linear modules for "
     "compressed-tensors); export W4A16")
+GRANITE_MOE_REFUSED = ("exporting Granite-4.0-H MoE layers is not supported yet (their experts "
+                       "are stacked tensors, not per-expert linears); dense Granite-4.0-H exports")
+
+
+def _no_fields(config) -> dict:
+    return {}
+
+
+def _unchanged(state: dict, groups: dict, config) -> tuple[dict, dict]:
+    return state, groups
+
+
+def _never_refused(config) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class Family:
+    """How one hybrid family leaves in its transformers layout."""
+
+    names: Callable  # (state under quamba's names, config) → under transformers' names
+    ignore: tuple = ()  # float Linear-like modules beyond lm_head and conv1d: the MoE routers
+    fields: Callable = _no_fields  # config → config.json fields the engines read
+    layout: Callable = _unchanged  # (state, groups, config) → both in the family's own layout
+    refuse: Callable = _never_refused  # config → why it cannot export, or None
 
 
 def _nemotron_h_names(state: dict, config) -> dict:
@@ -30,16 +60,91 @@ def _nemotron_h_fields(config) -> dict:
     return {"hybrid_override_pattern": config.pattern}
 
 
-def _no_fields(config) -> dict:
-    return {}
+GATED = ("gate_proj", "up_proj")
+# Granite's names of the blocks' output linears, which transformers multiplies by
+# residual_multiplier at run time (quamba folds it into their weights)
+GRANITE_OUTPUTS = (".mamba.out_proj.", ".self_attn.o_proj.", ".shared_mlp.output_linear.")
 
 
-# model_type → ((quamba's FP names, config) → transformers' names, float Linear-like modules an
-# engine must not quantize beyond lm_head and conv1d (the MoE routers), config.json fields the
-# engines read that the FP config.json may lack)
+def _granite_layout(state: dict, groups: dict, config) -> tuple[dict, dict]:
+    """Granite's shared_mlp: gate_proj and up_proj fused into input_linear (the gate's rows
+    first; W8A8's two per-tensor weight scales become one per row), down_proj as
+    output_linear; every output linear divided by residual_multiplier again."""
+    state = _unscale_outputs(_fuse_gated(state), config.residual_multiplier)
+    renamed = {}
+    for target, scheme in groups.items():
+        last = target[len(r"re:.*\."):-1]
+        if last in GATED:
+            renamed[r"re:.*\.input_linear$"] = _per_channel(scheme)
+        else:
+            renamed[target.replace("down_proj", "output_linear")] = scheme
+    return state, renamed
+
+
+def _per_channel(scheme: dict) -> dict:
+    if scheme["input_activations"] is None:  # W4A16: group scales fuse as they are
+        return scheme
+    return {**scheme, "weights": {**scheme["weights"], "strategy": "channel"}}
+
+
+def _fuse_gated(state: dict) -> dict:
+    fused = {}
+    for key, value in state.items():
+        module, _, suffix = key.rpartition(".")
+        owner, _, name = module.rpartition(".")
+        if not owner.endswith(".shared_mlp"):
+            fused[key] = value
+        elif name == "down_proj":
+            fused[f"{owner}.output_linear.{suffix}"] = value
+        elif name == "gate_proj":  # with up_proj's tensors
+            parts = [{s: state[f"{owner}.{n}.{s}"] for s in _suffixes(state, f"{owner}.{n}")}
+                     for n in GATED]
+            fused[f"{owner}.input_linear.{suffix}"] = _fused_tensor(suffix, *parts)
+    return fused
+
+
+def _suffixes(state: dict, module: str) -> list[str]:
+    return [key[len(module) + 1:] for key in state if key.startswith(module + ".")]
+
+
+def _fused_tensor(suffix: str, gate: dict, up: dict) -> torch.Tensor:
+    """One tensor of input_linear from gate_proj's and up_proj's tensors (by suffix)."""
+    if suffix == "input_scale":  # both read the layer's normed input: one scale
+        return gate[suffix]
+    if suffix == "weight_shape":
+        return torch.stack([gate[suffix][0] + up[suffix][0], gate[suffix][1]])
+    if suffix == "weight_scale" and gate[suffix].numel() == 1:  # W8A8 per tensor → per row
+        return torch.cat([gate[suffix].expand(len(gate["weight"]), 1),
+                          up[suffix].expand(len(up["weight"]), 1)])
+    return torch.cat([gate[suffix], up[suffix]])
+
+
+def _unscale_outputs(state: dict, multiplier: float) -> dict:
+    """Float weights and quantized weights' scales of the output linears divided by
+    ``multiplier`` (in float64); int8 / packed codes and input scales as they are."""
+    if multiplier == 1:
+        return state
+    return {key: (value.double() / multiplier).to(value.dtype) if _is_output_weight(key, value)
+            else value for key, value in state.items()}
+
+
+def _is_output_weight(key: str, value: torch.Tensor) -> bool:
+    """A float weight or a weight scale of an output linear (not its input scale)."""
+    return (any(part in key for part in GRANITE_OUTPUTS) and value.is_floating_point()
+            and key.rsplit(".", 1)[-1] in ("weight", "weight_scale"))
+
+
+def _granite_refusal(config) -> str | None:
+    if config.model_type == "granitemoehybrid" and config.num_experts:
+        return GRANITE_MOE_REFUSED
+    return None
+
+
 HYBRID_FAMILIES = {
-    "nemotron_h": (_nemotron_h_names, (r"re:.*mixer\.gate$",), _nemotron_h_fields),
-    "bamba": (bamba.to_transformers_names, (), _no_fields),
+    "nemotron_h": Family(_nemotron_h_names, (r"re:.*mixer\.gate$",), _nemotron_h_fields),
+    "bamba": Family(bamba.to_transformers_names),
+    "granitemoehybrid": Family(bamba.to_transformers_names, layout=_granite_layout,
+                               refuse=_granite_refusal),
 }
 
 
@@ -48,11 +153,18 @@ def is_hybrid(qmodel) -> bool:
     return isinstance(qmodel, QuantizedHybridLM)
 
 
+def _family(config) -> Family:
+    return HYBRID_FAMILIES[config.model_type]
+
+
 def check_family(qmodel) -> None:
     model_type = qmodel.config.model_type
     if model_type not in HYBRID_FAMILIES:
         raise QuambaError(f"exporting {type(qmodel).__name__} ({model_type}) is not supported "
                           "yet")
+    refusal = _family(qmodel.config).refuse(qmodel.config)
+    if refusal:
+        raise QuambaError(refusal)
     if any(".experts." in name and isinstance(linear, W8A8Linear)
            for name, linear, _ in quantized_linears(qmodel)):
         raise QuambaError(W8A8_EXPERTS_REFUSED)
@@ -77,12 +189,15 @@ def target(name: str) -> str:
     return rf"re:.*\.{name.rsplit('.', 1)[-1]}$"
 
 
-def transformers_names(qmodel, state: dict) -> dict:
-    return HYBRID_FAMILIES[qmodel.config.model_type][0](state, qmodel.config)
+def transformers_layout(qmodel, state: dict, groups: dict) -> tuple[dict, dict]:
+    """(tensors, {target: scheme}) under quamba's names → in the family's transformers
+    layout."""
+    family = _family(qmodel.config)
+    return family.layout(family.names(state, qmodel.config), groups, qmodel.config)
 
 
 def ignore(qmodel) -> list[str]:
-    return ["lm_head", r"re:.*\.conv1d$", *HYBRID_FAMILIES[qmodel.config.model_type][1]]
+    return ["lm_head", r"re:.*\.conv1d$", *_family(qmodel.config).ignore]
 
 
 def transformers_config(fp_model) -> dict:
@@ -93,5 +208,4 @@ def transformers_config(fp_model) -> dict:
         raise QuambaError("the FP model's directory is unknown; its config.json is exported")
     config = read_config_json(Path(resolve_model_dir(source)))
     config.pop("quantization_config", None)
-    extra_fields = HYBRID_FAMILIES[fp_model.config.model_type][2]
-    return {**config, **extra_fields(fp_model.config)}
+    return {**config, **_family(fp_model.config).fields(fp_model.config)}

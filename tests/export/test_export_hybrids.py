@@ -1,16 +1,17 @@
-"""quamba.export of the quantized hybrids (Nemotron-H, Bamba): small random models quantized W8A8
-and W4A16, exported, checked against what vLLM's model classes load (names, quantized modules,
-stacked linears, read from its source; vLLM is not run) and loaded by transformers +
-compressed-tensors, whose logits are compared with quamba's model in the export's configuration
-(reference_model).
+"""quamba.export of the quantized hybrids (Nemotron-H, Bamba, dense Granite-4.0-H): small random
+models quantized W8A8 and W4A16, exported, checked against what vLLM's model classes load (names,
+quantized modules, stacked linears, read from its source; vLLM is not run) and loaded by
+transformers + compressed-tensors, whose logits are compared with quamba's model in the export's
+configuration (reference_model).
 
-Measured (2 × 37 tokens; logits up to about 5): W4A16 (Nemotron-H dense and MoE, Bamba) at most
-2.7e-6 off (float rounding of the two scans; bound 1e-4). W8A8 (Nemotron-H dense, Bamba): with
-compressed-tensors' int8 rules in the reference, the logits are equal (0.0), so the export is
-exactly what compressed-tensors computes. Against quamba's rules they differ by rule alone, by at
-most one step per input element: static codes round(x / s) clamped to [-128, 127] against
-quamba's [-127, 127] (4 and 1 elements differed), per-token scales absmax / 127.5 against
-quamba's (and vLLM's) absmax / 127, whose extreme negative element becomes -128: 0.014 and 0.027
+Measured (2 × 37 tokens; logits up to about 5): W4A16 (Nemotron-H dense and MoE, Bamba, Granite)
+at most 2.7e-6 off (float rounding of the two scans; bound 1e-4). W8A8 (Nemotron-H dense, Bamba,
+Granite): with compressed-tensors' int8 rules in the reference, the logits are equal (0.0; Granite
+4.8e-7, its residual_multiplier divided out of the output linears' scales again), so the export
+is what compressed-tensors computes. Against quamba's rules they differ by rule alone, by at most
+one step per input element: static codes round(x / s) clamped to [-128, 127] against quamba's
+[-127, 127] (4, 1 and 5 elements differed), per-token scales absmax / 127.5 against quamba's (and
+vLLM's) absmax / 127, whose extreme negative element becomes -128: 0.014, 0.027 and 0.022
 relative (bound 0.04).
 """
 import json
@@ -27,12 +28,14 @@ from tests.models.hybrid_checks import randomize_, rel, token_ids
 
 pytest.importorskip("compressed_tensors")
 from transformers import (AutoModelForCausalLM, BambaConfig, BambaForCausalLM,  # noqa: E402
-                          CompressedTensorsConfig, NemotronHConfig, NemotronHForCausalLM)
+                          CompressedTensorsConfig, GraniteMoeHybridConfig,
+                          GraniteMoeHybridForCausalLM, NemotronHConfig, NemotronHForCausalLM)
 
 # Sizes 4-bit packing takes (input widths multiples of 8). Nemotron-H: 6 Mamba heads of 8 in 2
 # groups, d_state 5, chunk 8 (37 tokens end in a partial chunk); 3 attention heads of 8 over 1
 # KV head; 6 experts in 2 groups, the shared expert a different size. Bamba: 8 Mamba heads of 8
-# in 2 groups, 4 attention heads of 8 over 1 KV head with RoPE on half of each
+# in 2 groups, 4 attention heads of 8 over 1 KV head with RoPE on half of each. Dense
+# Granite-4.0-H: Bamba's sizes, RoPE on all of each head, its µP multipliers, tied embeddings
 NEMOTRON_H = dict(vocab_size=97, hidden_size=32, mamba_num_heads=6, mamba_head_dim=8, n_groups=2,
                   ssm_state_size=5, chunk_size=8, num_attention_heads=3, num_key_value_heads=1,
                   head_dim=8, intermediate_size=24, n_routed_experts=6, num_experts_per_tok=2,
@@ -43,6 +46,11 @@ BAMBA = dict(vocab_size=97, hidden_size=32, num_hidden_layers=4, attn_layer_indi
              mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=5, mamba_chunk_size=8,
              num_attention_heads=4, num_key_value_heads=1, intermediate_size=24,
              time_step_limit=(0.01, float("inf")), tie_word_embeddings=False)
+GRANITE = dict(BAMBA, layer_types=["mamba", "attention", "mamba", "mamba"],
+               shared_intermediate_size=24, num_local_experts=0, position_embedding_type="rope",
+               embedding_multiplier=3.0, residual_multiplier=0.4, attention_multiplier=0.2,
+               logits_scaling=2.5, tie_word_embeddings=True)
+del GRANITE["attn_layer_indices"], GRANITE["intermediate_size"]
 # model name → (transformers config class, model class, its config)
 MODELS = {
     "nemotron-h": (NemotronHConfig, NemotronHForCausalLM,
@@ -50,17 +58,21 @@ MODELS = {
     "nemotron-h-moe": (NemotronHConfig, NemotronHForCausalLM,
                        dict(NEMOTRON_H, hybrid_override_pattern="M*E-EM")),
     "bamba": (BambaConfig, BambaForCausalLM, BAMBA),
+    "granite-dense": (GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM, GRANITE),
 }
 RECIPES = {"w8a8": (8, 8), "w4a16": (4, 16)}
 CASES = [("nemotron-h", "w8a8"), ("nemotron-h", "w4a16"), ("nemotron-h-moe", "w4a16"),
-         ("bamba", "w8a8"), ("bamba", "w4a16")]
+         ("bamba", "w8a8"), ("bamba", "w4a16"), ("granite-dense", "w8a8"),
+         ("granite-dense", "w4a16")]
 
-# What vLLM's model classes load (vllm/model_executor/models/nemotron_h.py, bamba.py), by
+# What vLLM's model classes load (vllm/model_executor/models/nemotron_h.py, bamba.py,
+# granitemoehybrid.py), by
 # model_type: the checkpoint's tensor names (renamed inside vLLM: backbone. / model. prefixes,
 # embeddings → embed_tokens, A_log → A, Bamba's .self_attn. dropped); the linears built with its
 # quant_config (NemotronH: Mamba in_proj / out_proj, qkv_proj, o_proj, the MLP's and the shared
 # expert's up_proj / down_proj, the routed experts' through FusedMoE; Bamba: Mamba in_proj /
-# out_proj, qkv_proj, o_proj, gate_up_proj, down_proj), those built without (conv1d, the
+# out_proj, qkv_proj, o_proj, gate_up_proj, down_proj; Granite: Mamba in_proj / out_proj,
+# qkv_proj, o_proj, the shared MLP's input_linear / output_linear), those built without (conv1d, the
 # NemotronH router GateLinear, lm_head only by `ignore`), and the linears it stacks into one GEMM
 # behind one input quantizer (so one input scale: q/k/v into qkv_proj, Bamba's gate/up into
 # gate_up_proj)
@@ -75,6 +87,13 @@ VLLM = {
                   ignore={"lm_head", r"re:.*\.conv1d$"},
                   stacked=[("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")],
                   fields=("attn_layer_indices", "mamba_d_head", "mamba_expand")),
+    "granitemoehybrid": dict(quantized={"in_proj", "out_proj", "q_proj", "k_proj", "v_proj",
+                                        "o_proj", "input_linear", "output_linear"},
+                             ignore={"lm_head", r"re:.*\.conv1d$"},
+                             stacked=[("q_proj", "k_proj", "v_proj")],
+                             fields=("layer_types", "mamba_d_head", "mamba_expand",
+                                     "residual_multiplier", "embedding_multiplier",
+                                     "attention_multiplier", "logits_scaling")),
 }
 VLLM_SCHEME_TENSORS = {"int-quantized": {"weight", "weight_scale", "input_scale"},
                        "pack-quantized": {"weight_packed", "weight_scale", "weight_shape"}}
@@ -225,6 +244,17 @@ def _watch_static_codes(model) -> list[float]:
         if hasattr(module, "input_scale"):
             module.register_forward_pre_hook(hook)
     return steps
+
+
+def test_granite_moe_is_refused_in_one_line(tmp_path):
+    torch.manual_seed(0)
+    config = GraniteMoeHybridConfig(**dict(GRANITE, num_local_experts=4, intermediate_size=16),
+                                    experts_implementation="eager")
+    randomize_(GraniteMoeHybridForCausalLM(config).eval()).save_pretrained(tmp_path / "fp")
+    with pytest.raises(quamba.QuambaError, match="^exporting Granite-4.0-H MoE layers is not "
+                       r"supported yet \(their experts"):
+        export(_quantized(tmp_path / "fp", "w4a16"), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 def test_w8a8_moe_is_refused_in_one_line(fp_dirs, tmp_path):
