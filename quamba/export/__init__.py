@@ -37,6 +37,8 @@ KEPT_FP = {
              "into out_proj, as quamba does, and written as ones)",
     "lm_head": "the float head (a quamba int8/int4 head is not exported)",
 }
+MIXER_NORMS_KEPT = ("Jamba's weighted RMSNorms of dt, B and C after x_proj are float in quamba "
+                    "and in the engines")
 KEPT_FP_HYBRID = {
     "scan": KEPT_FP["scan"] + " (with the family's floor on Δ)",
     "routers": "the MoE routers are float in quamba and in the engines (ignore)",
@@ -156,8 +158,10 @@ def _record(qmodel, fp_model, groups: dict) -> dict:
         architecture = hybrid.transformers_config(fp_model)["architectures"][0]
     else:
         architecture = qmodel.config.to_transformers()["architectures"][0]
-    if getattr(qmodel.config, "layer", None) != "Mamba1":
-        del kept["dt_proj"]
+    if not any(name.endswith(".x_proj") for name, _, _ in exported_linears(qmodel)):
+        del kept["dt_proj"]  # no Mamba1 mixer
+    elif hybrid.is_hybrid(qmodel):
+        kept["mixer_norms"] = MIXER_NORMS_KEPT
     return {"format": "compressed-tensors", "quamba_version": __version__,
             "architecture": architecture,
             "recipe": qmodel.quant_config.recipe(),

@@ -15,14 +15,17 @@ from quamba.layers.qlinear import W4A8Linear, W4A16Linear, W8A8Linear
 from quamba.layers.qtransformer import QInputLinear
 from quamba.models import bamba
 from quamba.models.hub import read_config_json, resolve_model_dir
+from quamba.models.jamba import to_jamba_names
 from quamba.models.loading import to_transformers_names
 
 QUANTIZED_LINEARS = (W8A8Linear, W4A16Linear, W4A8Linear)
+# Quantized in quamba, exported float (from the FP model): Mamba1's dt_proj feeds the scan
+FLOAT_IN_EXPORT = ("dt_proj",)
 W8A8_EXPERTS_REFUSED = (
-    "W8A8 MoE layers cannot be exported: quamba quantizes the experts' up_proj input with a "
-    "static per-tensor scale, which vLLM's int8 MoE method (per-channel weights with dynamic "
-    "per-token inputs only) cannot run, nor transformers' fused experts (no Linear modules for "
-    "compressed-tensors); export W4A16")
+    "W8A8 MoE layers cannot be exported: quamba quantizes the experts' input (to gate_proj / "
+    "up_proj) with a static per-tensor scale, which vLLM's int8 MoE method (per-channel "
+    "weights with dynamic per-token inputs only) cannot run, nor transformers' fused experts "
+    "(no Linear modules for compressed-tensors); export W4A16")
 GRANITE_MOE_REFUSED = ("exporting Granite-4.0-H MoE layers is not supported yet (their experts "
                        "are stacked tensors, not per-expert linears); dense Granite-4.0-H exports")
 
@@ -145,6 +148,8 @@ HYBRID_FAMILIES = {
     "bamba": Family(bamba.to_transformers_names),
     "granitemoehybrid": Family(bamba.to_transformers_names, layout=_granite_layout,
                                refuse=_granite_refusal),
+    # Jamba's Mamba1 mixers: dt_proj float (its input is the weighted-normed dt), as Mamba1's
+    "jamba": Family(to_jamba_names, (r"re:.*\.router$", r"re:.*\.dt_proj$")),
 }
 
 
@@ -172,13 +177,15 @@ def check_family(qmodel) -> None:
 
 def quantized_linears(qmodel) -> list[tuple[str, object, bool]]:
     """(module name, quantized linear, input quantized per token) of every quantized linear of
-    the blocks (a QInputLinear's inner linear under the QInputLinear's name)."""
+    the blocks (a QInputLinear's inner linear under the QInputLinear's name) but
+    FLOAT_IN_EXPORT's."""
     found, inner = [], set()
     for name, module in qmodel.backbone.layers.named_modules(prefix="backbone.layers"):
         if isinstance(module, QInputLinear):
             found.append((name, module.linear, module.dynamic))
             inner.add(id(module.linear))
-        elif isinstance(module, QUANTIZED_LINEARS) and id(module) not in inner:
+        elif (isinstance(module, QUANTIZED_LINEARS) and id(module) not in inner
+              and not name.endswith(FLOAT_IN_EXPORT)):
             found.append((name, module, False))
     return found
 
