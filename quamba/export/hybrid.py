@@ -14,6 +14,7 @@ from quamba.errors import QuambaError
 from quamba.layers.qlinear import W4A8Linear, W4A16Linear, W8A8Linear
 from quamba.layers.qtransformer import QInputLinear
 from quamba.models import bamba
+from quamba.models.falcon_h1 import linear_multipliers, to_falcon_h1_names
 from quamba.models.hub import read_config_json, resolve_model_dir
 from quamba.models.jamba import to_jamba_names
 from quamba.models.loading import to_transformers_names
@@ -143,6 +144,52 @@ def _granite_refusal(config) -> str | None:
     return None
 
 
+def _falcon_h1_names(state: dict, config) -> dict:
+    return to_falcon_h1_names(_unfold_multipliers(state, config))
+
+
+def _unfold_multipliers(state: dict, config) -> dict:
+    """Falcon-H1's µP multipliers, which quamba folds into the linears on load
+    (quamba.models.falcon_h1), taken out again: transformers and vLLM apply them at run time,
+    to a linear's output (per row for in_proj) and to its input (q/k/v's, in_proj's)."""
+    outputs, inputs = linear_multipliers(config)
+    unfolded = {}
+    for key, value in state.items():
+        linear, _, kind = key.partition(".mixer.")[2].rpartition(".")
+        linear = "mixer." + linear
+        if key.startswith("backbone.layers.") and (linear in outputs or linear in inputs):
+            value = _unfolded(kind, value, torch.as_tensor(outputs.get(linear, 1.0),
+                                                           dtype=torch.float64),
+                              inputs.get(linear, 1.0))
+        unfolded[key] = value
+    return unfolded
+
+
+def _unfolded(kind: str, value: torch.Tensor, output: torch.Tensor, input_multiplier: float):
+    """One tensor of a linear whose output was multiplied by ``output`` (a scalar or one per
+    row) and its input by ``input_multiplier``: weights and weight scales divided by both (a
+    per-tensor scale becomes one per row under a per-row multiplier), the bias by the output's,
+    the input scale times the input's (the engine's input is x · multiplier, quamba's codes are
+    those of x)."""
+    rows = output.reshape(-1, 1)
+    if kind == "input_scale":
+        return (value.double() * input_multiplier).float()
+    if kind == "bias":
+        return (value.double() / output).to(value.dtype)
+    if kind == "weight_scale" or (kind == "weight" and value.is_floating_point()):
+        if value.numel() == 1 and output.numel() > 1:
+            value = value.reshape(1, 1).expand(output.numel(), 1)
+        divisor = rows * input_multiplier if value.dim() == 2 else output * input_multiplier
+        return (value.double() / divisor).to(value.dtype)
+    return value
+
+
+def _falcon_h1_layout(state: dict, groups: dict, config) -> tuple[dict, dict]:
+    """in_proj's W8A8 weight scale is one per row (its multipliers are)."""
+    return state, {target: _per_channel(scheme) if target == r"re:.*\.in_proj$" else scheme
+                   for target, scheme in groups.items()}
+
+
 HYBRID_FAMILIES = {
     "nemotron_h": Family(_nemotron_h_names, (r"re:.*mixer\.gate$",), _nemotron_h_fields),
     "bamba": Family(bamba.to_transformers_names),
@@ -150,6 +197,7 @@ HYBRID_FAMILIES = {
                                refuse=_granite_refusal),
     # Jamba's Mamba1 mixers: dt_proj float (its input is the weighted-normed dt), as Mamba1's
     "jamba": Family(to_jamba_names, (r"re:.*\.router$", r"re:.*\.dt_proj$")),
+    "falcon_h1": Family(_falcon_h1_names, layout=_falcon_h1_layout),
 }
 
 
