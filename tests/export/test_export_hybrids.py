@@ -17,6 +17,8 @@ token too; bound 0.1).
 """
 import json
 import re
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -85,6 +87,7 @@ MODELS = {
     "falcon-h1": (FalconH1Config, FalconH1ForCausalLM, FALCON_H1),
 }
 RECIPES = {"w8a8": (8, 8), "w4a16": (4, 16)}
+TOKENIZER_DIR = Path(__file__).parents[1] / "fixtures" / "tiny-hybrid"
 CASES = [("nemotron-h", "w8a8"), ("nemotron-h", "w4a16"), ("nemotron-h-moe", "w4a16"),
          ("bamba", "w8a8"), ("bamba", "w4a16"), ("granite-dense", "w8a8"),
          ("granite-dense", "w4a16"), ("jamba", "w8a8"), ("jamba", "w4a16"),
@@ -315,3 +318,20 @@ def test_w8a8_moe_is_refused_in_one_line(fp_dirs, tmp_path):
     with pytest.raises(quamba.QuambaError, match="^W8A8 MoE layers cannot be exported: "):
         export(qmodel, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_command_line_exports_a_saved_hybrid(exports, tmp_path):
+    """python -m quamba.export on a saved model: the FP parts from its recorded base_model."""
+    from quamba.export.__main__ import main as export_main
+    qmodel, target = exports["bamba", "w8a8"]
+    qmodel.save_pretrained(tmp_path / "saved")
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # a tokenizer saved beside it
+        shutil.copy(TOKENIZER_DIR / name, tmp_path / "saved" / name)
+    assert export_main([str(tmp_path / "saved"), str(tmp_path / "out")]) == 0
+    assert (tmp_path / "out" / "config.json").read_text() == (target / "config.json").read_text()
+    got, expected = (load_file(d / "model.safetensors") for d in (tmp_path / "out", target))
+    assert set(got) == set(expected)
+    # the int8 codes and scales as exported from memory; float parts from the base model in fp16
+    assert all(torch.equal(got[k], expected[k]) for k in got if "_scale" in k or
+               not got[k].is_floating_point())
+    assert (tmp_path / "out" / "tokenizer.json").is_file()
