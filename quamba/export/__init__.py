@@ -4,9 +4,10 @@ config.json carries a compressed-tensors ``quantization_config`` (what vLLM, SGL
 transformers read; docs/export.md).
 
 Only what the plain architecture computes exactly leaves quantized: in_proj, x_proj (Mamba1)
-and out_proj, and the hybrids' attention, MLP and expert linears. Everything else (the int8 conv1d, the scan and its parameters, dt_proj, the norms,
-the embedding and lm_head) is written in float from the FP model, and a Hadamard-rotated model
-is refused (the engines cannot apply the online Hadamard before out_proj)."""
+and out_proj, and the hybrids' attention, MLP and expert linears. Everything else (the int8
+conv1d, the scan and its parameters, dt_proj, the norms, the embedding and lm_head) is written in
+float from the FP model, and a Hadamard-rotated model is refused (the engines cannot apply the
+online Hadamard before out_proj)."""
 from __future__ import annotations
 
 import copy
@@ -41,9 +42,9 @@ MIXER_NORMS_KEPT = ("Jamba's weighted RMSNorms of dt, B and C after x_proj are f
                     "and in the engines")
 KEPT_FP_HYBRID = {
     "scan": KEPT_FP["scan"] + " (with the family's floor on Δ)",
-    "routers": "the MoE routers are float in quamba and in the engines (ignore)",
     "attention": "RoPE, softmax and the KV cache are float in quamba and in the engines",
 }
+ROUTERS_KEPT = "the MoE routers are float in quamba and in the engines (ignore)"
 
 
 def export(qmodel, out_dir, format: str = "compressed-tensors", fp_model=None,
@@ -152,22 +153,31 @@ def _ignore(qmodel) -> list[str]:
 
 
 def _record(qmodel, fp_model, groups: dict) -> dict:
-    kept = dict(KEPT_FP)
     if hybrid.is_hybrid(qmodel):
-        kept.update(KEPT_FP_HYBRID)
         architecture = hybrid.transformers_config(fp_model)["architectures"][0]
     else:
         architecture = qmodel.config.to_transformers()["architectures"][0]
-    if not any(name.endswith(".x_proj") for name, _, _ in exported_linears(qmodel)):
-        del kept["dt_proj"]  # no Mamba1 mixer
-    elif hybrid.is_hybrid(qmodel):
-        kept["mixer_norms"] = MIXER_NORMS_KEPT
     return {"format": "compressed-tensors", "quamba_version": __version__,
             "architecture": architecture,
             "recipe": qmodel.quant_config.recipe(),
             "base_model": getattr(fp_model, "source", {}).get("name_or_path"),
             "quantized": {target: scheme for target, scheme in sorted(groups.items())},
-            "kept_fp": kept}
+            "kept_fp": _kept_fp(qmodel)}
+
+
+def _kept_fp(qmodel) -> dict:
+    """What the export writes in float, and why."""
+    kept, names = dict(KEPT_FP), [name for name, _, _ in exported_linears(qmodel)]
+    if not any(name.endswith(".x_proj") for name in names):
+        del kept["dt_proj"]  # no Mamba1 mixer
+    if not hybrid.is_hybrid(qmodel):
+        return kept
+    kept.update(KEPT_FP_HYBRID)
+    if any(name.endswith(".x_proj") for name in names):
+        kept["mixer_norms"] = MIXER_NORMS_KEPT
+    if any(".experts." in name for name in names):
+        kept["routers"] = ROUTERS_KEPT
+    return kept
 
 
 def _tokenizer_source(fp_model, tokenizer):

@@ -240,8 +240,10 @@ def test_the_per_token_inputs_are_a_dynamic_group(exports):
     tensors = load_file(target / "model.safetensors")
     assert "backbone.layers.3.mixer.down_proj.input_scale" not in tensors
     record = json.loads((target / EXPORT_RECORD).read_text())
-    assert {"routers", "scan", "conv1d"} <= set(record["kept_fp"])
-    assert "dt_proj" not in record["kept_fp"]
+    assert {"scan", "conv1d", "attention"} <= set(record["kept_fp"])
+    assert not {"dt_proj", "routers"} & set(record["kept_fp"])  # no Mamba1 mixer, no MoE
+    jamba_moe = json.loads((exports["jamba-moe", "w4a16"][1] / EXPORT_RECORD).read_text())
+    assert {"dt_proj", "mixer_norms", "routers"} <= set(jamba_moe["kept_fp"])
 
 
 def _transformers_model(target, recipe):
