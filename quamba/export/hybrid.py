@@ -48,7 +48,7 @@ class Family:
     """How one hybrid family leaves in its transformers layout."""
 
     names: Callable  # (state under quamba's names, config) → under transformers' names
-    ignore: tuple = ()  # float Linear-like modules beyond lm_head and conv1d: the MoE routers
+    ignore: tuple = ()  # float Linear-like modules beyond lm_head, conv1d: routers, dt_proj
     fields: Callable = _no_fields  # config → config.json fields the engines read
     layout: Callable = _unchanged  # (state, groups, config) → both in the family's own layout
     refuse: Callable = _never_refused  # config → why it cannot export, or None
@@ -139,9 +139,7 @@ def _is_output_weight(key: str, value: torch.Tensor) -> bool:
 
 
 def _granite_refusal(config) -> str | None:
-    if config.model_type == "granitemoehybrid" and config.num_experts:
-        return GRANITE_MOE_REFUSED
-    return None
+    return GRANITE_MOE_REFUSED if config.num_experts else None
 
 
 def _falcon_h1_names(state: dict, config) -> dict:
@@ -168,14 +166,12 @@ def _unfold_multipliers(state: dict, config) -> dict:
 def _unfolded(kind: str, value: torch.Tensor, output: torch.Tensor, input_multiplier: float):
     """One tensor of a linear whose output was multiplied by ``output`` (a scalar or one per
     row) and its input by ``input_multiplier``: weights and weight scales divided by both (a
-    per-tensor scale becomes one per row under a per-row multiplier), the bias by the output's,
-    the input scale times the input's (the engine's input is x · multiplier, quamba's codes are
-    those of x)."""
+    per-tensor scale becomes one per row under a per-row multiplier), the input scale times the
+    input's (the engine's input is x · multiplier, quamba's codes are those of x). quantize()
+    refuses biases on these linears."""
     rows = output.reshape(-1, 1)
     if kind == "input_scale":
         return (value.double() * input_multiplier).float()
-    if kind == "bias":
-        return (value.double() / output).to(value.dtype)
     if kind == "weight_scale" or (kind == "weight" and value.is_floating_point()):
         if value.numel() == 1 and output.numel() > 1:
             value = value.reshape(1, 1).expand(output.numel(), 1)
