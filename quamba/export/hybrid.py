@@ -18,6 +18,7 @@ from quamba.models.falcon_h1 import linear_multipliers, to_falcon_h1_names
 from quamba.models.hub import read_config_json, resolve_model_dir
 from quamba.models.jamba import to_jamba_names
 from quamba.models.loading import to_transformers_names
+from quamba.models.zamba2 import to_zamba2_names
 
 QUANTIZED_LINEARS = (W8A8Linear, W4A16Linear, W4A8Linear)
 # Quantized in quamba, exported float (from the FP model): Mamba1's dt_proj feeds the scan
@@ -27,6 +28,11 @@ W8A8_EXPERTS_REFUSED = (
     "up_proj) with a static per-tensor scale, which vLLM's int8 MoE method (per-channel "
     "weights with dynamic per-token inputs only) cannot run, nor transformers' fused experts "
     "(no Linear modules for compressed-tensors); export W4A16")
+ZAMBA2_W8A8_REFUSED = (
+    "W8A8 Zamba2 cannot be exported: its shared blocks run at several depths, and transformers "
+    "ties only their weights across the uses, not compressed-tensors' scales (they would load "
+    "uninitialised), while vLLM loads each block's tensors once, under its first use (it "
+    "cannot take them repeated); export W4A16")
 GRANITE_MOE_REFUSED = ("exporting Granite-4.0-H MoE layers is not supported yet (their experts "
                        "are stacked tensors, not per-expert linears); dense Granite-4.0-H exports")
 
@@ -39,7 +45,7 @@ def _unchanged(state: dict, groups: dict, config) -> tuple[dict, dict]:
     return state, groups
 
 
-def _never_refused(config) -> None:
+def _never_refused(qmodel) -> None:
     return None
 
 
@@ -51,7 +57,7 @@ class Family:
     ignore: tuple = ()  # float Linear-like modules beyond lm_head, conv1d: routers, dt_proj
     fields: Callable = _no_fields  # config → config.json fields the engines read
     layout: Callable = _unchanged  # (state, groups, config) → both in the family's own layout
-    refuse: Callable = _never_refused  # config → why it cannot export, or None
+    refuse: Callable = _never_refused  # qmodel → why it cannot export, or None
 
 
 def _nemotron_h_names(state: dict, config) -> dict:
@@ -138,8 +144,12 @@ def _is_output_weight(key: str, value: torch.Tensor) -> bool:
             and key.rsplit(".", 1)[-1] in ("weight", "weight_scale"))
 
 
-def _granite_refusal(config) -> str | None:
-    return GRANITE_MOE_REFUSED if config.num_experts else None
+def _granite_refusal(qmodel) -> str | None:
+    return GRANITE_MOE_REFUSED if qmodel.config.num_experts else None
+
+
+def _zamba2_refusal(qmodel) -> str | None:
+    return ZAMBA2_W8A8_REFUSED if qmodel.quant_config.a_bits == 8 else None
 
 
 def _falcon_h1_names(state: dict, config) -> dict:
@@ -194,6 +204,8 @@ HYBRID_FAMILIES = {
     # Jamba's Mamba1 mixers: dt_proj float (its input is the weighted-normed dt), as Mamba1's
     "jamba": Family(to_jamba_names, (r"re:.*\.router$", r"re:.*\.dt_proj$")),
     "falcon_h1": Family(_falcon_h1_names, layout=_falcon_h1_layout),
+    # Zamba2's LoRA adapters stay float (vLLM builds them as linears)
+    "zamba2": Family(to_zamba2_names, (r"re:.*_adapter_list\..*",), refuse=_zamba2_refusal),
 }
 
 
@@ -211,7 +223,7 @@ def check_family(qmodel) -> None:
     if model_type not in HYBRID_FAMILIES:
         raise QuambaError(f"exporting {type(qmodel).__name__} ({model_type}) is not supported "
                           "yet")
-    refusal = _family(qmodel.config).refuse(qmodel.config)
+    refusal = _family(qmodel.config).refuse(qmodel)
     if refusal:
         raise QuambaError(refusal)
     if any(".experts." in name and isinstance(linear, W8A8Linear)
@@ -221,10 +233,10 @@ def check_family(qmodel) -> None:
 
 def quantized_linears(qmodel) -> list[tuple[str, object, bool]]:
     """(module name, quantized linear, input quantized per token) of every quantized linear of
-    the blocks (a QInputLinear's inner linear under the QInputLinear's name) but
-    FLOAT_IN_EXPORT's."""
+    the blocks and Zamba2's shared blocks (a QInputLinear's inner linear under the
+    QInputLinear's name) but FLOAT_IN_EXPORT's."""
     found, inner = [], set()
-    for name, module in qmodel.backbone.layers.named_modules(prefix="backbone.layers"):
+    for name, module in qmodel.backbone.named_modules(prefix="backbone"):
         if isinstance(module, QInputLinear):
             found.append((name, module.linear, module.dynamic))
             inner.add(id(module.linear))

@@ -34,7 +34,8 @@ from transformers import (AutoModelForCausalLM, BambaConfig, BambaForCausalLM,  
                           CompressedTensorsConfig, FalconH1Config, FalconH1ForCausalLM,
                           GraniteMoeHybridConfig,
                           GraniteMoeHybridForCausalLM, JambaConfig, JambaForCausalLM,
-                          NemotronHConfig, NemotronHForCausalLM)
+                          NemotronHConfig, NemotronHForCausalLM, Zamba2Config,
+                          Zamba2ForCausalLM)
 
 # Sizes 4-bit packing takes (input widths multiples of 8). Nemotron-H: 6 Mamba heads of 8 in 2
 # groups, d_state 5, chunk 8 (37 tokens end in a partial chunk); 3 attention heads of 8 over 1
@@ -72,6 +73,14 @@ FALCON_H1 = dict(vocab_size=97, hidden_size=32, num_hidden_layers=3, intermediat
                  key_multiplier=1.3, attention_in_multiplier=0.8, attention_out_multiplier=1.2,
                  ssm_in_multiplier=0.9, ssm_out_multiplier=1.4,
                  ssm_multipliers=[0.7, 1.3, 0.8, 1.2, 0.5], mlp_multipliers=[1.1, 0.75])
+# Zamba2: Mamba2 layers (8 heads of 8 in 2 groups) and hybrid ones running 2 shared blocks in
+# turn (attention over [h, embedding]: 4 heads of 16, RoPE; LoRA adapters of rank 4 per use)
+ZAMBA2 = dict(vocab_size=97, hidden_size=32, num_hidden_layers=6,
+              layers_block_type=["mamba", "hybrid", "mamba", "hybrid", "hybrid", "mamba"],
+              mamba_d_state=5, n_mamba_heads=8, mamba_ngroups=2, chunk_size=8,
+              num_attention_heads=4, num_key_value_heads=4, intermediate_size=24,
+              num_mem_blocks=2, use_shared_attention_adapter=True, adapter_rank=4,
+              use_mem_rope=True, time_step_min=0.01)
 # model name → (transformers config class, model class, its config)
 MODELS = {
     "nemotron-h": (NemotronHConfig, NemotronHForCausalLM,
@@ -85,16 +94,18 @@ MODELS = {
                   dict(JAMBA, num_experts=4, num_experts_per_tok=2, expert_layer_period=2,
                        expert_layer_offset=1, intermediate_size=16)),
     "falcon-h1": (FalconH1Config, FalconH1ForCausalLM, FALCON_H1),
+    "zamba2": (Zamba2Config, Zamba2ForCausalLM, ZAMBA2),
 }
 RECIPES = {"w8a8": (8, 8), "w4a16": (4, 16)}
 TOKENIZER_DIR = Path(__file__).parents[1] / "fixtures" / "tiny-hybrid"
 CASES = [("nemotron-h", "w8a8"), ("nemotron-h", "w4a16"), ("nemotron-h-moe", "w4a16"),
          ("bamba", "w8a8"), ("bamba", "w4a16"), ("granite-dense", "w8a8"),
          ("granite-dense", "w4a16"), ("jamba", "w8a8"), ("jamba", "w4a16"),
-         ("jamba-moe", "w4a16"), ("falcon-h1", "w8a8"), ("falcon-h1", "w4a16")]
+         ("jamba-moe", "w4a16"), ("falcon-h1", "w8a8"), ("falcon-h1", "w4a16"),
+         ("zamba2", "w4a16")]
 
 # What vLLM's model classes load (vllm/model_executor/models/nemotron_h.py, bamba.py,
-# granitemoehybrid.py, jamba.py, falcon_h1.py), by
+# granitemoehybrid.py, jamba.py, falcon_h1.py, zamba2.py), by
 # model_type: the checkpoint's tensor names (renamed inside vLLM: backbone. / model. prefixes,
 # embeddings → embed_tokens, A_log → A, Bamba's .self_attn. dropped); the linears built with its
 # quant_config (NemotronH: Mamba in_proj / out_proj, qkv_proj, o_proj, the MLP's and the shared
@@ -102,7 +113,9 @@ CASES = [("nemotron-h", "w8a8"), ("nemotron-h", "w4a16"), ("nemotron-h-moe", "w4
 # out_proj, qkv_proj, o_proj, gate_up_proj, down_proj; Granite: Mamba in_proj / out_proj,
 # qkv_proj, o_proj, the shared MLP's input_linear / output_linear; Jamba: qkv_proj, o_proj,
 # gate_up_proj, down_proj, the experts through FusedMoE; Falcon-H1: Mamba in_proj / out_proj,
-# qkv_proj, o_proj), those built without (conv1d, the
+# qkv_proj, o_proj; Zamba2: Mamba in_proj / out_proj, the shared blocks' qkv_proj, o_proj,
+# gate_up_proj, down_proj once, each hybrid layer's linear, and its LoRA adapters, which the
+# export keeps float by `ignore`), those built without (conv1d, the
 # NemotronH router GateLinear, lm_head only by `ignore`), and the linears it stacks into one GEMM
 # behind one input quantizer (so one input scale: q/k/v into qkv_proj, Bamba's gate/up into
 # gate_up_proj). Jamba's Mamba1 mixer takes no quant_config in the versions read (as vLLM's
@@ -141,6 +154,12 @@ VLLM = {
                               "ssm_out_multiplier", "attention_in_multiplier",
                               "attention_out_multiplier", "key_multiplier", "mlp_multipliers",
                               "lm_head_multiplier", "embedding_multiplier")),
+    "zamba2": dict(quantized={"in_proj", "out_proj", "q_proj", "k_proj", "v_proj", "o_proj",
+                              "gate_up_proj", "down_proj", "linear"},
+                   ignore={"lm_head", r"re:.*\.conv1d$", r"re:.*_adapter_list\..*"},
+                   stacked=[("q_proj", "k_proj", "v_proj")],
+                   fields=("layers_block_type", "num_mem_blocks", "hybrid_layer_ids",
+                           "adapter_rank", "use_shared_attention_adapter", "use_mem_rope")),
 }
 # Falcon-H1's multipliers divided out of its linears' scales again: each linear fed the engine's
 # input gives quamba's output to 1.8e-6, and those float differences flip a rare code at a
@@ -312,6 +331,12 @@ def test_granite_moe_is_refused_in_one_line(tmp_path):
     with pytest.raises(quamba.QuambaError, match="^exporting Granite-4.0-H MoE layers is not "
                        r"supported yet \(their experts"):
         export(_quantized(tmp_path / "fp", "w4a16"), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_w8a8_zamba2_is_refused_in_one_line(fp_dirs, tmp_path):
+    with pytest.raises(quamba.QuambaError, match="^W8A8 Zamba2 cannot be exported: its shared "):
+        export(_quantized(fp_dirs["zamba2"], "w8a8"), tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 
