@@ -180,10 +180,11 @@ def fp_dirs(tmp_path_factory):
     return dirs
 
 
-def _quantized(fp_dir, recipe):
+def _quantized(fp_dir, recipe, **overrides):
     fp = quamba.load_model(fp_dir, tokenizer=False)[0]
     w_bits, a_bits = RECIPES[recipe]
-    config = quamba.QuantConfig(w_bits=w_bits, a_bits=a_bits, group_size=8)
+    config = quamba.QuantConfig(**{"w_bits": w_bits, "a_bits": a_bits, "group_size": 8,
+                                   **overrides})
     return quamba.quantize(fp, None, config, calib_data=token_ids(97, 8, 64, seed=5),
                            progress=False)
 
@@ -331,6 +332,13 @@ def test_granite_moe_is_refused_in_one_line(tmp_path):
     with pytest.raises(quamba.QuambaError, match="^exporting Granite-4.0-H MoE layers is not "
                        r"supported yet \(their experts"):
         export(_quantized(tmp_path / "fp", "w4a16"), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_w4a8_is_refused_in_one_line(fp_dirs, tmp_path):
+    qmodel = _quantized(fp_dirs["bamba"], "w8a8", w_bits=4)
+    with pytest.raises(quamba.QuambaError, match="^W4A8 cannot be exported: "):
+        export(qmodel, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 
