@@ -15,7 +15,6 @@ import json
 import shutil
 from pathlib import Path
 
-import torch
 
 from quamba.errors import QuambaError
 from quamba.export import compressed, hybrid
