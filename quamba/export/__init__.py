@@ -15,7 +15,6 @@ import json
 import shutil
 from pathlib import Path
 
-
 from quamba.errors import QuambaError
 from quamba.export import compressed, hybrid
 from quamba.models.hub import TOKENIZER_FILES
