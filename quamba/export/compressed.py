@@ -2,7 +2,9 @@
 schema vLLM and transformers read; docs/export.md lists the facts used and their sources).
 
 * W8A8Linear → format ``int-quantized``: ``weight`` int8 [out, in], ``weight_scale`` fp32 [1]
-  (strategy ``tensor``), ``input_scale`` fp32 [1] (static, symmetric, strategy ``tensor``).
+  (strategy ``tensor``), ``input_scale`` fp32 [1] (static, symmetric, strategy ``tensor``); an
+  input quantized per token at run time (the hybrids' down_proj ...) has no ``input_scale``:
+  ``dynamic`` true, strategy ``token``.
 * W4A16Linear → format ``pack-quantized``: ``weight_packed`` int32 [out, in / 8] (code + 8 in
   each 4-bit field, element k in bits 4·(k mod 8) of word k // 8), ``weight_scale`` fp32
   [out, in / group] holding quamba's fp16 scales exactly (strategy ``group``; fp32 so that
@@ -26,16 +28,18 @@ W4A8_REFUSED = ("W4A8 cannot be exported: compressed-tensors can store its effec
                 "scheme needs dynamic per-token ones); export W8A8 or W4A16")
 
 
-def _int8_args(strategy: str) -> dict:
+def _int8_args(strategy: str, dynamic: bool = False) -> dict:
     return {"num_bits": 8, "type": "int", "symmetric": True, "strategy": strategy,
-            "group_size": None, "dynamic": False}
+            "group_size": None, "dynamic": dynamic}
 
 
-def linear_scheme(linear) -> dict:
-    """The compressed-tensors scheme (weights, input_activations) of one quantized linear."""
+def linear_scheme(linear, dynamic: bool = False) -> dict:
+    """The compressed-tensors scheme (weights, input_activations) of one quantized linear
+    (``dynamic``: its input quantized per token at run time)."""
     if isinstance(linear, W8A8Linear):
         strategy = "channel" if linear.per_channel else "tensor"
-        return {"weights": _int8_args(strategy), "input_activations": _int8_args("tensor")}
+        inputs = _int8_args("token", True) if dynamic else _int8_args("tensor")
+        return {"weights": _int8_args(strategy), "input_activations": inputs}
     if isinstance(linear, W4A16Linear):
         weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
                    "group_size": linear.group_size, "dynamic": False}
@@ -61,14 +65,18 @@ def pack_int32(codes: torch.Tensor) -> torch.Tensor:
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
-def linear_tensors(linear) -> dict[str, torch.Tensor]:
-    """The tensors one quantized linear is stored as, by their suffix after the module name."""
+def linear_tensors(linear, dynamic: bool = False) -> dict[str, torch.Tensor]:
+    """The tensors one quantized linear is stored as, by their suffix after the module name (a
+    per-token ``dynamic`` input has no input_scale)."""
     if isinstance(linear, W8A8Linear):
         scale = linear.weight_scale if linear.per_channel else linear.scales["weight_scale"]
-        return {"weight": linear.weight.detach().cpu().clone(),
-                "weight_scale": torch.as_tensor(scale, dtype=torch.float32).reshape(-1, 1)
-                if linear.per_channel else torch.tensor([scale], dtype=torch.float32),
-                "input_scale": torch.tensor([linear.scales["in_scale"]], dtype=torch.float32)}
+        tensors = {"weight": linear.weight.detach().cpu().clone(),
+                   "weight_scale": torch.as_tensor(scale, dtype=torch.float32).reshape(-1, 1)
+                   if linear.per_channel else torch.tensor([scale], dtype=torch.float32)}
+        if not dynamic:
+            tensors["input_scale"] = torch.tensor([linear.scales["in_scale"]],
+                                                  dtype=torch.float32)
+        return tensors
     codes = unpack_int4(linear.weight.detach().cpu())
     return {"weight_packed": pack_int32(codes),
             "weight_scale": linear.scales.detach().cpu().float(),

@@ -350,3 +350,35 @@ def _moe_tensors(prefix: str, tail: str, value) -> dict:
     for j, expert in enumerate(value.unbind(0)):
         renamed.update(_split_gated(f"{prefix}.experts.{j}", tail, expert))
     return renamed
+
+
+def to_transformers_names(state: dict, config: BambaConfig) -> dict:
+    """quamba's tensors of a Bamba or dense Granite-4.0-H model under transformers' names
+    (from_transformers_names reversed): ``backbone.layers.{2i}.mixer`` →
+    ``model.layers.{i}.mamba`` or ``.self_attn``, ``backbone.layers.{2i+1}.mixer`` →
+    ``model.layers.{i}.feed_forward`` (Granite: ``.shared_mlp``, its gate_proj, up_proj and
+    down_proj kept apart), their norms input_layernorm and pre_ff_layernorm (Granite:
+    post_attention_layernorm). Any suffix (weight, weight_scale ...) is kept; Granite's fusing
+    and residual_multiplier are the caller's."""
+    granite = config.model_type == "granitemoehybrid"
+    top = {"backbone.embedding.weight": "model.embed_tokens.weight",
+           "backbone.norm_f.weight": "model.norm.weight" if granite
+           else "model.final_layernorm.weight"}
+    return {top.get(key) or _transformers_name(key, config, granite): value
+            for key, value in state.items()}
+
+
+def _transformers_name(key: str, config: BambaConfig, granite: bool) -> str:
+    parts = key.split(".")
+    if not key.startswith("backbone.layers."):
+        return key
+    layer, second = divmod(int(parts[2]), 2)
+    ff_norm, ff = (("post_attention_layernorm", "shared_mlp") if granite
+                   else ("pre_ff_layernorm", "feed_forward"))
+    if parts[3] == "norm":
+        sublayer = ff_norm if second else "input_layernorm"
+    elif second:
+        sublayer = ff
+    else:
+        sublayer = "mamba" if config.layer_types[layer] == "mamba" else "self_attn"
+    return ".".join(["model.layers", str(layer), sublayer, *parts[4:]])

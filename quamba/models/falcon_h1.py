@@ -271,7 +271,7 @@ def _mup_vector(c: FalconH1Config) -> torch.Tensor:
     return torch.cat([torch.full((n,), float(m)) for n, m in zip(sizes, c.ssm_multipliers)])
 
 
-def _scales(c: FalconH1Config) -> tuple[dict, dict]:
+def linear_multipliers(c: FalconH1Config) -> tuple[dict, dict]:
     """(multipliers of each linear's output, its weight and bias; of its input, its weight
     only), by the linear's name in its block."""
     gate, down = c.mlp_multipliers
@@ -289,10 +289,29 @@ def _folded(key: str, value: torch.Tensor, config: FalconH1Config) -> torch.Tens
     if not key.startswith("backbone.layers."):
         return value
     linear, kind = key.split(".", 3)[3].rsplit(".", 1)
-    outputs, inputs = _scales(config)
+    outputs, inputs = linear_multipliers(config)
     scale = torch.as_tensor(outputs.get(linear, 1.0), dtype=torch.float32)
     if kind == "weight":
         scale = scale.reshape(-1, 1) * inputs.get(linear, 1.0)
     if bool((scale == 1).all()):
         return value
     return value.float() * scale
+
+
+def to_falcon_h1_names(state: dict) -> dict:
+    """quamba's tensors of a Falcon-H1 model under the checkpoint's names (from_falcon_h1_names
+    reversed, without the multipliers: quamba.export unfolds them). Any suffix is kept."""
+    top = {quamba: hf for hf, quamba in _TOP_NAMES.items()}
+    return {top.get(key) or _falcon_h1_name(key): value for key, value in state.items()}
+
+
+def _falcon_h1_name(key: str) -> str:
+    parts = key.split(".")
+    if not key.startswith("backbone.layers."):
+        return key
+    layer, second = divmod(int(parts[2]), 2)
+    for sublayer, (block, name) in _SUBLAYERS.items():
+        prefix = name.split(".")
+        if block == second and parts[3:3 + len(prefix)] == prefix:
+            return ".".join(["model.layers", str(layer), sublayer, *parts[3 + len(prefix):]])
+    return key

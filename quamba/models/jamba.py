@@ -226,3 +226,27 @@ def _internal_name(key: str) -> str:
         return f"backbone.layers.{block}.norm.{rest}"
     rest = "gate." + rest[len("router."):] if rest.startswith("router.") else rest
     return f"backbone.layers.{block}.mixer.{rest}"
+
+
+def to_jamba_names(state: dict, config: JambaConfig) -> dict:
+    """quamba's tensors of a Jamba model under the checkpoint's names (from_jamba_names
+    reversed): block 2i's norm and mixer as layer i's input_layernorm and mamba or self_attn,
+    block 2i + 1's as its pre_ff_layernorm and feed_forward (the MoE's ``gate`` as its router).
+    Any suffix (weight, weight_scale ...) is kept."""
+    outer = {quamba: jamba for jamba, quamba in _OUTER_NAMES.items()}
+    return {outer.get(key) or _jamba_name(key, config): value for key, value in state.items()}
+
+
+def _jamba_name(key: str, config: JambaConfig) -> str:
+    parts = key.split(".")
+    if not key.startswith("backbone.layers."):
+        return key
+    layer, feed_forward = divmod(int(parts[2]), 2)
+    rest = parts[4:]
+    if parts[3] == "norm":
+        part = "pre_ff_layernorm" if feed_forward else "input_layernorm"
+    elif feed_forward:
+        part, rest = "feed_forward", ["router", *rest[1:]] if rest[0] == "gate" else rest
+    else:
+        part = "self_attn" if config.is_attention(layer) else "mamba"
+    return ".".join(["model.layers", str(layer), part, *rest])

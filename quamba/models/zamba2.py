@@ -359,3 +359,52 @@ def _shared_name(layer: int, tail: str, config: Zamba2Config) -> str:
         if tail.startswith(old):
             return f"backbone.shared_blocks.{block}.{new}{tail[len(old):]}"
     return f"model.layers.{layer}.shared_transformer.{tail}"
+
+
+def to_zamba2_names(state: dict, config: Zamba2Config) -> dict:
+    """quamba's tensors of a Zamba2 model under the checkpoint's names (from_zamba2_names
+    reversed): a shared block under the first hybrid layer that runs it, as transformers saves
+    it, with every use's adapters in its adapter lists; the layers' Mamba mixers as ``mamba`` or
+    (hybrid layers) ``mamba_decoder.mamba``. Any suffix (weight, weight_scale ...) is kept."""
+    owners = {}  # shared block → the first hybrid layer that runs it
+    for layer, kind in enumerate(config.layer_types):
+        if kind == "hybrid":
+            owners.setdefault(shared_block_of(config, layer), layer)
+    top = {quamba: hf for hf, quamba in _TOP_NAMES.items()}
+    return {top.get(key) or _zamba2_name(key, config, owners): value
+            for key, value in state.items()}
+
+
+def _zamba2_name(key: str, config: Zamba2Config, owners: dict) -> str:
+    parts = key.split(".")
+    if key.startswith("backbone.shared_blocks."):
+        return f"model.layers.{owners[int(parts[2])]}.shared_transformer." + \
+            _shared_tail(".".join(parts[3:]))
+    if not key.startswith("backbone.layers."):
+        return key
+    layer, part, rest = int(parts[2]), parts[3], parts[4:]
+    if part == "adapters":
+        return _adapter_name(layer, rest, config, owners)
+    hybrid = config.layer_types[layer] == "hybrid"
+    prefix = {"mixer": "mamba_decoder.mamba" if hybrid else "mamba",
+              "norm": "mamba_decoder.input_layernorm" if hybrid else "input_layernorm",
+              "linear": "linear"}[part]
+    return ".".join([f"model.layers.{layer}", prefix, *rest])
+
+
+def _shared_tail(tail: str) -> str:
+    for hf, quamba in _SHARED_NAMES:
+        if quamba and tail.startswith(quamba):
+            return hf + tail[len(quamba):]
+    return "feed_forward." + tail  # the block's gate_up_proj and down_proj
+
+
+def _adapter_name(layer: int, rest: list, config: Zamba2Config, owners: dict) -> str:
+    """Hybrid layer ``layer``'s adapter ``rest`` (qkv.{j}... or gate_up...) in its shared
+    block's adapter list, at the layer's use."""
+    use, owner = _use(config, layer), owners[shared_block_of(config, layer)]
+    if rest[0] == "qkv":
+        name, rest = f"self_attn.linear_{'qkv'[int(rest[1])]}_adapter_list.{use}", rest[2:]
+    else:
+        name, rest = f"feed_forward.gate_up_proj_adapter_list.{use}", rest[1:]
+    return ".".join([f"model.layers.{owner}.shared_transformer.{name}", *rest])

@@ -181,10 +181,10 @@ def test_a_quantized_lm_head_takes_the_logits_multiplier_after_it(fp_model, head
     assert_reload_is_bit_identical(qmodel, tmp_path, tokens, QuantizedFalconH1LM, 10, 8)
 
 
-def test_export_is_refused_in_one_line(quantized, tmp_path):
-    with pytest.raises(quamba.QuambaError,
-                       match="^exporting QuantizedFalconH1LM is not supported yet$"):
-        quamba.export(quantized["w8a8"], tmp_path)
+def test_exports_in_the_falcon_h1_layout(quantized, tmp_path):
+    """tests/export/test_export_hybrids.py checks the export against transformers and vLLM."""
+    record = quamba.export(quantized["w8a8"], tmp_path / "out")
+    assert record["architecture"] == "FalconH1ForCausalLM"
 
 
 def test_gptq_takes_both_branches_of_a_parallel_block_together(fp_model, tmp_path):

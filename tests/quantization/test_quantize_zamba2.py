@@ -210,9 +210,9 @@ def test_learned_scales_are_refused_in_one_line(fp_model):
                         calib_data=ids(2, 16))
 
 
-def test_export_is_refused_in_one_line(quantized, tmp_path):
-    with pytest.raises(quamba.QuambaError,
-                       match="^exporting QuantizedZamba2LM is not supported yet$"):
+def test_w8a8_export_is_refused_in_one_line(quantized, tmp_path):
+    """The shared blocks' scales (tests/export/test_export_hybrids.py exports W4A16)."""
+    with pytest.raises(quamba.QuambaError, match="^W8A8 Zamba2 cannot be exported: "):
         quamba.export(quantized["w8a8"], tmp_path / "out")
 
 
