@@ -566,7 +566,7 @@ def run(args) -> dict:
         try:
             with torch.no_grad():
                 qmodel = quantized_model(fp_model, precision, args)
-        except QuambaError as exc:  # a family quamba does not quantize yet
+        except QuambaError as exc:  # a recipe this family refuses: the notes say why
             notes[f"skipped {precision}"] = str(exc)
             continue
         fp_model.to("cpu")
