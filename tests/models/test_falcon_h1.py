@@ -1,17 +1,13 @@
 """Falcon-H1 in FP: logits equal to transformers' FalconH1ForCausalLM (µP multipliers ≠ 1),
 decode against prefill, generate against transformers' greedy tokens, and the configs quamba
 refuses."""
-import json
-import re
-
 import pytest
 import torch
 from transformers import FalconH1Config, FalconH1ForCausalLM
 
 import quamba
-from quamba.errors import CheckpointError
 from quamba.models.falcon_h1 import FalconH1LM
-from tests.models.hybrid_checks import randomize_, rel, token_ids
+from tests.models import hybrid_checks as checks
 
 # Odd sizes: 3 layers; 2 B/C groups of 6 Mamba heads of 5 (mamba_d_ssm 30), d_state 7, chunk 8
 # (a prompt of 37 ends in a partial chunk); 3 attention heads of 12 over 1 KV head; every µP
@@ -28,33 +24,28 @@ HF_CONFIG = dict(vocab_size=97, hidden_size=36, num_hidden_layers=3, intermediat
 
 
 def random_reference(seed: int = 0, **changes) -> FalconH1ForCausalLM:
-    torch.manual_seed(seed)
-    model = FalconH1ForCausalLM(FalconH1Config(**{**HF_CONFIG, **changes}))
-    return randomize_(model, dt_bias_shift=-3).eval()
+    config = FalconH1Config(**{**HF_CONFIG, **changes})
+    return checks.random_model(FalconH1ForCausalLM, config, seed, dt_bias_shift=-3)
 
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("falcon_h1")
-    random_reference().save_pretrained(directory)
-    return directory
+    return checks.saved(random_reference(), tmp_path_factory.mktemp("falcon_h1"))
 
 
 @pytest.fixture(scope="module")
 def model(hf_dir):
-    return quamba.load_model(hf_dir, tokenizer=False)[0]
+    return checks.load(hf_dir)
 
 
 def ids(batch: int, length: int, seed: int = 1):
-    return token_ids(HF_CONFIG["vocab_size"], batch, length, seed)
+    return checks.token_ids(HF_CONFIG["vocab_size"], batch, length, seed)
 
 
 def test_logits_equal_transformers_falcon_h1(model):
     assert isinstance(model, FalconH1LM) and model.config.n_layer == 6
     assert model.config.headdim == 5 and model.config.head_dim == 12
-    tokens = ids(2, 37)
-    with torch.no_grad():
-        assert rel(model(tokens), random_reference()(tokens).logits) < 1e-4
+    checks.assert_logits_equal_the_reference(model, random_reference(), ids(2, 37))
 
 
 def test_gated_norm_tied_embeddings_head_dim_and_a_dt_floor(tmp_path):
@@ -63,31 +54,18 @@ def test_gated_norm_tied_embeddings_head_dim_and_a_dt_floor(tmp_path):
     reference = random_reference(seed=4, tie_word_embeddings=True, mamba_rms_norm=True,
                                  mamba_norm_before_gate=False, head_dim=10,
                                  time_step_limit=(0.05, float("inf")))
-    reference.save_pretrained(tmp_path)
-    model = quamba.load_model(tmp_path, tokenizer=False)[0]
+    model = checks.load(checks.saved(reference, tmp_path))
     assert model.lm_head.weight is model.backbone.embedding.weight
     assert model.backbone.layers[0].mixer.self_attn.q_proj.out_features == 30
-    tokens = ids(1, 21)
-    with torch.no_grad():
-        assert rel(model(tokens), reference(tokens).logits) < 1e-4
+    checks.assert_logits_equal_the_reference(model, reference, ids(1, 21))
 
 
 def test_decode_steps_follow_the_prefill(model):
-    tokens = ids(3, 29, seed=2)
-    with torch.no_grad():
-        full = model(tokens)
-        cache = model.allocate_cache(3)
-        model(tokens[:, :17], cache=cache)
-        steps = model(tokens[:, 17:], cache=cache)
-    assert rel(steps, full[:, 17:]) < 1e-5
+    checks.assert_decode_steps_follow_the_prefill(model, ids(3, 29, seed=2), 17)
 
 
 def test_greedy_generate_equals_transformers(model):
-    prompt = ids(2, 11, seed=3)
-    reference = random_reference()
-    reference.generation_config.eos_token_id = None
-    expected = reference.generate(prompt, max_new_tokens=12, do_sample=False)
-    assert torch.equal(model.generate(prompt, max_new_tokens=12, eos_token_id=-1), expected)
+    checks.assert_greedy_generate_equals(model, random_reference(), ids(2, 11, seed=3), 12)
 
 
 def test_fp16_keeps_the_ssm_parameters_fp32(hf_dir):
@@ -95,19 +73,6 @@ def test_fp16_keeps_the_ssm_parameters_fp32(hf_dir):
     mamba = half.backbone.layers[0].mixer.mamba
     assert mamba.in_proj.weight.dtype == torch.float16
     assert all(p.dtype == torch.float32 for p in (mamba.A_log, mamba.D, mamba.dt_bias))
-
-
-def write_config(tmp_path, **changes):
-    """A copy of the model directory with config.json changed (None drops a field)."""
-    source = tmp_path.parent / "falcon-h1-src"
-    if not source.exists():
-        random_reference().save_pretrained(source)
-    config = json.loads((source / "config.json").read_text())
-    config.update(changes)
-    config = {k: v for k, v in config.items() if v is not None}
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    (tmp_path / "model.safetensors").symlink_to(source / "model.safetensors")
-    return tmp_path
 
 
 @pytest.mark.parametrize("changes, message", [
@@ -120,11 +85,9 @@ def write_config(tmp_path, **changes):
     (dict(projectors_bias=False), "mamba_proj_bias and projectors_bias differ"),
 ])
 def test_unsupported_options_are_refused_by_name(tmp_path, changes, message):
-    with pytest.raises(CheckpointError, match="config.json: " + re.escape(message)):
-        quamba.load_model(write_config(tmp_path, **changes), tokenizer=False)
+    checks.assert_config_refused(
+        checks.write_config(tmp_path, random_reference, "falcon-h1-src", **changes), message)
 
 
 def test_saving_in_a_hub_layout_is_refused(model, tmp_path):
-    with pytest.raises(CheckpointError, match="saving a FalconH1LM in a Hub layout"):
-        quamba.save_model(model, tmp_path / "out")
-    assert not (tmp_path / "out").exists()
+    checks.assert_saving_in_a_hub_layout_is_refused(model, tmp_path / "out", "FalconH1LM")

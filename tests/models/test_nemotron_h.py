@@ -9,7 +9,7 @@ from transformers import NemotronHConfig, NemotronHForCausalLM
 import quamba
 from quamba.errors import CheckpointError
 from quamba.models.nemotron_h import NemotronHLM
-from tests.models.hybrid_checks import randomize_, rel, token_ids
+from tests.models import hybrid_checks as checks
 
 # Odd sizes: every layer kind twice; 2 B/C groups of 3 Mamba heads of 6, d_state 5, chunk 8 (a
 # prompt of 37 ends in a partial chunk); 3 attention heads of 10 over 1 KV head; 6 experts in 2
@@ -25,10 +25,8 @@ HF_CONFIG = dict(vocab_size=97, hidden_size=36, hybrid_override_pattern="M*M-E*-
 def random_reference(seed: int = 0) -> NemotronHForCausalLM:
     """Random weights of realistic scale; dt_bias low enough that Δ's floor (time_step_min) binds
     on some tokens."""
-    torch.manual_seed(seed)
     config = NemotronHConfig(**HF_CONFIG, experts_implementation="eager")  # odd sizes
-    model = NemotronHForCausalLM(config).eval()
-    randomize_(model)
+    model = checks.random_model(NemotronHForCausalLM, config, seed)
     with torch.no_grad():
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
@@ -38,54 +36,35 @@ def random_reference(seed: int = 0) -> NemotronHForCausalLM:
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("nemotron-h")
-    random_reference().save_pretrained(directory)
-    return directory
+    return checks.saved(random_reference(), tmp_path_factory.mktemp("nemotron-h"))
 
 
 @pytest.fixture(scope="module")
 def model(hf_dir):
-    return quamba.load_model(hf_dir, tokenizer=False)[0]
+    return checks.load(hf_dir)
 
 
 def ids(batch: int, length: int, seed: int = 1):
-    return token_ids(HF_CONFIG["vocab_size"], batch, length, seed)
+    return checks.token_ids(HF_CONFIG["vocab_size"], batch, length, seed)
 
 
 def test_logits_equal_transformers_nemotron_h(model):
     assert isinstance(model, NemotronHLM) and model.config.pattern == "M*M-E*-EM"
     assert model.source["layout"] == "transformers"
-    tokens = ids(2, 37)
-    with torch.no_grad():
-        assert rel(model(tokens), random_reference()(tokens).logits) < 1e-4
+    checks.assert_logits_equal_the_reference(model, random_reference(), ids(2, 37))
 
 
 def test_the_dt_floor_binds_in_the_test(model):
-    mixer = model.backbone.layers[0].mixer
-    with torch.no_grad():
-        _, _, dt = torch.split(mixer.in_proj(model.backbone.embedding(ids(2, 37))),
-                               [mixer.d_inner, mixer.conv_dim, mixer.nheads], dim=-1)
-        delta = torch.nn.functional.softplus(dt + mixer.dt_bias)
-    assert 0.05 < (delta < HF_CONFIG["time_step_min"]).float().mean() < 0.95
+    checks.assert_the_dt_floor_binds(model, ids(2, 37), HF_CONFIG["time_step_min"])
 
 
 def test_decode_steps_follow_the_prefill(model):
-    tokens = ids(3, 29, seed=2)
-    with torch.no_grad():
-        full = model(tokens)
-        cache = model.allocate_cache(3)
-        model(tokens[:, :17], cache=cache)
-        steps = model(tokens[:, 17:], cache=cache)
-    assert rel(steps, full[:, 17:]) < 1e-5
+    checks.assert_decode_steps_follow_the_prefill(model, ids(3, 29, seed=2), 17)
 
 
 def test_greedy_generate_equals_transformers(model):
     """Without an eos token on either side: the random model emits eos (2) in this prompt."""
-    prompt = ids(2, 11, seed=3)
-    reference = random_reference()
-    reference.generation_config.eos_token_id = None
-    expected = reference.generate(prompt, max_new_tokens=12, do_sample=False)
-    assert torch.equal(model.generate(prompt, max_new_tokens=12, eos_token_id=-1), expected)
+    checks.assert_greedy_generate_equals(model, random_reference(), ids(2, 11, seed=3), 12)
 
 
 def test_fp16_keeps_the_router_and_ssm_parameters_fp32(hf_dir):
@@ -93,19 +72,6 @@ def test_fp16_keeps_the_router_and_ssm_parameters_fp32(hf_dir):
     moe, mamba = model.backbone.layers[4].mixer, model.backbone.layers[0].mixer
     assert moe.gate.weight.dtype == moe.gate.e_score_correction_bias.dtype == torch.float32
     assert mamba.A_log.dtype == torch.float32 and mamba.in_proj.weight.dtype == torch.float16
-
-
-def write_config(tmp_path, **changes):
-    """A copy of the model directory with config.json changed (None drops a field)."""
-    source = tmp_path.parent / "src"
-    if not source.exists():
-        random_reference().save_pretrained(source)
-    config = json.loads((source / "config.json").read_text())
-    config.update(changes)
-    config = {k: v for k, v in config.items() if v is not None}
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    (tmp_path / "model.safetensors").symlink_to(source / "model.safetensors")
-    return tmp_path
 
 
 @pytest.mark.parametrize("changes, message", [
@@ -121,9 +87,8 @@ def write_config(tmp_path, **changes):
     (dict(n_group=4), "6 experts in n_group 4"),
 ])
 def test_unsupported_options_are_refused_by_name(tmp_path, changes, message):
-    with pytest.raises(CheckpointError, match="config.json: " + message.replace("(", r"\(")
-                       .replace(")", r"\)").replace("[", r"\[").replace("]", r"\]")):
-        quamba.load_model(write_config(tmp_path, **changes), tokenizer=False)
+    checks.assert_config_refused(
+        checks.write_config(tmp_path, random_reference, "src", **changes), message)
 
 
 @pytest.mark.parametrize("model_type", ["zamba"])
@@ -136,12 +101,8 @@ def test_other_hybrids_are_refused_naming_the_supported_types(tmp_path, model_ty
 
 
 def test_saving_in_a_hub_layout_is_refused(model, tmp_path):
-    with pytest.raises(CheckpointError, match="saving a NemotronHLM in a Hub layout"):
-        quamba.save_model(model, tmp_path / "out")
-    assert not (tmp_path / "out").exists()
+    checks.assert_saving_in_a_hub_layout_is_refused(model, tmp_path / "out", "NemotronHLM")
 
 
 def test_decoding_from_cuda_graphs_is_refused_for_moe_layers(model):
-    with pytest.raises(quamba.QuambaError, match="^NemotronHLM cannot decode from CUDA graphs: its "
-                       "MoE layers read their expert routing on the host$"):
-        model.generate(ids(1, 4), max_new_tokens=2, cache_graph=True)
+    checks.assert_graph_decoding_is_refused_for_moe_layers(model, "NemotronHLM", ids(1, 4))

@@ -1,6 +1,10 @@
 """The checks every quantized hybrid family's tests run (tests/quantization/test_quantize_*.py
-of Nemotron-H, Bamba, Granite-4.0-H): error against FP in every SSM mode, decode against
-prefill, bit-identical reload; and a prefill with one decode step (Falcon-Mamba's tests too)."""
+of Nemotron-H, Bamba, Granite-4.0-H, Falcon-H1, Jamba, Zamba2): error against FP in every SSM
+mode, decode against prefill, bit-identical reload, what is refused; and a prefill with one
+decode step (Falcon-Mamba's tests too)."""
+import copy
+import math
+
 import pytest
 import torch
 
@@ -77,6 +81,53 @@ def quantize_on(fp_model, calib_tokens, w_bits=8, a_bits=8, **fields):
     ``calib_tokens`` (each family's test draws them from its own vocabulary)."""
     config = quamba.QuantConfig(w_bits=w_bits, a_bits=a_bits, **fields)
     return quamba.quantize(fp_model, None, config, calib_data=calib_tokens, progress=False)
+
+
+def quantize_recipes(fp_model, calib_tokens, recipes: dict) -> dict:
+    """Recipe name → ``fp_model`` quantized with that recipe's (w_bits, a_bits, ...)."""
+    return {name: quantize_on(fp_model, calib_tokens, w_bits, a_bits)
+            for name, (w_bits, a_bits, *_) in recipes.items()}
+
+
+def error_with_float_blocks(fp_model, calib_tokens, tokens, keep_float) -> float:
+    """Relative error of the logits of ``fp_model`` quantized W8A8 but for the blocks
+    ``keep_float(index, fp_block)`` names, which stay FP."""
+    qmodel = quantize_on(fp_model, calib_tokens)
+    for i, block in enumerate(fp_model.backbone.layers):
+        if keep_float(i, block):
+            qmodel.backbone.layers[i] = copy.deepcopy(block)
+    return rel(logits(qmodel, tokens), logits(fp_model, tokens))
+
+
+def assert_the_dt_floor_is_used(qmodel, tokens, time_step_min: float, mixer_class):
+    """The first mixer floors dt's int8 codes at softplus⁻¹(``time_step_min``); without the
+    floor (on every ``mixer_class``) the logits change."""
+    mixer = qmodel.backbone.layers[0].mixer
+    assert mixer.dt_floor == pytest.approx(math.log(math.expm1(time_step_min)))
+    floored = logits(qmodel, tokens, "int8")
+    unfloored = copy.deepcopy(qmodel)
+    for module in unfloored.modules():
+        if isinstance(module, mixer_class):
+            module.dt_floor = None
+    assert not torch.equal(logits(unfloored, tokens), floored)
+
+
+def assert_quantize_refuses(fp_model, calib_tokens, match: str, **fields):
+    """quamba.quantize with QuantConfig(**fields) raises a QuambaError that ``match`` finds."""
+    with pytest.raises(quamba.QuambaError, match=match):
+        quamba.quantize(fp_model, None, quamba.QuantConfig(**fields), calib_data=calib_tokens)
+
+
+def assert_moe_export_is_refused(qmodel, directory):
+    """W8A8 MoE layers have static expert inputs, which the export formats cannot hold."""
+    with pytest.raises(quamba.QuambaError, match="^W8A8 MoE layers cannot be exported: "):
+        quamba.export(qmodel, directory)
+
+
+def reloaded_in(qmodel, directory, dtype: str):
+    """``qmodel`` saved in ``directory`` and loaded back in ``dtype``."""
+    qmodel.save_pretrained(directory)
+    return quamba.from_pretrained(directory, dtype=dtype, tokenizer=False)[0]
 
 
 def assert_older_quamba_refuses(qmodel, directory, monkeypatch, format_version: int):

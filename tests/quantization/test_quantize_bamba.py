@@ -6,21 +6,20 @@ Measured (2 × 37 tokens, calibration 8 × 64 random tokens): relative error of 
 (‖q - fp‖ / ‖fp‖) and top-1 agreement with FP: W8A8 0.082 / 0.865, W4A8 0.495 / 0.365, W4A16
 0.491 / 0.378 (4-bit weights in one group of 36, the hidden size, are coarse).
 """
-import copy
-import math
-
 import pytest
-import torch
 
-import quamba
 from quamba.layers.qmixer2 import QMamba2Mixer
 from quamba.layers.qtransformer import QAttention, QInputLinear
 from quamba.models.quantized_hybrid import QuantizedBambaLM
 from quamba.models.transformer_layers import GatedMLP
+from tests.models import hybrid_checks as fp_checks
 from tests.models.test_bamba import ids, random_reference
 from tests.quantization.hybrid_checks import (assert_close_to_fp,
                                               assert_decode_continues_the_prefill,
-                                              assert_reload_is_bit_identical, logits, rel)
+                                              assert_quantize_refuses,
+                                              assert_reload_is_bit_identical,
+                                              assert_the_dt_floor_is_used,
+                                              error_with_float_blocks, quantize_recipes)
 
 # recipe → (w_bits, a_bits, bound on the relative error, bound on top-1 agreement)
 RECIPES = {"w8a8": (8, 8, 0.1, 0.8), "w4a8": (4, 8, 0.55, 0.3), "w4a16": (4, 16, 0.55, 0.3)}
@@ -28,17 +27,12 @@ RECIPES = {"w8a8": (8, 8, 0.1, 0.8), "w4a8": (4, 8, 0.55, 0.3), "w4a16": (4, 16,
 
 @pytest.fixture(scope="module")
 def fp_model(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("bamba")
-    random_reference().save_pretrained(directory)
-    return quamba.load_model(directory, tokenizer=False)[0]
+    return fp_checks.load(fp_checks.saved(random_reference(), tmp_path_factory.mktemp("bamba")))
 
 
 @pytest.fixture(scope="module")
 def quantized(fp_model):
-    calib = ids(8, 64, seed=5)
-    return {name: quamba.quantize(fp_model, None, quamba.QuantConfig(w_bits=w, a_bits=a),
-                                  calib_data=calib, progress=False)
-            for name, (w, a, _, _) in RECIPES.items()}
+    return quantize_recipes(fp_model, ids(8, 64, seed=5), RECIPES)
 
 
 @pytest.mark.parametrize("recipe", list(RECIPES))
@@ -64,29 +58,17 @@ def test_dynamic_down_proj_input_holds_where_static_does_not(fp_model, monkeypat
     """The GatedMLPs alone quantized (W8A8): down_proj's input (SwiGLU) per tensor static costs
     1.9× the error of per token dynamic (measured 0.045 against 0.024)."""
     calib, tokens = ids(8, 64, seed=5), ids(2, 37, seed=1)
-    reference = logits(fp_model, tokens)
     errors = {}
     for dynamic in (("down_proj",), ()):
         monkeypatch.setattr("quamba.layers.qtransformer.DYNAMIC_INPUTS", dynamic)
-        qmodel = quamba.quantize(fp_model, None, quamba.QuantConfig(), calib_data=calib,
-                                 progress=False)
-        for i, block in enumerate(fp_model.backbone.layers):
-            if not isinstance(block.mixer, GatedMLP):
-                qmodel.backbone.layers[i] = copy.deepcopy(block)
-        errors[dynamic] = rel(logits(qmodel, tokens), reference)
+        errors[dynamic] = error_with_float_blocks(
+            fp_model, calib, tokens, lambda _, block: not isinstance(block.mixer, GatedMLP))
     assert errors[("down_proj",)] < 0.03 < 0.04 < errors[()]
 
 
 def test_the_quantized_mixer_keeps_the_dt_floor(quantized):
     qmodel, tokens = quantized["w8a8"], ids(2, 37, seed=1)
-    mixer = qmodel.backbone.layers[0].mixer
-    assert mixer.dt_floor == pytest.approx(math.log(math.expm1(0.01)))
-    floored = logits(qmodel, tokens, "int8")
-    unfloored = copy.deepcopy(qmodel)
-    for module in unfloored.modules():
-        if isinstance(module, QMamba2Mixer):
-            module.dt_floor = None
-    assert not torch.equal(logits(unfloored, tokens), floored)
+    assert_the_dt_floor_is_used(qmodel, tokens, 0.01, QMamba2Mixer)
 
 
 @pytest.mark.parametrize("recipe", list(RECIPES))
@@ -108,12 +90,9 @@ def test_save_reload_is_bit_identical(quantized, recipe, tmp_path):
     (dict(learn_scales=True), "learn_scales is not supported for bamba yet"),
 ])
 def test_unsupported_recipes_are_refused_in_one_line(fp_model, changes, message):
-    with pytest.raises(quamba.QuambaError, match=f"^{message}$"):
-        quamba.quantize(fp_model, None, quamba.QuantConfig(**changes), calib_data=ids(2, 16, 0))
+    assert_quantize_refuses(fp_model, ids(2, 16, 0), f"^{message}$", **changes)
 
 
 def test_biased_linears_are_refused_in_one_line(tmp_path):
-    random_reference(attention_bias=True).save_pretrained(tmp_path)
-    model = quamba.load_model(tmp_path, tokenizer=False)[0]
-    with pytest.raises(quamba.QuambaError, match="^bamba with attention_bias is not supported"):
-        quamba.quantize(model, None, quamba.QuantConfig(), calib_data=ids(2, 16, 0))
+    model = fp_checks.load(fp_checks.saved(random_reference(attention_bias=True), tmp_path))
+    assert_quantize_refuses(model, ids(2, 16, 0), "^bamba with attention_bias is not supported")

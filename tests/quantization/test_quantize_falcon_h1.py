@@ -26,12 +26,14 @@ from quamba.models.quantized_hybrid import QuantizedFalconH1LM
 from quamba.ops.quant import quantize
 from quamba.ops.quant4 import pack_int4
 from quamba.quantization.gptq import block_stages, gptq_quantize, gptq_sequential_
+from tests.models import hybrid_checks as fp_checks
 from tests.models.test_falcon_h1 import ids, random_reference
 from tests.quantization.hybrid_checks import (INT8_MODES, assert_close_to_fp,
                                               assert_decode_continues_the_prefill,
                                               assert_older_quamba_refuses,
+                                              assert_quantize_refuses,
                                               assert_reload_is_bit_identical, logits, quantize_on,
-                                              rel)
+                                              quantize_recipes, reloaded_in, rel)
 
 NO_BIAS = dict(attention_bias=False, mlp_bias=False, mamba_proj_bias=False, projectors_bias=False)
 # recipe → (w_bits, a_bits, bound on the relative error, bound on top-1 agreement)
@@ -39,8 +41,7 @@ RECIPES = {"w8a8": (8, 8, 0.07, 0.9), "w4a8": (4, 8, 0.45, 0.6), "w4a16": (4, 16
 
 
 def load(directory, **changes):
-    random_reference(**{**NO_BIAS, **changes}).save_pretrained(directory)
-    return quamba.load_model(directory, tokenizer=False)[0]
+    return fp_checks.load(fp_checks.saved(random_reference(**{**NO_BIAS, **changes}), directory))
 
 
 def quantized_model(fp_model, w_bits=8, a_bits=8, **changes):
@@ -54,7 +55,7 @@ def fp_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def quantized(fp_model):
-    return {name: quantized_model(fp_model, w, a) for name, (w, a, _, _) in RECIPES.items()}
+    return quantize_recipes(fp_model, ids(8, 64, seed=5), RECIPES)
 
 
 @pytest.mark.parametrize("recipe", list(RECIPES))
@@ -166,8 +167,7 @@ def test_a_quamba_that_knows_format_9_refuses_it(quantized, tmp_path, monkeypatc
 def test_reloaded_in_another_dtype(quantized, tmp_path):
     """from_pretrained's dtype casts the float parts, those of the parallel blocks too."""
     qmodel, tokens = quantized["w8a8"], ids(2, 37, seed=1)
-    qmodel.save_pretrained(tmp_path / "q")
-    reloaded, _ = quamba.from_pretrained(tmp_path / "q", dtype="bfloat16", tokenizer=False)
+    reloaded = reloaded_in(qmodel, tmp_path / "q", "bfloat16")
     out = logits(reloaded, tokens)
     assert reloaded.backbone.layers[0].mixer.mamba.out_dtype == torch.bfloat16
     assert rel(out, logits(qmodel, tokens)) < 0.05
@@ -224,8 +224,7 @@ def test_gptq_takes_both_branches_of_a_parallel_block_together(fp_model, tmp_pat
                                     "embedding_multiplier"),
 ])
 def test_unsupported_recipes_are_refused_in_one_line(fp_model, changes, message):
-    with pytest.raises(quamba.QuambaError, match=f"^{message}$"):
-        quamba.quantize(fp_model, None, quamba.QuantConfig(**changes), calib_data=ids(2, 16, 0))
+    assert_quantize_refuses(fp_model, ids(2, 16, 0), f"^{message}$", **changes)
 
 
 @pytest.mark.parametrize("changes, message", [
@@ -235,6 +234,4 @@ def test_unsupported_recipes_are_refused_in_one_line(fp_model, changes, message)
      "models with biases in in_proj and out_proj are not supported by the quantized layers"),
 ])
 def test_biased_models_are_refused_in_one_line(tmp_path, changes, message):
-    model = load(tmp_path, **changes)
-    with pytest.raises(quamba.QuambaError, match=f"^{message}$"):
-        quamba.quantize(model, None, quamba.QuantConfig(), calib_data=ids(2, 16, 0))
+    assert_quantize_refuses(load(tmp_path, **changes), ids(2, 16, 0), f"^{message}$")

@@ -22,20 +22,21 @@ from quamba.models.quantized_hybrid import QuantizedBambaLM
 from quamba.models.transformer_layers import GraniteMoE
 from quamba.ops.quant4 import pack_int4
 from quamba.quantization.gptq import gptq_quantize, gptq_sequential_
+from tests.models import hybrid_checks as fp_checks
 from tests.models.test_bamba import ids
 from tests.models.test_granite_hybrid import DENSE, random_reference
 from tests.quantization.hybrid_checks import (assert_close_to_fp,
                                               assert_decode_continues_the_prefill,
-                                              assert_reload_is_bit_identical, logits, quantize_on,
-                                              rel)
+                                              assert_reload_is_bit_identical,
+                                              error_with_float_blocks, logits, quantize_on,
+                                              quantize_recipes, rel)
 
 # recipe → (w_bits, a_bits, bound on the relative error, bound on top-1 agreement)
 RECIPES = {"w8a8": (8, 8, 0.1, 0.8), "w4a8": (4, 8, 0.5, 0.4), "w4a16": (4, 16, 0.5, 0.4)}
 
 
 def load(directory, **changes):
-    random_reference(**changes).save_pretrained(directory)
-    return quamba.load_model(directory, tokenizer=False)[0]
+    return fp_checks.load(fp_checks.saved(random_reference(**changes), directory))
 
 
 def quantized_model(fp_model, w_bits=8, a_bits=8, **changes):
@@ -49,7 +50,7 @@ def fp_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def quantized(fp_model):
-    return {name: quantized_model(fp_model, w, a) for name, (w, a, _, _) in RECIPES.items()}
+    return quantize_recipes(fp_model, ids(8, 64, seed=5), RECIPES)
 
 
 @pytest.mark.parametrize("recipe", list(RECIPES))
@@ -76,16 +77,12 @@ def test_experts_and_shared_mlp_are_quantized_the_router_is_not(quantized, fp_mo
 def test_dynamic_down_proj_input_holds_where_static_does_not(fp_model, monkeypatch):
     """The MoE layers alone quantized (W8A8): down_proj's input (SwiGLU) per tensor static costs
     1.2× the error of per token dynamic (measured 0.046 against 0.037)."""
-    tokens = ids(2, 37, seed=1)
-    reference = logits(fp_model, tokens)
     errors = {}
     for dynamic in (("down_proj",), ()):
         monkeypatch.setattr("quamba.layers.qtransformer.DYNAMIC_INPUTS", dynamic)
-        qmodel = quantized_model(fp_model)
-        for i, block in enumerate(fp_model.backbone.layers):
-            if not isinstance(block.mixer, GraniteMoE):
-                qmodel.backbone.layers[i] = copy.deepcopy(block)
-        errors[dynamic] = rel(logits(qmodel, tokens), reference)
+        errors[dynamic] = error_with_float_blocks(
+            fp_model, ids(8, 64, seed=5), ids(2, 37, seed=1),
+            lambda _, block: not isinstance(block.mixer, GraniteMoE))
     assert errors[("down_proj",)] < 0.04 < errors[()]
 
 

@@ -26,18 +26,17 @@ from quamba.quantization.gptq import gptq_sequential_
 from tests.models.test_jamba import ids, random_reference
 from tests.quantization.hybrid_checks import (assert_close_to_fp,
                                               assert_decode_continues_the_prefill,
+                                              assert_moe_export_is_refused,
                                               assert_older_quamba_refuses,
-                                              assert_reload_is_bit_identical, logits, quantize_on,
-                                              rel)
+                                              assert_quantize_refuses,
+                                              assert_reload_is_bit_identical,
+                                              error_with_float_blocks, logits,
+                                              quantize_recipes, reloaded_in, rel)
 from tests.test_main import TOKENIZER, main
 
 # recipe → (w_bits, a_bits, bound on the relative error, bound on top-1 agreement)
 RECIPES = {"w8a8": (8, 8, 0.07, 0.8), "w4a8": (4, 8, 0.3, 0.6), "w4a16": (4, 16, 0.3, 0.6)}
 NORMS = ("dt_layernorm", "b_layernorm", "c_layernorm")
-
-
-def quantized_model(fp_model, w_bits=8, a_bits=8):
-    return quantize_on(fp_model, ids(8, 64, seed=5), w_bits, a_bits)
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +53,7 @@ def fp_model(fp_dir):
 
 @pytest.fixture(scope="module")
 def quantized(fp_model):
-    return {name: quantized_model(fp_model, w, a) for name, (w, a, _, _) in RECIPES.items()}
+    return quantize_recipes(fp_model, ids(8, 64, seed=5), RECIPES)
 
 
 @pytest.mark.parametrize("recipe", list(RECIPES))
@@ -109,11 +108,8 @@ def _error_with_dynamic_inputs(fp_model, monkeypatch, dynamic_inputs, kinds) -> 
     """W8A8 error of the logits with the blocks of ``kinds`` alone quantized, their linears'
     inputs per token as ``dynamic_inputs`` names them."""
     monkeypatch.setattr(JambaConfig, "dynamic_inputs", dynamic_inputs)
-    qmodel, tokens = quantized_model(fp_model), ids(2, 37, seed=1)
-    for i, block in enumerate(fp_model.backbone.layers):
-        if not isinstance(block.mixer, kinds):
-            qmodel.backbone.layers[i] = copy.deepcopy(block)
-    return rel(logits(qmodel, tokens), logits(fp_model, tokens))
+    return error_with_float_blocks(fp_model, ids(8, 64, seed=5), ids(2, 37, seed=1),
+                                   lambda _, block: not isinstance(block.mixer, kinds))
 
 
 def test_per_token_inputs_hold_where_static_ones_do_not(fp_model, monkeypatch):
@@ -157,8 +153,7 @@ def test_reload_in_bf16_casts_the_float_parts(quantized, recipe, tmp_path):
     """The norm weights, the router and the KV cache go to bf16; measured 0.042 (W8A8) and
     0.010 (W4A16) off the fp32 model's logits (the FP model cast to bf16: 0.026)."""
     qmodel, tokens = quantized[recipe], ids(2, 37, seed=1)
-    qmodel.save_pretrained(tmp_path / recipe)
-    reloaded, _ = quamba.from_pretrained(tmp_path / recipe, dtype="bf16", tokenizer=False)
+    reloaded = reloaded_in(qmodel, tmp_path / recipe, "bf16")
     layers = reloaded.backbone.layers
     assert all(weight.dtype == torch.bfloat16 for weight in layers[0].mixer.mixer_norm_weights)
     assert layers[3].mixer.gate.weight.dtype == torch.bfloat16
@@ -190,15 +185,13 @@ def test_gptq_replaces_every_4_bit_linear_but_the_routers(quantized, fp_model, t
     (dict(learn_scales=True), "learn_scales is not supported for jamba yet"),
 ])
 def test_unsupported_recipes_are_refused_in_one_line(fp_model, changes, message):
-    with pytest.raises(quamba.QuambaError, match=f"^{message}$"):
-        quamba.quantize(fp_model, None, quamba.QuantConfig(**changes), calib_data=ids(2, 16, 0))
+    assert_quantize_refuses(fp_model, ids(2, 16, 0), f"^{message}$", **changes)
 
 
 def test_w8a8_export_of_moe_layers_is_refused_in_one_line(quantized, tmp_path):
     """Its MoE layers' static expert inputs (tests/export/test_export_hybrids.py exports the
     rest)."""
-    with pytest.raises(quamba.QuambaError, match="^W8A8 MoE layers cannot be exported: "):
-        quamba.export(quantized["w8a8"], tmp_path / "out")
+    assert_moe_export_is_refused(quantized["w8a8"], tmp_path / "out")
 
 
 def test_main_refuses_learned_scales_for_jamba(fp_dir, tmp_path, capsys):

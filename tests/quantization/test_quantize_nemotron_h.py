@@ -7,46 +7,42 @@ Measured (2 × 37 tokens, calibration 8 × 64 random tokens): relative error of 
 0.581 / 0.405. This random model amplifies any rounding: the FP model cast to bf16 is 0.065 /
 0.973 off its fp32 logits, and 4-bit weights in one group of 36 (hidden size) are coarse.
 """
-import copy
-import math
-
 import pytest
 import torch
 
-import quamba
 from quamba.layers.qmixer2 import QMamba2Mixer
 from quamba.layers.qtransformer import QAttention, QInputLinear
 from quamba.models.quantized_hybrid import QuantizedNemotronHLM
 from quamba.ops import backend
+from tests.models import hybrid_checks as fp_checks
 from tests.models.test_nemotron_h import HF_CONFIG, random_reference
 from tests.ops.standalone_backend import kernels_for_references
 from tests.quantization.hybrid_checks import (assert_close_to_fp,
                                               assert_decode_continues_the_prefill,
-                                              assert_reload_is_bit_identical, logits,
-                                              prefill_and_step, rel)
+                                              assert_moe_export_is_refused,
+                                              assert_quantize_refuses,
+                                              assert_reload_is_bit_identical,
+                                              assert_the_dt_floor_is_used,
+                                              error_with_float_blocks, logits, prefill_and_step,
+                                              quantize_recipes, reloaded_in, rel)
 
 # recipe → (w_bits, a_bits, bound on the relative error, bound on top-1 agreement)
 RECIPES = {"w8a8": (8, 8, 0.22, 0.82), "w4a8": (4, 8, 0.65, 0.35), "w4a16": (4, 16, 0.65, 0.35)}
 
 
 def ids(batch: int, length: int, seed: int):
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, HF_CONFIG["vocab_size"], (batch, length), generator=generator)
+    return fp_checks.token_ids(HF_CONFIG["vocab_size"], batch, length, seed)
 
 
 @pytest.fixture(scope="module")
 def fp_model(tmp_path_factory):
     directory = tmp_path_factory.mktemp("nemotron-h")
-    random_reference().save_pretrained(directory)
-    return quamba.load_model(directory, tokenizer=False)[0]
+    return fp_checks.load(fp_checks.saved(random_reference(), directory))
 
 
 @pytest.fixture(scope="module")
 def quantized(fp_model):
-    calib = ids(8, 64, seed=5)
-    return {name: quamba.quantize(fp_model, None, quamba.QuantConfig(w_bits=w, a_bits=a),
-                                  calib_data=calib, progress=False)
-            for name, (w, a, _, _) in RECIPES.items()}
+    return quantize_recipes(fp_model, ids(8, 64, seed=5), RECIPES)
 
 
 @pytest.mark.parametrize("recipe", list(RECIPES))
@@ -73,16 +69,11 @@ def test_dynamic_down_proj_input_holds_where_static_does_not(fp_model, monkeypat
     """The MLP and MoE layers alone quantized (W8A8): down_proj's input (relu²) per tensor static
     costs 6× the error of per token dynamic (measured 0.148 against 0.025)."""
     calib, tokens = ids(8, 64, seed=5), ids(2, 37, seed=1)
-    reference = logits(fp_model, tokens)
     errors = {}
     for dynamic in (("down_proj",), ()):
         monkeypatch.setattr("quamba.layers.qtransformer.DYNAMIC_INPUTS", dynamic)
-        qmodel = quamba.quantize(fp_model, None, quamba.QuantConfig(), calib_data=calib,
-                                 progress=False)
-        for i, kind in enumerate(fp_model.config.pattern):
-            if kind not in "-E":
-                qmodel.backbone.layers[i] = copy.deepcopy(fp_model.backbone.layers[i])
-        errors[dynamic] = rel(logits(qmodel, tokens), reference)
+        errors[dynamic] = error_with_float_blocks(
+            fp_model, calib, tokens, lambda i, _: fp_model.config.pattern[i] not in "-E")
     assert errors[("down_proj",)] < 0.04 < 0.1 < errors[()]
 
 
@@ -90,14 +81,7 @@ def test_the_quantized_mixer_keeps_the_dt_floor(quantized):
     """dt's int8 codes are floored at those of softplus⁻¹(time_step_min) - dt_bias: removing the
     floor changes the logits."""
     qmodel, tokens = quantized["w8a8"], ids(2, 37, seed=1)
-    mixer = qmodel.backbone.layers[0].mixer
-    assert mixer.dt_floor == pytest.approx(math.log(math.expm1(HF_CONFIG["time_step_min"])))
-    floored = logits(qmodel, tokens, "int8")
-    unfloored = copy.deepcopy(qmodel)
-    for module in unfloored.modules():
-        if isinstance(module, QMamba2Mixer):
-            module.dt_floor = None
-    assert not torch.equal(logits(unfloored, tokens), floored)
+    assert_the_dt_floor_is_used(qmodel, tokens, HF_CONFIG["time_step_min"], QMamba2Mixer)
 
 
 @pytest.mark.parametrize("recipe", list(RECIPES))
@@ -137,21 +121,18 @@ def test_save_reload_is_bit_identical(quantized, recipe, tmp_path):
     (dict(learn_scales=True), "learn_scales is not supported for nemotron_h yet"),
 ])
 def test_unsupported_recipes_are_refused_in_one_line(fp_model, changes, message):
-    with pytest.raises(quamba.QuambaError, match=f"^{message}$"):
-        quamba.quantize(fp_model, None, quamba.QuantConfig(**changes), calib_data=ids(2, 16, 0))
+    assert_quantize_refuses(fp_model, ids(2, 16, 0), f"^{message}$", **changes)
 
 
 def test_w8a8_export_of_moe_layers_is_refused_in_one_line(quantized, tmp_path):
     """Its MoE layers' static expert inputs (tests/export/test_export_hybrids.py exports the
     rest)."""
-    with pytest.raises(quamba.QuambaError, match="^W8A8 MoE layers cannot be exported: "):
-        quamba.export(quantized["w8a8"], tmp_path / "out")
+    assert_moe_export_is_refused(quantized["w8a8"], tmp_path / "out")
 
 
 def test_reload_in_bf16_casts_the_kv_cache_and_the_gemm_outputs(quantized, tmp_path):
     qmodel, tokens = quantized["w8a8"], ids(2, 37, seed=1)
-    qmodel.save_pretrained(tmp_path / "w8a8")
-    reloaded, _ = quamba.from_pretrained(tmp_path / "w8a8", dtype="bf16", tokenizer=False)
+    reloaded = reloaded_in(qmodel, tmp_path / "w8a8", "bf16")
     attention = reloaded.backbone.layers[1].mixer
     assert attention.allocate_state(1).key.dtype == attention.o_proj.linear.out_dtype
     assert attention.o_proj.linear.out_dtype == torch.bfloat16

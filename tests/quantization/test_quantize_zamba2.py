@@ -31,13 +31,15 @@ from quamba.ops.quant4 import pack_int4
 from quamba.quantization.gptq import gptq_quantize, gptq_sequential_
 from quamba.quantization.rotation import quantization_basis_
 from quamba.quantization.shared_blocks import shared_ranges
+from tests.models import hybrid_checks as fp_checks
 from tests.models.test_fixture_hybrid import TINY_HYBRID_DIR
 from tests.models.test_zamba2 import ids, random_reference
 from tests.quantization.hybrid_checks import (assert_close_to_fp,
                                               assert_decode_continues_the_prefill,
                                               assert_older_quamba_refuses,
+                                              assert_quantize_refuses,
                                               assert_reload_is_bit_identical, logits, quantize_on,
-                                              rel)
+                                              quantize_recipes, reloaded_in, rel)
 
 # recipe → (w_bits, a_bits, bound on the relative error, bound on top-1 agreement)
 RECIPES = {"w8a8": (8, 8, 0.3, 0.6), "w4a8": (4, 8, 0.8, 0.25), "w4a16": (4, 16, 0.8, 0.25)}
@@ -47,14 +49,12 @@ SHARED_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_
 
 @pytest.fixture(scope="module")
 def fp_model(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("zamba2")
-    random_reference().save_pretrained(directory)
-    return quamba.load_model(directory, tokenizer=False)[0]
+    return fp_checks.load(fp_checks.saved(random_reference(), tmp_path_factory.mktemp("zamba2")))
 
 
 @pytest.fixture(scope="module")
 def quantized(fp_model):
-    return {name: quantize(fp_model, w_bits=w, a_bits=a) for name, (w, a, _, _) in RECIPES.items()}
+    return quantize_recipes(fp_model, ids(8, 64, seed=5), RECIPES)
 
 
 def quantize(fp_model, **fields):
@@ -192,8 +192,7 @@ def test_a_quamba_before_format_11_refuses_the_checkpoint(quantized, tmp_path, m
 
 def test_reload_in_bf16_casts_the_adapters_norms_and_kv_cache(quantized, tmp_path):
     qmodel, tokens = quantized["w8a8"], ids(2, 37, seed=1)
-    qmodel.save_pretrained(tmp_path / "w8a8")
-    reloaded, _ = quamba.from_pretrained(tmp_path / "w8a8", dtype="bf16", tokenizer=False)
+    reloaded = reloaded_in(qmodel, tmp_path / "w8a8", "bf16")
     layer = reloaded.backbone.layers[1]
     assert layer.adapters.gate_up[0].weight.dtype == torch.bfloat16
     assert layer.shared.input_norm.weight.dtype == torch.bfloat16
@@ -205,9 +204,8 @@ def test_reload_in_bf16_casts_the_adapters_norms_and_kv_cache(quantized, tmp_pat
 
 
 def test_learned_scales_are_refused_in_one_line(fp_model):
-    with pytest.raises(quamba.QuambaError, match="^learn_scales is not supported for zamba2 yet$"):
-        quamba.quantize(fp_model, None, quamba.QuantConfig(learn_scales=True),
-                        calib_data=ids(2, 16))
+    assert_quantize_refuses(fp_model, ids(2, 16), "^learn_scales is not supported for zamba2 yet$",
+                            learn_scales=True)
 
 
 def test_w8a8_export_is_refused_in_one_line(quantized, tmp_path):
@@ -220,10 +218,9 @@ def test_one_block_used_three_times_with_kv_groups_and_int8_ends(tmp_path):
     """One shared block (no RoPE, no attention adapters, 1 KV head) run by all three hybrid
     layers; the int8 embedding's rows are what the shared block reads beside h, the lm_head
     int8. Measured 0.248 off FP (0.232 with the float ends)."""
-    directory = tmp_path / "fp"
-    random_reference(seed=4, use_shared_attention_adapter=False, use_mem_rope=False,
-                     num_key_value_heads=1, num_mem_blocks=1).save_pretrained(directory)
-    fp_model = quamba.load_model(directory, tokenizer=False)[0]
+    reference = random_reference(seed=4, use_shared_attention_adapter=False, use_mem_rope=False,
+                                 num_key_value_heads=1, num_mem_blocks=1)
+    fp_model = fp_checks.load(fp_checks.saved(reference, tmp_path / "fp"))
     qmodel = quantize(fp_model, quantize_embedding=True, lm_head="int8")
     layers = qmodel.backbone.layers
     assert len(qmodel.backbone.shared_blocks) == 1
@@ -369,8 +366,7 @@ def test_quantize_takes_gptq_and_mixed_precision_for_zamba2(tmp_path, shared_dat
     """quamba.quantize end to end (a random Zamba2 over the trained hybrid's 4096-token
     vocabulary; calibration and GPTQ 8 × 64 tokens of c4_sample): the same layer_bits as without
     GPTQ, and only 4-bit weights changed."""
-    random_reference(vocab_size=4096).save_pretrained(tmp_path)
-    fp_model = quamba.load_model(tmp_path, tokenizer=False)[0]
+    fp_model = fp_checks.load(fp_checks.saved(random_reference(vocab_size=4096), tmp_path))
     tokenizer = AutoTokenizer.from_pretrained(TINY_HYBRID_DIR)
     text = str(shared_data_dir / "text" / "c4_sample.jsonl")
     common = dict(w_bits=4, mixed_precision=0.34, calib_source=text, calib_num_samples=8,
