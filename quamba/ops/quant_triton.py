@@ -15,8 +15,14 @@ def round_half_even(x):
 
 
 @triton.jit
-def int8_codes(x, inverse):
-    """quamba.ops.quant.quantize's codes of fp32 ``x`` for fp32 ``inverse`` = fp32(1/scale): round
-    half to even, clamped to ±127."""
+def int8_code_values(x, inverse):
+    """quamba.ops.quant.quantize's codes of fp32 ``x`` for fp32 ``inverse`` = fp32(1/scale), as
+    fp32 values: round half to even, clamped to ±127."""
     codes = round_half_even(tl.clamp(x * inverse, -128.0, 128.0))
-    return tl.clamp(codes, -127.0, 127.0).to(tl.int8)
+    return tl.clamp(codes, -127.0, 127.0)
+
+
+@triton.jit
+def int8_codes(x, inverse):
+    """int8_code_values as int8."""
+    return int8_code_values(x, inverse).to(tl.int8)

@@ -43,6 +43,7 @@ from quamba.ops import backend
 from quamba.ops.constants import cached
 from quamba.ops.fused_decode.weights import W4A8Weight
 from quamba.ops.quant import fp32_multiplier, fp32_reciprocal, fp32_value, requant_multiplier
+from quamba.ops.quant_triton import int8_code_values, int8_codes
 
 MAX_ROWS = 8  # batch rows per program
 # Elements of a program's largest tile (the conv's [rows, channels, 4] window, a broadcast
@@ -113,14 +114,6 @@ def _silu(y, LIBDEVICE: tl.constexpr):
 
 
 @triton.jit
-def _quantize(x, inverse):
-    """fp32 int8 codes of x: round half to even of x · inverse, saturated to ±127."""
-    scaled = tl.clamp(x * inverse, -128.0, 128.0)
-    # |scaled| ≤ 128: adding 1.5 · 2^23 leaves no fraction bits, so the sum rounds half to even
-    return tl.clamp((scaled + 12582912.0) - 12582912.0, -127.0, 127.0)
-
-
-@triton.jit
 def _conv_step(x_ptr, sx_b, sx_d, conv_state_ptr, weight_ptr, bias_ptr, m, k, mask, d_inner,
                multiplier, bias_scale, u_inverse, WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr,
                LIBDEVICE: tl.constexpr):
@@ -143,7 +136,7 @@ def _conv_step(x_ptr, sx_b, sx_d, conv_state_ptr, weight_ptr, bias_ptr, m, k, ma
     if HAS_BIAS:
         bias = tl.load(bias_ptr + k, mask=k < d_inner, other=0).to(tl.float32) * bias_scale
         y = y + bias[None, :]
-    codes = _quantize(_silu(y, LIBDEVICE), u_inverse)
+    codes = int8_code_values(_silu(y, LIBDEVICE), u_inverse)
     return tl.where(mask, codes, 0.0).to(tl.int32)
 
 
@@ -210,7 +203,7 @@ def _x_dbl_codes(partial_ptr, multipliers_ptr, multiplier, m, j, mask, batch, n_
         acc += _partial_sums(partial_ptr, offsets, mask, k0, batch, n_out, K_BLOCKS, K_CHUNK)
     if PER_CHANNEL:
         multiplier = tl.load(multipliers_ptr + j, mask=j < n_out, other=0.0)[None, :]
-    return _quantize(acc.to(tl.float32), multiplier)
+    return int8_code_values(acc.to(tl.float32), multiplier)
 
 
 @triton.jit
@@ -262,7 +255,7 @@ def _dt_proj_scan_kernel(partial_ptr, xdbl_multipliers_ptr, u_ptr, z_ptr, sz_b, 
         w = tl.load(dt_proj_ptr + d[:, None] * dt_rank + r[None, :],
                     mask=d_mask[:, None] & (r < dt_rank)[None, :], other=0).to(tl.int32)
         acc += tl.sum(dt_low.to(tl.int32)[:, None, :] * w[None, :, :], axis=2)
-    dt_codes = _quantize(acc.to(tl.float32), dt_multiplier)
+    dt_codes = int8_code_values(acc.to(tl.float32), dt_multiplier)
     if WRITES_CODES:
         tl.store(dt_out_ptr + m[:, None] * d_inner + d[None, :], dt_codes.to(tl.int8), mask=mask)
 
@@ -298,7 +291,7 @@ def _dt_proj_scan_kernel(partial_ptr, xdbl_multipliers_ptr, u_ptr, z_ptr, sz_b, 
     decay = _decay(delta[:, :, None] * A[None, :, :], LIBDEVICE)
     h = decay * h + (delta * u)[:, :, None] * B[:, None, :]
     if INT8_STATE:
-        tl.store(state_ptr + offsets, _quantize(h, state_inverse).to(tl.int8), mask=state_mask)
+        tl.store(state_ptr + offsets, int8_codes(h, state_inverse), mask=state_mask)
     else:
         tl.store(state_ptr + offsets, h, mask=state_mask)
     D = tl.load(D_ptr + d, mask=d_mask, other=0).to(tl.float32) * D_scale
