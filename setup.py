@@ -216,6 +216,9 @@ setup(
     ],
     extras_require={"dev": [
         "pytest",
+        # the equivalence tests' reference models: before 5.23, transformers' torch path of Mamba2
+        # (Bamba's, Granite-4.0-H's, Zamba2's too) takes the gated RMSNorm over all n_groups at once
+        "transformers>=5.23",
         *EXPORT_REQUIRES,  # the export round-trip tests (tests/export) run in CI too
         "scipy",  # cont2discrete and solve_ivp: the references of tests/ops/test_discretization.py
         # its interpreter runs the Triton kernels' small tests on CPU (TRITON_INTERPRET, set by

@@ -270,12 +270,16 @@ class TransformersRunner:
         """Bytes of the decode cache as it stands, read from transformers 5's cache layers."""
         parts = {"ssm": 0, "conv": 0, "kv": 0}
         for layer in self.cache.layers:
-            parts["ssm"] += sum(t.nbytes for t in getattr(layer, "recurrent_states", {}).values())
-            parts["conv"] += sum(t.nbytes for t in getattr(layer, "conv_states", {}).values())
-            parts["kv"] += sum(t.nbytes for t in (getattr(layer, "keys", None),
-                                                  getattr(layer, "values", None))
-                               if torch.is_tensor(t))
+            parts["ssm"] += _tensor_bytes(getattr(layer, "recurrent_states", {}).values())
+            parts["conv"] += _tensor_bytes(getattr(layer, "conv_states", {}).values())
+            parts["kv"] += _tensor_bytes((getattr(layer, "keys", None), getattr(layer, "values", None)))
         return parts
+
+
+def _tensor_bytes(entries) -> int:
+    """Bytes of the tensors among a cache layer's entries; a state transformers has not filled
+    yet is None (an attention layer's, in transformers 5.17's hybrid cache)."""
+    return sum(t.nbytes for t in entries if torch.is_tensor(t))
 
 
 class MambaSSMRunner:

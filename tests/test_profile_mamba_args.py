@@ -140,6 +140,19 @@ def test_transformers_runner_decodes_from_its_cache():
     assert parts["ssm"] > 0 and parts["conv"] > 0 and parts["kv"] > 0
 
 
+def test_cache_parts_skip_states_transformers_has_not_filled():
+    """transformers 5.17's hybrid cache holds None for the states a layer has not written (the GPU
+    image's version: Nemotron-H's profile ended in an AttributeError there)."""
+    from types import SimpleNamespace
+    runner = profile_mamba.TransformersRunner.__new__(profile_mamba.TransformersRunner)
+    mamba = SimpleNamespace(recurrent_states={0: torch.zeros(2, 3), 1: None},
+                            conv_states={0: torch.zeros(5), 1: None})
+    attention = SimpleNamespace(recurrent_states={0: None}, conv_states={0: None},
+                                keys=torch.zeros(4), values=torch.zeros(4))
+    runner.cache = SimpleNamespace(layers=[mamba, attention])
+    assert runner.cache_parts() == {"ssm": 24, "conv": 20, "kv": 32}
+
+
 def test_decode_states_of_every_hybrid_layout():
     from quamba.models.state import AttentionState, MixerState
     from quamba.models.zamba2 import HybridState
