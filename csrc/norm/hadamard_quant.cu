@@ -5,11 +5,12 @@
 // their own, as BLAS does: int8 outputs agree to one step.
 // One row is one block's work; at decode (one row per step) the block's latency is the kernel's
 // time, so the butterflies below 256 run in registers and warp shuffles, without a barrier per
-// stage (2.8B decode: 14.3 µs per call with every stage in shared memory and 256 threads), and
-// the row's signed sums are spread over up to 8 blocks. Many rows (prefill) are bound by issue: a
-// shuffle stage is one fmaf per value, the signs of S_m are compile-time (base_column), and a
-// thread that makes all m outputs of a position shares sums of four columns between them
-// (signed_sums_by_quads). H100, Mamba-2.8B (5120 = 20 · 256, fp16), µs per call in CUDA graphs:
+// stage (2.8B decode: 14.3 µs per call with every stage in shared memory and 256 threads), the
+// stages past 256 (p = 512 ... 8192) run in registers too, a thread per column of the row after
+// one barrier, and the row's signed sums are spread over up to 8 blocks. Many rows (prefill) are
+// bound by issue: a shuffle stage is one fmaf per value, the signs of S_m are compile-time
+// (base_column), and a thread that makes all m outputs of a position shares sums of four columns
+// between them (signed_sums_by_quads). H100, Mamba-2.8B (5120 = 20 · 256, fp16), µs per call in CUDA graphs:
 // 3.6 → 2.9 for one row, 17.7 → 12.3 for 1024 rows, 117.5 → 84.9 for 8192 (the bytes' floor is
 // 42 µs) with the compile-time signs and quads (benchmarks/RESULTS.md).
 #include <torch/library.h>
@@ -81,7 +82,8 @@ __device__ __forceinline__ float inverse_rms(float sum_sq, int count, float eps)
 }
 
 // Several RMS groups: a first pass over the row writes g of every channel into buf (wide loads
-// of x and z where the row allows them), then inv_rms[group] of each group, a block sum each.
+// of x and z where the row allows them), then inv_rms[group] of each group, a warp's sum each, the
+// groups at once: one barrier, where a block sum a group took two (16 for Mamba2-8B's 8 groups).
 template <typename In>
 __device__ void gate_row(const In* __restrict__ x, const int8_t* __restrict__ z, const Gate& gate,
                          float* buf, int n, float* inv_rms) {
@@ -99,11 +101,13 @@ __device__ void gate_row(const In* __restrict__ x, const int8_t* __restrict__ z,
     for (int i = threadIdx.x; i < n; i += blockDim.x) buf[i] = gated(to_float(x[i]), z[i], gate.z_scale);
   }
   __syncthreads();
-  for (int start = 0; start < n; start += gate.group_size) {
+  const int lane = threadIdx.x % 32;
+  for (int group = threadIdx.x / 32; group < n / gate.group_size; group += blockDim.x / 32) {
+    const float* values = buf + group * gate.group_size;
     float sum_sq = 0.f;
-    for (int i = start + threadIdx.x; i < start + gate.group_size; i += blockDim.x) sum_sq = fmaf(buf[i], buf[i], sum_sq);
-    const float inverse = inverse_rms(block_sum(sum_sq), gate.group_size, gate.eps);
-    if (threadIdx.x == 0) inv_rms[start / gate.group_size] = inverse;
+    for (int i = lane; i < gate.group_size; i += 32) sum_sq = fmaf(values[i], values[i], sum_sq);
+    for (int offset = 16; offset > 0; offset /= 2) sum_sq += __shfl_xor_sync(0xffffffffu, sum_sq, offset);
+    if (lane == 0) inv_rms[group] = inverse_rms(sum_sq, gate.group_size, gate.eps);
   }
   __syncthreads();
 }
@@ -228,6 +232,49 @@ __device__ void walsh_hadamard_shared(float* buf, int n, int p, int first_half) 
   __syncthreads();
 }
 
+// The same stages with a thread per column: the kCount = p / first_half values a · p + low +
+// first_half · k (k < kCount) of block a, for low < first_half, loaded into registers and combined
+// there, each pair and each addition as the reference's. One barrier for all stages, where
+// walsh_hadamard_shared takes one a stage (p = 8192: five stages past the registers' 256).
+// Consecutive threads take consecutive columns: their loads hit consecutive banks where
+// first_half ≥ 32.
+template <int kCount>
+__device__ void walsh_hadamard_columns(float* buf, int n, int p, int first_half) {
+  __syncthreads();
+  for (int column = threadIdx.x; column < n / kCount; column += blockDim.x) {
+    float* values = buf + column / first_half * p + column % first_half;
+    float v[kCount];
+#pragma unroll
+    for (int k = 0; k < kCount; ++k) v[k] = values[k * first_half];
+#pragma unroll
+    for (int step = 1; step < kCount; step *= 2)
+#pragma unroll
+      for (int k = 0; k < kCount; ++k)
+        if ((k & step) == 0) {
+          const float first = v[k], second = v[k + step];
+          v[k] = __fadd_rn(first, second);
+          v[k + step] = __fsub_rn(first, second);
+        }
+#pragma unroll
+    for (int k = 0; k < kCount; ++k) values[k * first_half] = v[k];
+  }
+  __syncthreads();
+}
+
+// The stages half = first_half ... p / 2 that the registers' segments leave (none where p is
+// first_half: the barrier alone), in columns where p / first_half ≤ 32, else in shared memory.
+__device__ void walsh_hadamard_rest(float* buf, int n, int p, int first_half) {
+  switch (p / first_half) {
+    case 1: __syncthreads(); return;
+    case 2: return walsh_hadamard_columns<2>(buf, n, p, first_half);
+    case 4: return walsh_hadamard_columns<4>(buf, n, p, first_half);
+    case 8: return walsh_hadamard_columns<8>(buf, n, p, first_half);
+    case 16: return walsh_hadamard_columns<16>(buf, n, p, first_half);
+    case 32: return walsh_hadamard_columns<32>(buf, n, p, first_half);
+    default: return walsh_hadamard_shared(buf, n, p, first_half);
+  }
+}
+
 // sum ± v as the ±1 sign of S[c, a] has it (a compile-time choice, no instruction).
 template <int M>
 __device__ __forceinline__ float add_signed(float sum, float v, int a, int c) {
@@ -307,7 +354,7 @@ __device__ void transform_row(const Input& input, float* buf, int n, int p) {
   } else {
     for (int i = threadIdx.x; i < n; i += blockDim.x) buf[i] = input.at(i);
   }
-  walsh_hadamard_shared(buf, n, p, first_half);
+  walsh_hadamard_rest(buf, n, p, first_half);
 }
 
 // transform_row of row x (and z), returning the factor of its outputs: norm, times the row's

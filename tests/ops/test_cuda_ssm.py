@@ -975,9 +975,10 @@ def test_small_hadamard_quant_rejects_other_sign_matrices():
 
 
 # Mamba2's gated RMSNorm before the transform (one kernel): (n, group_size) of Mamba2 sizes, one
-# group (the published models) and several (Codestral's 8), odd and power-of-two transforms.
-GATED_SIZES = [(5120, 5120), (5120, 640), (1536, 1536), (2560, 320), (4096, 4096), (896, 896), (40, 40),
-               (40, 20)]
+# group (the published small models) and several (8: Codestral's, Mamba2-8B's and Nemotron-H-8B's
+# 8192 in groups of 1024), odd and power-of-two transforms.
+GATED_SIZES = [(5120, 5120), (5120, 640), (8192, 1024), (1536, 1536), (2560, 320), (4096, 4096),
+               (896, 896), (40, 40), (40, 20)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
