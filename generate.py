@@ -22,6 +22,7 @@ from main import add_model_arguments, check_model_arguments, model_request
 from quamba import QuambaError
 from quamba.cli_support import prepare_model
 from quamba.models.generation import graphed_decoder, graphed_prefill
+from quamba.models.hub import check_token_ids
 from quamba.ops import backend
 
 
@@ -78,6 +79,7 @@ def prompt_ids(args, tokenizer, vocab_size: int, device) -> torch.Tensor:
             raise QuambaError("this model has no tokenizer: give --tokenizer, or --promptlen for a "
                               "random prompt")
         ids = torch.tensor([tokenizer(args.prompt)["input_ids"]])
+        check_token_ids(ids[0], vocab_size, "the prompt")
     if ids.shape[1] == 0:
         raise QuambaError("the prompt is empty")
     return ids.to(device).repeat(args.batch, 1)

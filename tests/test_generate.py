@@ -89,6 +89,20 @@ def test_every_family_generates(family, builder, tiny_model_dir, tmp_path, capsy
     assert "unquantized" in err and "3 new tokens x batch 2 after a 5-token prompt" in err
 
 
+def test_a_prompt_past_the_models_vocabulary_is_a_one_line_error(tiny_model_dir, tmp_path, capsys):
+    """A random Bamba of 97 tokens beside the test model's tokenizer of 4096: a text prompt's ids
+    reach past the embedding, said in one line."""
+    import shutil
+    from tests.models.test_bamba import random_reference
+    random_reference().save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_model_dir / name, tmp_path / name)
+    capsys.readouterr()  # save_pretrained's progress
+    assert generate.main([str(tmp_path), "--prompt", "The king said the queen", "--genlen", "2"]) != 0
+    error = capsys.readouterr().err.strip().splitlines()[-1]  # after the model's summary line
+    assert error.startswith("error: the prompt: token id") and "vocabulary of 97" in error
+
+
 def test_the_hybrid_test_model_generates_quantized(shared_data_dir, tmp_path, capsys):
     """tests/fixtures/tiny-hybrid (Nemotron-H) quantized W8A8 on the fly: text out, and its
     Mamba2 layers on the int8 ops."""

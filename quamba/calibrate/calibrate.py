@@ -13,6 +13,7 @@ from quamba.calibrate.data import CalibrationSet
 from quamba.calibrate.errors import CalibrationError
 from quamba.calibrate.observers import ChannelAbsMaxObserver, ObserverSpec, make_observer
 from quamba.layers.qtransformer import TRANSFORMER_LAYERS, input_kind, quantized_linears
+from quamba.models.hub import check_token_ids
 from quamba.models.falcon_h1 import ParallelMixer
 from quamba.models.mamba2 import Mamba2Mixer
 from quamba.models.state import MixerState
@@ -78,6 +79,7 @@ def calibrate(model, calib: CalibrationSet | torch.Tensor,
     does not depend on the batch size.
     """
     tokens = _calibration_tokens(calib)
+    check_token_ids(tokens, model.config.vocab_size, "the calibration tokens")
     _check_batch_size(batch_size)
     recorder = _Recorder(_observer_specs(observers), num_samples=tokens.shape[0])
     device = next(model.parameters()).device

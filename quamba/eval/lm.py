@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 from quamba.eval import distributed
 from quamba.eval.scoring import model_device, rolling_windows, score_continuations
+from quamba.models.hub import check_token_ids
 
 log = logging.getLogger("quamba")
 
@@ -81,7 +82,9 @@ class QuambaLM(TemplateLM):
         return self.model.config.eos_token_id if eos is None else eos
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
-        return self.tokenizer.encode(string, add_special_tokens=bool(add_special_tokens))
+        ids = self.tokenizer.encode(string, add_special_tokens=bool(add_special_tokens))
+        check_token_ids(ids, self.model.config.vocab_size, "a task's text")
+        return ids
 
     def tok_decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens)

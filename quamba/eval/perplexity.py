@@ -21,6 +21,7 @@ from tqdm import tqdm
 from quamba.errors import QuambaError
 from quamba.eval import distributed
 from quamba.eval.scoring import rolling_windows, score_continuations
+from quamba.models.hub import check_token_ids
 
 WIKITEXT2 = "wikitext2"
 LOCAL_WIKITEXT2 = "wikitext2_test_docs.jsonl"
@@ -82,6 +83,7 @@ def perplexity(model, tokenizer, text: str, window: int = DEFAULT_WINDOW, batch_
     tokens = tokenizer.encode(text, add_special_tokens=False)
     if not tokens:
         raise QuambaError("the text holds no tokens")
+    check_token_ids(tokens, model.config.vocab_size, "the perplexity text")
     eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else model.config.eos_token_id
     windows = rolling_windows(tokens, eos, window)
     starts = distributed.shard(list(range(0, len(windows), batch_size)))

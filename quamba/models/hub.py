@@ -139,6 +139,18 @@ def load_tokenizer(model_dir: Path | None, tokenizer=None):
                                  f"{str(exc).splitlines()[0]}") from None
 
 
+def check_token_ids(ids, vocab_size: int, what: str) -> None:
+    """A one-line error where token ids (a list or an integer tensor) reach past the model's
+    vocabulary, as another model's tokenizer gives them: the embedding would otherwise fail with
+    an IndexError on the CPU, a device-side assert on a GPU."""
+    if len(ids) == 0:
+        return
+    largest = int(ids.max()) if isinstance(ids, torch.Tensor) else max(ids)
+    if largest >= vocab_size:
+        raise QuambaError(f"{what}: token id {largest} is outside the model's vocabulary of "
+                          f"{vocab_size}: the tokenizer is another model's (give its own)")
+
+
 def cast_model(model, dtype: torch.dtype):
     """Cast to ``dtype`` keeping the SSM parameters (A_log, D) in fp32, also those of mixers
     inside a block's mixer (Falcon-H1's parallel one), and every module that says

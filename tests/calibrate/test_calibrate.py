@@ -7,6 +7,7 @@ from torch import nn
 
 from quamba.calibrate import (DEFAULT_OBSERVERS, TENSOR_KINDS, CalibrationError, CalibrationSet,
                               ObserverSpec, calibrate, content_hash)
+from quamba.errors import QuambaError
 from quamba.models.loading import cast_model
 
 ALL_ABSMAX = {kind: ObserverSpec("absmax") for kind in TENSOR_KINDS}
@@ -120,6 +121,11 @@ def test_bad_arguments(model, tokens):
             calibrate(model, bad, progress=False)
     with pytest.raises(CalibrationError, match="batch_size must be a positive integer"):
         calibrate(model, tokens, batch_size=0, progress=False)
+    past_vocabulary = tokens.clone()
+    past_vocabulary[1, 2] = model.config.vocab_size
+    with pytest.raises(QuambaError, match=f"calibration tokens: token id {model.config.vocab_size} "
+                                          "is outside the model's vocabulary"):
+        calibrate(model, past_vocabulary, progress=False)
 
 
 @pytest.mark.gpu

@@ -145,3 +145,13 @@ def test_bad_construction_arguments(model, tokenizer):
         QuambaLM(model=model, tokenizer=tokenizer, batch_size="auto")
     with pytest.raises(ValueError, match="unknown model_args"):
         QuambaLM(pretrained="x", no_such_option=1)
+
+
+def test_task_text_beyond_the_models_vocabulary_is_a_one_line_error(tokenizer):
+    from quamba.errors import QuambaError
+    from quamba.models.config import MambaConfig
+    from quamba.models.mamba import MambaLMHeadModel
+    small = MambaLMHeadModel(MambaConfig(d_model=16, n_layer=1, vocab_size=64)).eval()
+    adapter = QuambaLM(model=small, tokenizer=tokenizer)
+    with pytest.raises(QuambaError, match="a task's text: token id .* vocabulary of 64"):
+        adapter.loglikelihood([Instance("loglikelihood", {}, ("The quick brown", " fox"), 0)])

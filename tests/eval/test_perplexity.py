@@ -62,3 +62,13 @@ def test_evaluate_perplexity_on_a_file(model, tokenizer, tmp_path):
     assert result["dataset"] == str(path) and result["window"] == 32
     assert result["perplexity"] == pytest.approx(
         perplexity(model, tokenizer, TEXT, window=32, progress=False)["perplexity"], rel=1e-5)
+
+
+def test_another_models_tokenizer_is_a_one_line_error(tokenizer):
+    """GPT-NeoX ids (up to 50276) into a model of 64 tokens: named, not an IndexError."""
+    from quamba.models.config import MambaConfig
+    from quamba.models.mamba import MambaLMHeadModel
+    small = MambaLMHeadModel(MambaConfig(d_model=16, n_layer=1, vocab_size=64)).eval()
+    with pytest.raises(QuambaError, match=r"the perplexity text: token id \d+ is outside the "
+                                          r"model's vocabulary of 64: the tokenizer is another"):
+        perplexity(small, tokenizer, TEXT, window=16, progress=False)
