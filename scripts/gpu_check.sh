@@ -10,11 +10,12 @@
 #   --baseline    also build mamba-ssm 2.3.2.post1 and causal-conv1d 1.7.0 (the FP16 baseline) from
 #                 the sdists in .whl/, for sm_90 only, beside quamba._C (413 s alone on the 16-core
 #                 H200 machine, ~610 s beside quamba._C on the H100 one: more than one 10-minute
-#                 device command). There, start it detached in one command,
+#                 device command). The ops' GPU tests run while it builds, the models' once it is
+#                 installed (their FP ops take its kernels). There, start it detached in one command,
 #                   mkdir -p /tmp/gc; (OUT=/tmp/gc setsid nohup scripts/gpu_check.sh --baseline
-#                     --no-tests --no-bench >/tmp/gc/main.log 2>&1 </dev/null &)
-#                 wait in the next one until /tmp/gc/baseline.status exists (0: built), then run
-#                 this script again with --no-build
+#                     --no-bench >/tmp/gc/main.log 2>&1 </dev/null &)
+#                 and wait in the next ones until /tmp/gc/gpu_check.log holds its summary (a later
+#                 call with --no-build reuses what it built)
 #   --sanitizer   also run the tests named *small* under compute-sanitizer --tool memcheck, and the
 #                 small conv, scan and norm tests (the kernels that share memory between threads)
 #                 under --tool racecheck; and the layer kernels' exactness tests under memcheck and
@@ -113,11 +114,19 @@ readme_agreement() {
 # The GPU tests: the test_cuda_* files, and the Triton kernels' files whose small cases also run
 # on CPU under Triton's interpreter. (`pytest -m gpu tests/` needs every test module's imports,
 # datasets and lm_eval included, which this offline --no-deps install does not bring.) The
-# sweeps, left out of the default run (pyproject.toml), run here too.
-run_tests() {
-  "$PYTHON" -m pytest -q -rs -p no:cacheprovider -m "sweep or not sweep" tests/*/test_cuda_*.py \
+# sweeps, left out of the default run (pyproject.toml), run here too. In two parts: the ops'
+# tests (quamba's kernels against their references), and the rest, whose models run their FP ops
+# on mamba-ssm's and causal-conv1d's kernels where those are installed.
+run_op_tests() {
+  "$PYTHON" -m pytest -q -rs -p no:cacheprovider -m "sweep or not sweep" tests/ops/test_cuda_*.py \
     tests/ops/test_trainable_scan.py tests/ops/test_full_scan_kernel.py tests/ops/test_qssd.py \
     tests/ops/test_gated_norm.py
+}
+
+run_model_tests() {
+  local files=()
+  for file in tests/*/test_cuda_*.py; do [[ $file == tests/ops/* ]] || files+=("$file"); done
+  "$PYTHON" -m pytest -q -rs -p no:cacheprovider -m "sweep or not sweep" "${files[@]}"
 }
 
 # sanitize TOOL TESTS SELECTION [OPTION...]: runs the selected tests under compute-sanitizer's TOOL
@@ -158,7 +167,8 @@ run_e2e() {
   return $status
 }
 
-# The baseline builds in the background while quamba._C builds; its log joins ours when it ends.
+# The baseline builds in the background while quamba._C builds and the ops' tests run; its log
+# joins ours when it ends.
 wait_for_baseline() {
   while [ ! -f "$LOG_DIR/baseline.status" ]; do sleep 5; done
   cat "$LOG_DIR/baseline.log"
@@ -171,16 +181,19 @@ if [ "$BASELINE" = 1 ] && [ "$BUILD" = 1 ]; then
 fi
 BUILT=1
 [ "$BUILD" = 1 ] && { step build-quamba build_extension || BUILT=0; }
-[ "$BASELINE" = 1 ] && [ "$BUILD" = 1 ] && step build-baseline wait_for_baseline
 if [ "$BUILT" = 1 ]; then
   step environment "$PYTHON" -m quamba.env --strict  # quamba._C loads and runs every quantized op
+  [ "$TESTS" = 1 ] && step op-tests run_op_tests
+fi
+[ "$BASELINE" = 1 ] && [ "$BUILD" = 1 ] && step build-baseline wait_for_baseline
+if [ "$BUILT" = 1 ]; then
   if [ "$EVAL" = 1 ]; then
     step eval-packages install_eval_packages
     step readme-main-cuda readme_main cuda
     step readme-main-cpu readme_main cpu
     step agreement readme_agreement
   fi
-  [ "$TESTS" = 1 ] && step gpu-tests run_tests
+  [ "$TESTS" = 1 ] && step model-tests run_model_tests
   [ "$BENCH" = 1 ] && step benchmarks run_benchmarks
   [ "$E2E" = 1 ] && step e2e run_e2e
   [ "$SANITIZER" = 1 ] && step memcheck sanitize memcheck "tests/*/test_cuda_*.py" small
