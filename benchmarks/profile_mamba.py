@@ -607,7 +607,8 @@ def measure_quamba(name: str, model, prompt, args, bandwidth) -> dict:
 
 def baseline_rows(fp_model, prompt, args, bandwidth, notes) -> list[dict]:
     """The external FP16 baseline's row: mamba-ssm's model for a Mamba model, transformers' own
-    model for a hybrid (none, with a note, where it cannot be built)."""
+    model for a hybrid (none, with a note, where it cannot be built; where transformers' model
+    fails, its error is noted as ``transformers_baseline_error`` and quamba's rows still run)."""
     if isinstance(fp_model.config, MambaConfig):
         if fp_kernels.missing():
             notes["baseline"] = fp_kernels.missing()
@@ -622,6 +623,9 @@ def baseline_rows(fp_model, prompt, args, bandwidth, notes) -> list[dict]:
     fp_model.to("cpu")
     try:
         return [_transformers_row(raw, prompt, args, bandwidth)]
+    except Exception as exc:  # another library's model, whatever its version raises
+        notes["transformers_baseline_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+        return []
     finally:
         release()
         fp_model.to("cuda")
@@ -796,7 +800,9 @@ def run_one(args, argv: list[str]) -> tuple[dict, int]:
             print(f"{row['name']}: batch {row['batch']} state cache: SSM state "
                   f"{row['ssm_state_bytes'] / 1e6:.2f} MB ({row['ssm_state_bytes_per_seq'] / 1e6:.3f} MB "
                   f"per sequence), conv state {row['conv_state_bytes'] / 1e6:.2f} MB")
-    return result, check_backends(result["rows"], args.allow_reference_ops, args.reference_fp_ops)
+    baseline_failed = "transformers_baseline_error" in result["notes"]
+    return result, max(int(baseline_failed),
+                       check_backends(result["rows"], args.allow_reference_ops, args.reference_fp_ops))
 
 
 if __name__ == "__main__":

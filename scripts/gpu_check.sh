@@ -32,8 +32,8 @@
 #                 include tests/eval/test_cuda_eval_agreement.py. Needs ../shared/data (the offline
 #                 data) beside the checkout
 #   --e2e         end-to-end generation profiles (benchmarks/profile_mamba.py): Mamba-130m and
-#                 Mamba-2.8b shapes, prompt 1024, 128 new tokens, batch 1 and 8 ($E2E_CONFIGS and
-#                 $E2E_BATCHES override the lists)
+#                 Mamba-2.8b shapes, prompt 1024, 128 new tokens, batch 1 and 8, 3 repeats as the
+#                 README's numbers ($E2E_CONFIGS, $E2E_BATCHES and $E2E_REPEATS override them)
 #
 # .whl/ (git-ignored, carried to the machine) holds the nvidia-cutlass 4.2.0.0 wheel, for --baseline
 # the two sdists, for --eval the wheels in .whl/eval/: scripts/fetch_gpu_wheels.sh fetches them.
@@ -161,7 +161,8 @@ run_e2e() {
   for config in ${E2E_CONFIGS:-130m 2.8b}; do
     for batch in ${E2E_BATCHES:-1 8}; do
       "$PYTHON" benchmarks/profile_mamba.py --config "$config" --batch "$batch" --prompt_len 1024 \
-        --gen_len 128 --breakdown --out "$LOG_DIR/profile_${config}_b${batch}.json" || status=1
+        --gen_len 128 --repeats "${E2E_REPEATS:-3}" --breakdown \
+        --out "$LOG_DIR/profile_${config}_b${batch}.json" || status=1
     done
   done
   return $status

@@ -210,6 +210,21 @@ def test_a_family_without_a_transformers_class_gets_no_transformers_row():
     assert "has no model class for this family" in notes["transformers_baseline"]
 
 
+def test_a_failing_transformers_baseline_is_noted_not_fatal(monkeypatch):
+    """transformers' model raising (a version's bug) leaves quamba's rows to run: the error is
+    noted in one line (and the run's exit status says it, run_one)."""
+    def broken(*args):
+        raise AttributeError("'NoneType' object has no attribute 'nbytes'\nmore lines")
+    monkeypatch.setattr(profile_mamba, "_transformers_row", broken)
+    from types import SimpleNamespace
+    notes = {}
+    args = Namespace(model=None, config="nemotron-h-8b")
+    model = SimpleNamespace(config=_tiny_hybrid().config, to=lambda device: None)  # no GPU here
+    assert profile_mamba.baseline_rows(model, None, args, 0.0, notes) == []
+    assert notes["transformers_baseline_error"] == ("AttributeError: 'NoneType' object has no "
+                                                    "attribute 'nbytes'")
+
+
 def test_a_hybrid_directorys_config_builds_transformers_baseline(tmp_path):
     """--model DIR: its config.json as published (Nemotron-H's names its remote code in auto_map,
     which is left out: the installed transformers' class is the baseline)."""
