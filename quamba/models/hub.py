@@ -15,8 +15,10 @@ from quamba.errors import CheckpointError, ModelNotFoundError, QuambaError
 
 DEFAULT_TOKENIZER = "EleutherAI/gpt-neox-20b"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+# the last: Megatron-LM's checkpoints (quamba.models.megatron), every rank's, so that a split
+# model is refused rather than read in part
 _HUB_PATTERNS = ["config.json", "*.safetensors", "*.bin", "*.index.json", "*.json", "*.txt",
-                 "tokenizer.model"]
+                 "tokenizer.model", "*mp_rank_*/model_optim_rng.pt"]
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16,
            "float16": torch.float16, "half": torch.float16, "bf16": torch.bfloat16,

@@ -8,6 +8,8 @@
   dt, B and C have no weights.
 * ``mistral`` (mistralai/Mamba-Codestral-7B-v0.1): params.json and consolidated.safetensors, no
   config.json (quamba.models.mistral).
+* ``megatron`` (nvidia/mamba2-8b-3t-4k): Megatron-LM's checkpoint of a pure Mamba2 model, no
+  config.json (quamba.models.megatron).
 
 The layout is detected from config.json (params.json), never from the directory name.
 load_model also loads Vision Mamba classifiers (quamba.models.vision_loading) and quantized
@@ -30,6 +32,7 @@ from quamba.models.hub import (cast_model, is_quamba_checkpoint, load_state_into
 from quamba.models.bamba import BAMBA_TYPES, BambaConfig, BambaLM, from_transformers_names
 from quamba.models.falcon_h1 import FalconH1Config, FalconH1LM, from_falcon_h1_names
 from quamba.models.jamba import JambaConfig, JambaLM, from_jamba_names
+from quamba.models import megatron
 from quamba.models.mamba import MambaLMHeadModel
 from quamba.models.zamba2 import Zamba2Config, Zamba2LM, from_zamba2_names
 from quamba.models.nemotron_h import UNSUPPORTED_HYBRIDS, NemotronHConfig, NemotronHLM
@@ -39,7 +42,6 @@ from quamba.models.vision_loading import is_vision_config, load_vision_model
 
 log = logging.getLogger("quamba")
 
-MEGATRON_MARKERS = ("latest_checkpointed_iteration.txt", "release/mp_rank_00/model_optim_rng.pt")
 # transformers model types that load_model reads
 SUPPORTED_MODEL_TYPES = (*TRANSFORMERS_MAMBA1_TYPES, "mamba2", "nemotron_h", *BAMBA_TYPES, "jamba",
                          "falcon_h1", "zamba2")
@@ -154,8 +156,7 @@ def load_model(name_or_path, dtype="fp32", device="cpu", tokenizer=None):
     model_dir = resolve_model_dir(name_or_path)
     if _is_quantized(model_dir):
         return quantized_format["load"](model_dir, device=device, dtype=dtype, tokenizer=tokenizer)
-    if not is_mistral_dir(model_dir):
-        _refuse_megatron(model_dir)
+    if not (is_mistral_dir(model_dir) or megatron.is_megatron_dir(model_dir)):
         raw = read_config_json(model_dir)
         if is_vision_config(raw):
             return load_vision_model(model_dir, raw, parse_dtype(dtype), device, name_or_path), None
@@ -178,24 +179,16 @@ def lm_class(config) -> type:
     return _FAMILY_LMS.get(type(config), MambaLMHeadModel)
 
 
-def _refuse_megatron(model_dir: Path) -> None:
-    """NVIDIA's Mamba2-8B (nvidia/mamba2-8b-3t-4k) ships as a Megatron-LM training checkpoint (a
-    pickle, release/mp_rank_00/model_optim_rng.pt): refused by name, pointing to its mapping."""
-    if (model_dir / "config.json").is_file():
-        return
-    if any((model_dir / marker).exists() for marker in MEGATRON_MARKERS):
-        raise CheckpointError(
-            f"{model_dir} is a Megatron-LM checkpoint (the layout of nvidia/mamba2-8b-3t-4k), "
-            "which quamba does not read; convert it to the mamba_ssm layout as "
-            "docs/checkpoints.md#nvidias-mamba2-8b describes")
-
-
 def _read_lm_checkpoint(model_dir: Path, tokenizer) -> tuple[str, MambaConfig, dict]:
     """(layout, config, tensors under quamba's names) of an FP language model's directory."""
     if is_mistral_dir(model_dir):
         config = read_params(model_dir)
         check_tokenizer(model_dir, tokenizer)
         return "mistral", config, from_mistral_names(_read_weight_file(weight_file(model_dir)))
+    if megatron.is_megatron_dir(model_dir):
+        megatron.check_tokenizer(model_dir, tokenizer)
+        config, state = megatron.read_megatron(model_dir)
+        return "megatron", config, state
     _, layout, config = read_config(model_dir)
     if isinstance(config, BambaConfig):
         return layout, config, from_transformers_names(read_state_dict(model_dir), config)

@@ -1,6 +1,6 @@
 """Mamba-Codestral-7B's two layouts: Mistral's (params.json + consolidated.safetensors) and
 transformers' Mamba2ForCausalLM, each loaded with logits equal to transformers' model; the
-options quamba cannot honour, and NVIDIA's Megatron-LM layout, refused by name."""
+options quamba cannot honour, refused by name. (NVIDIA's Megatron-LM layout: test_megatron.py.)"""
 import json
 
 import pytest
@@ -155,10 +155,3 @@ def test_hidden_act_other_than_silu_is_refused(reference, tmp_path):
     (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "hidden_act": "gelu"}))
     assert "hidden_act 'gelu' is not supported" in load_error(tmp_path / "hf")
 
-
-def test_megatron_checkpoint_is_refused_by_name(tmp_path):
-    (tmp_path / "release" / "mp_rank_00").mkdir(parents=True)
-    (tmp_path / "release" / "mp_rank_00" / "model_optim_rng.pt").write_bytes(b"")
-    (tmp_path / "latest_checkpointed_iteration.txt").write_text("release")
-    message = load_error(tmp_path)
-    assert "Megatron-LM checkpoint" in message and "nvidia/mamba2-8b-3t-4k" in message
