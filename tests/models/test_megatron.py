@@ -170,3 +170,15 @@ def test_quantized_from_megatron_saves_and_reloads_bit_identically(reference, tm
     reloaded, _ = quamba.load_model(tmp_path / "w8a8", tokenizer=False)
     with torch.no_grad():
         assert torch.equal(reloaded(ids()), qmodel(ids()))
+
+
+def test_saved_in_the_transformers_layout_loads_in_transformers(reference, tmp_path):
+    """The conversion a user runs once: Megatron-LM's checkpoint to a Mamba2ForCausalLM
+    directory (safetensors), which transformers loads with the same logits."""
+    from transformers import AutoModelForCausalLM
+    write_megatron(tmp_path / "megatron", megatron_names(reference))
+    model, _ = quamba.load_model(tmp_path / "megatron", tokenizer=False)
+    quamba.save_model(model, tmp_path / "hf")
+    converted = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    with torch.no_grad():
+        assert torch.equal(converted(ids()).logits, reference(ids()).logits)
