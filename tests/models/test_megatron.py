@@ -14,7 +14,7 @@ from transformers import Mamba2Config, Mamba2ForCausalLM
 
 import quamba
 from quamba.errors import CheckpointError
-from tests.models.hybrid_checks import rel
+from tests.models.hybrid_checks import random_model, rel
 
 # 4 heads of 16 in 2 groups, d_state 8, conv width 4, 2 layers, an untied head; 37 tokens: a
 # partial chunk of Megatron's 128
@@ -38,19 +38,7 @@ class RunsOnLoad:
 
 @pytest.fixture(scope="module")
 def reference() -> Mamba2ForCausalLM:
-    torch.manual_seed(0)
-    model = Mamba2ForCausalLM(Mamba2Config(**HF_CONFIG)).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("A_log"):
-                param.copy_(torch.log(torch.rand_like(param) * 15 + 1))
-            elif name.endswith("dt_bias"):
-                param.copy_(torch.randn_like(param) * 0.5 - 3)
-            elif "norm" in name or name.endswith(".D"):
-                param.copy_(torch.rand_like(param) + 0.5)
-            else:
-                param.copy_(torch.randn_like(param) * 0.1)
-    return model
+    return random_model(Mamba2ForCausalLM, Mamba2Config(**HF_CONFIG), seed=0)
 
 
 def megatron_names(reference, fused_norm: bool = False) -> dict:
