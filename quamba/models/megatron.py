@@ -13,17 +13,12 @@ code the checkpoint names runs (``torch.load(weights_only=True)`` refuses such c
 
 Mapping onto quamba's (mamba_ssm's) names:
 
-=========================================  ==========================================
-Megatron-LM                                quamba
-=========================================  ==========================================
-``embedding.word_embeddings.weight``       ``backbone.embedding.weight``
-``decoder.layers.{i}.norm.weight``          ``backbone.layers.{i}.norm.weight``
-``decoder.layers.{i}.mixer.in_proj.``       ``backbone.layers.{i}.norm.weight``
-``layer_norm_weight`` (norm fused in TE)
-``decoder.layers.{i}.mixer.<name>``         ``backbone.layers.{i}.mixer.<name>``
-``decoder.final_norm.weight``               ``backbone.norm_f.weight``
-``output_layer.weight``                     ``lm_head.weight``
-=========================================  ==========================================
+* ``embedding.word_embeddings.weight`` → ``backbone.embedding.weight``;
+* ``decoder.layers.{i}.norm.weight``, or ``decoder.layers.{i}.mixer.in_proj.layer_norm_weight``
+  (the norm fused into in_proj by TransformerEngine) → ``backbone.layers.{i}.norm.weight``;
+* ``decoder.layers.{i}.mixer.<name>`` → ``backbone.layers.{i}.mixer.<name>``;
+* ``decoder.final_norm.weight`` → ``backbone.norm_f.weight``;
+* ``output_layer.weight`` → ``lm_head.weight`` (absent: the embedding is tied).
 
 The mixer's tensors keep their names (in_proj with rows z, x, B, C, dt; conv1d; dt_bias; A_log;
 D; norm, the gated RMSNorm; out_proj); TransformerEngine's ``_extra_state`` entries are dropped.
