@@ -23,8 +23,8 @@ Mapping onto quamba's (mamba_ssm's) names:
 The mixer's tensors keep their names (in_proj with rows z, x, B, C, dt; conv1d; dt_bias; A_log;
 D; norm, the gated RMSNorm; out_proj); TransformerEngine's ``_extra_state`` entries are dropped.
 The shape comes from the tensors (d_model, layers, d_inner, heads, conv width, vocabulary) and
-from ``args`` (d_state, the groups, the norm's eps; Megatron's defaults 128, 8 and 1e-5 where
-``args`` lacks them).
+from ``args`` (``mamba_state_dim``, ``mamba_num_groups``, ``norm_epsilon``,
+``mamba_chunk_size``; Megatron-LM's defaults 128, 8, 1e-5 and 128 where ``args`` lacks them).
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ ITERATION_FILE = "latest_checkpointed_iteration.txt"
 CHECKPOINT_FILE = "model_optim_rng.pt"
 # Megatron-LM's argument defaults for a Mamba2 model (megatron/training/arguments.py)
 DEFAULT_STATE_DIM, DEFAULT_GROUPS, DEFAULT_EPS = 128, 8, 1e-5
-CHUNK_SIZE = 128  # the chunk Megatron-LM's Mamba2 mixer scans in
+DEFAULT_CHUNK = 128  # the chunk Megatron-LM's Mamba2 mixer scans in, unless mamba_chunk_size
 
 _TOP_LEVEL = {"embedding.word_embeddings.weight": "backbone.embedding.weight",
               "decoder.final_norm.weight": "backbone.norm_f.weight",
@@ -99,6 +99,10 @@ def checkpoint_path(model_dir: Path) -> Path:
             f"({', '.join(ranks)}); quamba reads one: merge them with Megatron-LM's "
             "tools/checkpoint/hybrid_conversion.py (--target-tp-size 1 --target-pp-size 1)")
     path = iteration_dir / "mp_rank_00" / CHECKPOINT_FILE
+    if any(iteration_dir.glob("*.distcp")):
+        raise CheckpointError(
+            f"{iteration_dir} is in Megatron-LM's distributed format (torch_dist), which quamba "
+            "does not read; save it in Megatron-LM's torch format (--ckpt-format torch) first")
     if not path.is_file():
         raise CheckpointError(f"{model_dir} is a Megatron-LM checkpoint without "
                               f"{path.relative_to(model_dir)}")
@@ -146,7 +150,7 @@ def to_quamba_names(tensors: dict, path: Path) -> dict[str, torch.Tensor]:
 
 
 def _config(tensors: dict, args: argparse.Namespace | None) -> MambaConfig:
-    """The model's shape from its tensors, d_state and the groups from Megatron's args."""
+    """The model's shape from its tensors; d_state, the groups, eps and chunk from its args."""
     def shape(name):
         if name not in tensors:
             raise ConfigError(f"lacks the tensor {name!r}")
@@ -170,7 +174,8 @@ def _config(tensors: dict, args: argparse.Namespace | None) -> MambaConfig:
     return MambaConfig(
         d_model=d_model, n_layer=len(layers), vocab_size=vocab, layer="Mamba2", d_state=state_dim,
         d_conv=d_conv, expand=d_inner // d_model, headdim=d_inner // nheads, ngroups=groups,
-        chunk_size=CHUNK_SIZE, norm_epsilon=float(getattr(args, "norm_epsilon", DEFAULT_EPS)),
+        chunk_size=int(getattr(args, "mamba_chunk_size", None) or DEFAULT_CHUNK),
+        norm_epsilon=float(getattr(args, "norm_epsilon", DEFAULT_EPS)),
         pad_vocab_size_multiple=1, tie_embeddings="output_layer.weight" not in tensors)
 
 

@@ -138,6 +138,10 @@ def test_what_quamba_cannot_read_is_refused_in_one_line(reference, tmp_path):
     corrupt = tmp_path / "corrupt" / "release" / "mp_rank_00" / "model_optim_rng.pt"
     corrupt.write_bytes(b"not a pickle")
     assert "cannot read" in load_error(tmp_path / "corrupt")
+    (tmp_path / "dist" / "iter_0000005").mkdir(parents=True)
+    (tmp_path / "dist" / "latest_checkpointed_iteration.txt").write_text("5")
+    (tmp_path / "dist" / "iter_0000005" / "__0_0.distcp").write_bytes(b"")
+    assert "distributed format (torch_dist)" in load_error(tmp_path / "dist")
     (tmp_path / "bad-iteration").mkdir()
     (tmp_path / "bad-iteration" / "latest_checkpointed_iteration.txt").write_text("latest\n")
     assert "names neither 'release' nor an iteration" in load_error(tmp_path / "bad-iteration")
