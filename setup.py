@@ -219,6 +219,9 @@ setup(
         # the equivalence tests' reference models: before 5.23, transformers' torch path of Mamba2
         # (Bamba's, Granite-4.0-H's, Zamba2's too) takes the gated RMSNorm over all n_groups at once
         "transformers>=5.23",
+        # the SentencePiece tokenizer of Megatron-LM checkpoints (NVIDIA's Mamba2-8B) in
+        # tests/models/test_megatron.py; reading such a tokenizer needs it, nothing else does
+        "sentencepiece",
         *EXPORT_REQUIRES,  # the export round-trip tests (tests/export) run in CI too
         "scipy",  # cont2discrete and solve_ivp: the references of tests/ops/test_discretization.py
         # its interpreter runs the Triton kernels' small tests on CPU (TRITON_INTERPRET, set by

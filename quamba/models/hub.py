@@ -12,13 +12,14 @@ from pathlib import Path
 import torch
 
 from quamba.errors import CheckpointError, ModelNotFoundError, QuambaError
+from quamba.models.sentencepiece_tokenizer import SentencePieceTokenizer, sentencepiece_file
 
 DEFAULT_TOKENIZER = "EleutherAI/gpt-neox-20b"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
-# the last: Megatron-LM's checkpoints (quamba.models.megatron), every rank's, so that a split
-# model is refused rather than read in part
+# the last two: SentencePiece tokenizers, and Megatron-LM's checkpoints (quamba.models.megatron),
+# every rank's, so that a split model is refused rather than read in part
 _HUB_PATTERNS = ["config.json", "*.safetensors", "*.bin", "*.index.json", "*.json", "*.txt",
-                 "tokenizer.model", "*mp_rank_*/model_optim_rng.pt"]
+                 "*.model", "*mp_rank_*/model_optim_rng.pt"]
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16,
            "float16": torch.float16, "half": torch.float16, "bf16": torch.bfloat16,
@@ -119,16 +120,21 @@ def load_state_into(model, state: dict, source: str) -> None:
 
 
 def load_tokenizer(model_dir: Path | None, tokenizer=None):
-    """The tokenizer given (hub id, directory or tokenizer.json path), else the model directory's,
-    else GPT-NeoX-20B (the tokenizer of every state-spaces/mamba checkpoint)."""
+    """The tokenizer given (hub id, directory, tokenizer.json or SentencePiece ``.model`` path),
+    else the model directory's (a transformers tokenizer, or a SentencePiece model:
+    quamba.models.sentencepiece_tokenizer), else GPT-NeoX-20B (the tokenizer of every
+    state-spaces/mamba checkpoint)."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
     if tokenizer is not None and not isinstance(tokenizer, (str, os.PathLike)):
         return tokenizer
     source = tokenizer
     if source is None:
-        has_own = model_dir is not None and any((model_dir / f).is_file() for f in TOKENIZER_FILES)
+        has_own = has_tokenizer(model_dir)
         source = str(model_dir) if has_own else DEFAULT_TOKENIZER
     source = str(source)
+    sentencepiece = sentencepiece_model(Path(source))
+    if sentencepiece is not None:
+        return SentencePieceTokenizer(sentencepiece)
     if source.endswith(".json") and Path(source).is_file():
         return PreTrainedTokenizerFast(tokenizer_file=source, bos_token="<|endoftext|>",
                                        eos_token="<|endoftext|>", unk_token="<|endoftext|>")
@@ -139,6 +145,26 @@ def load_tokenizer(model_dir: Path | None, tokenizer=None):
                 else "")
         raise ModelNotFoundError(f"cannot load tokenizer {source!r}{hint}: "
                                  f"{str(exc).splitlines()[0]}") from None
+
+
+def has_tokenizer(model_dir: Path | None) -> bool:
+    """Whether a model directory holds a tokenizer: a transformers one's files, or a
+    SentencePiece model (sentencepiece_model)."""
+    if model_dir is None:
+        return False
+    return (any((model_dir / f).is_file() for f in TOKENIZER_FILES)
+            or sentencepiece_model(model_dir) is not None)
+
+
+def sentencepiece_model(source: Path) -> Path | None:
+    """The SentencePiece model a tokenizer source names: a ``.model`` file, or a directory
+    without a transformers tokenizer that holds one (quamba.models.sentencepiece_tokenizer's
+    sentencepiece_file); else None."""
+    if source.suffix == ".model" and source.is_file():
+        return source
+    if source.is_dir() and not any((source / f).is_file() for f in TOKENIZER_FILES):
+        return sentencepiece_file(source)
+    return None
 
 
 def check_token_ids(ids, vocab_size: int, what: str) -> None:

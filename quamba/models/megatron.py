@@ -39,7 +39,7 @@ import torch
 
 from quamba.errors import CheckpointError
 from quamba.models.config import ConfigError, MambaConfig
-from quamba.models.hub import TOKENIZER_FILES
+from quamba.models.hub import has_tokenizer
 
 ITERATION_FILE = "latest_checkpointed_iteration.txt"
 CHECKPOINT_FILE = "model_optim_rng.pt"
@@ -120,12 +120,13 @@ def load_checkpoint(path: Path):
 
 
 def check_tokenizer(model_dir: Path, tokenizer) -> None:
-    """Refuse the GPT-NeoX default: the model's vocabulary is NVIDIA's SentencePiece model."""
-    if tokenizer is None and not any((model_dir / f).is_file() for f in TOKENIZER_FILES):
-        raise CheckpointError(f"{model_dir} (Megatron-LM layout) has no transformers tokenizer "
-                              f"({', '.join(TOKENIZER_FILES)}), and GPT-NeoX's default would be "
-                              "wrong for it; pass tokenizer= (the model's own, as a transformers "
-                              "tokenizer) or tokenizer=False")
+    """Refuse the GPT-NeoX default where the directory holds no tokenizer: the model's vocabulary
+    is its own (NVIDIA's SentencePiece model, a ``.model`` file beside the checkpoint)."""
+    if tokenizer is None and not has_tokenizer(model_dir):
+        raise CheckpointError(f"{model_dir} (Megatron-LM layout) holds no tokenizer (a "
+                              "SentencePiece .model file or a transformers tokenizer), and "
+                              "GPT-NeoX's default would be wrong for it; pass tokenizer= (the "
+                              "model's .model file) or tokenizer=False")
 
 
 def to_quamba_names(tensors: dict, path: Path) -> dict[str, torch.Tensor]:

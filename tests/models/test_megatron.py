@@ -5,7 +5,9 @@ quamba cannot read is refused in one line."""
 import argparse
 import enum
 import io
+import json
 import random
+import re
 
 import numpy as np
 import pytest
@@ -149,7 +151,55 @@ def test_what_quamba_cannot_read_is_refused_in_one_line(reference, tmp_path):
 
 def test_megatron_layout_needs_a_tokenizer(reference, tmp_path):
     write_megatron(tmp_path, megatron_names(reference))
-    assert "pass tokenizer=" in load_error(tmp_path, tokenizer=None)
+    assert "holds no tokenizer" in load_error(tmp_path, tokenizer=None)
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_model(shared_data_dir, tmp_path_factory):
+    """A SentencePiece model of 64 pieces trained on the shared text (lowercase letters and
+    spaces: few enough characters for so small a vocabulary), as NVIDIA ships Mamba2-8B's."""
+    spm = pytest.importorskip("sentencepiece")
+    lines = (json.loads(line)["text"] for line in
+             (shared_data_dir / "text" / "c4_sample.jsonl").read_text().splitlines()[:200])
+    texts = [re.sub(r"[^a-z ]+", " ", text.lower()) for text in lines]
+    path = tmp_path_factory.mktemp("spm") / "mt_nlg_test_64.model"
+    with open(path, "wb") as out:
+        spm.SentencePieceTrainer.train(sentence_iterator=iter(texts), model_writer=out,
+                                       vocab_size=64, model_type="bpe", minloglevel=2)
+    return path
+
+
+def test_the_shipped_sentencepiece_model_is_the_tokenizer(reference, sentencepiece_model,
+                                                           tmp_path):
+    """The .model file beside the checkpoint tokenizes as Megatron-LM's GPTSentencePieceTokenizer
+    does (encode_as_ids, nothing added; eos its eos_id), and travels with a quantized save."""
+    import shutil
+    from sentencepiece import SentencePieceProcessor
+    from quamba.eval.perplexity import perplexity
+    shutil.copy(sentencepiece_model, tmp_path / sentencepiece_model.name)
+    write_megatron(tmp_path, megatron_names(reference))
+    model, tokenizer = quamba.load_model(tmp_path)
+    processor = SentencePieceProcessor(model_file=str(sentencepiece_model))
+    text = "the quick brown fox jumps over the lazy dog"
+    assert tokenizer.encode(text) == tokenizer(text)["input_ids"] == processor.encode_as_ids(text)
+    assert tokenizer([text, "dog"])["input_ids"] == processor.encode_as_ids([text, "dog"])
+    assert tokenizer.decode(tokenizer.encode(text)) == text
+    assert tokenizer.eos_token_id == processor.eos_id() and len(tokenizer) == 64
+    assert perplexity(model, tokenizer, text * 3, window=16, progress=False)["perplexity"] > 1
+    qmodel = quamba.quantize(model, tokenizer, config=quamba.QuantConfig(),
+                             calib_data=ids(64)[:, :48], progress=False)
+    qmodel.save_pretrained(tmp_path / "w8a8")
+    _, reloaded = quamba.load_model(tmp_path / "w8a8")
+    assert reloaded.encode(text) == processor.encode_as_ids(text)
+
+
+def test_a_sentencepiece_tokenizer_without_its_package_is_one_line(sentencepiece_model,
+                                                                  monkeypatch):
+    from quamba.errors import ModelNotFoundError
+    from quamba.models.hub import load_tokenizer
+    monkeypatch.setitem(__import__("sys").modules, "sentencepiece", None)
+    with pytest.raises(ModelNotFoundError, match="needs the sentencepiece package"):
+        load_tokenizer(None, sentencepiece_model)
 
 
 def test_quantized_from_megatron_saves_and_reloads_bit_identically(reference, tmp_path):
