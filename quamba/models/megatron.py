@@ -73,12 +73,13 @@ def read_megatron(model_dir: Path) -> tuple[MambaConfig, dict[str, torch.Tensor]
     if not isinstance(state, dict):
         raise CheckpointError(f"{path} holds no 'model' state dict")
     tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+    renamed = to_quamba_names(tensors, path)  # first: a hybrid is refused by its tensors' names
     args = checkpoint.get("args")
     try:
         config = _config(tensors, args if isinstance(args, argparse.Namespace) else None)
     except ConfigError as exc:
         raise CheckpointError(f"{path}: {exc}") from None
-    return config, to_quamba_names(tensors, path)
+    return config, renamed
 
 
 def checkpoint_path(model_dir: Path) -> Path:
