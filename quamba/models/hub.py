@@ -149,11 +149,9 @@ def load_tokenizer(model_dir: Path | None, tokenizer=None):
 
 def has_tokenizer(model_dir: Path | None) -> bool:
     """Whether a model directory holds a tokenizer: a transformers one's files, or a
-    SentencePiece model (sentencepiece_model)."""
-    if model_dir is None:
-        return False
-    return (any((model_dir / f).is_file() for f in TOKENIZER_FILES)
-            or sentencepiece_model(model_dir) is not None)
+    SentencePiece model (sentencepiece_file)."""
+    return model_dir is not None and (any((model_dir / f).is_file() for f in TOKENIZER_FILES)
+                                      or sentencepiece_file(model_dir) is not None)
 
 
 def sentencepiece_model(source: Path) -> Path | None:
