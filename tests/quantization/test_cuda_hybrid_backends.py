@@ -1,7 +1,10 @@
 """Quantized Falcon-Mamba and Nemotron-H on the GPU (small random models, W8A8 and W4A8): the
 norms of dt, B and C (with their int8 codes) and the int8 input quantizers of the hybrids'
 linears run their Triton kernels (op_backends records a prefill and a decode step), and
-the model's logits stay finite on them."""
+the model's logits stay finite on them. Nemotron-H's small widths (hidden 36) also take its FP
+conv through causal-conv1d's kernel where installed, on a view whose strides that kernel's
+channel-last path refuses (quamba.ops.fp_kernels). Every hybrid family at kernel sizes:
+test_cuda_quantize_hybrids.py."""
 import pytest
 import torch
 
