@@ -8,7 +8,10 @@ Input scales: static per tensor from calibration, except down_proj's input (relu
 outputs, large range), quantized per token at run time (DYNAMIC_INPUTS; a family's config may
 name others: Jamba's and Falcon-H1's add o_proj). Both quantizers are ops of
 quamba.ops.linear.input_quant (one Triton kernel each on a GPU); the GEMM after a per-token one
-is the W8A8 / W4A8 kernel with an input scale of 1, its fp32 output times each token's scale.
+is the W8A8 / W4A8 kernel with an input scale of 1, its fp32 output times each token's scale and
+rounded to the model dtype in one elementwise kernel. A quantized MLP (QMLP) hands its relu²
+to the per-token quantizer of down_proj's input, which applies it as it reads: the same codes as
+quantizing relu2's output, without its two kernels.
 """
 from __future__ import annotations
 
@@ -17,9 +20,11 @@ import torch.nn as nn
 
 from quamba.layers.base import QuantModule
 from quamba.layers.qlinear import W4A8Linear, W4A16Linear, W8A8Linear
+from quamba.models.mamba import watched
 from quamba.models.state import DEFAULT_MAX_SEQLEN, AttentionState
 from quamba.models.transformer_layers import MLP, Attention, GatedMLP, GraniteMoE, MoE
-from quamba.ops.linear.input_quant import per_token_scales, quantize_per_tensor, quantize_per_token
+from quamba.ops.linear.input_quant import (per_token_scales, quantize_per_tensor,
+                                           quantize_per_token, relu2)
 from quamba.ops.quant import fake_quantize, scale_from_range
 
 # The hybrid layers whose nn.Linear modules quantize_linears_ replaces
@@ -76,10 +81,20 @@ class QInputLinear(QuantModule):
             y = self.linear(fake_quantize(x, scale))
             return y.to(x.dtype) if self.dynamic else y
         if self.dynamic:
-            codes, scales = quantize_per_token(x, backend_name=self.backend)
-            return (self.linear(codes) * scales).to(x.dtype)
+            return self._per_token(x)
         return self.linear(quantize_per_tensor(x, self.linear.scales["in_scale"],
                                                backend_name=self.backend))
+
+    def of_relu2(self, x):
+        """``self(relu2(x))``; a per-token input quantizer applies relu² as it reads x."""
+        if self.dynamic and not self.simulate:
+            return self._per_token(x, activation="relu2")
+        return self(relu2(x))
+
+    def _per_token(self, x, activation=None):
+        codes, scales = quantize_per_token(x, backend_name=self.backend, activation=activation)
+        out = self.linear(codes)
+        return torch.mul(out, scales, out=torch.empty(out.shape, dtype=x.dtype, device=out.device))
 
     def extra_repr(self) -> str:
         return f"input={'per-token dynamic' if self.dynamic else 'static'}"
@@ -113,15 +128,29 @@ class QAttention(Attention):
                                     device or next(self.buffers()).device, self.kv_dtype)
 
 
+class QMLP(MLP):
+    """Nemotron-H's MLP with quantized linears: relu² goes to down_proj's input quantizer, unless
+    hooks watch down_proj (calibration, GPTQ: they read relu²'s output) or it takes a float input
+    (W4A16)."""
+
+    def forward(self, h, state=None, step: bool = False):
+        up = self.up_proj(h)
+        if isinstance(self.down_proj, QInputLinear) and not watched(self.down_proj):
+            return self.down_proj.of_relu2(up)
+        return self.down_proj(relu2(up))
+
+
 def quantize_linears_(layer: nn.Module, w_bits: int, a_bits: int, group_size: int,
                       ranges: dict | None = None, load: bool = True,
                       dynamic_inputs: tuple | None = None) -> nn.Module:
     """Replace every nn.Linear of ``layer`` (attention, MLP or MoE, or a block holding them) but
-    a router (quantized_linears) in place by its quantized form (quantized_linear), and each
-    Attention in it by a QAttention."""
+    a router (quantized_linears) in place by its quantized form (quantized_linear), each
+    Attention in it by a QAttention and each MLP (an expert's too) by a QMLP."""
     for module in layer.modules():
         if isinstance(module, Attention):
             module.__class__, module.kv_dtype = QAttention, module.k_proj.weight.dtype
+        elif type(module) is MLP:
+            module.__class__ = QMLP
     for name, fp_linear in quantized_linears(layer):
         layer.set_submodule(name, quantized_linear(fp_linear, name, w_bits, a_bits, group_size,
                                                    ranges, load, dynamic_inputs))

@@ -53,7 +53,7 @@ class RMSNorm(nn.Module):
         return rms_norm(hidden, residual, self.weight, self.eps, self.residual_in_fp32)
 
 
-def _watched(module: nn.Module) -> bool:
+def watched(module: nn.Module) -> bool:
     """Whether forward hooks (the module's own or global ones) would see a call of ``module``."""
     hooks = nn.modules.module
     return bool(module._forward_hooks or module._forward_pre_hooks or hooks._global_forward_hooks
@@ -153,7 +153,7 @@ class MambaMixer(nn.Module):
         watch (calibration, GPTQ) is called as a module; a 4-bit one (W4A16Linear) computes its own
         W · hᵀ."""
         proj = self.in_proj
-        if _watched(proj):
+        if watched(proj):
             return proj(h).transpose(1, 2)
         b, l, _ = h.shape
         h2d = h.reshape(b * l, -1)

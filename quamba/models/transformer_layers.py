@@ -17,11 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from quamba.models.state import DEFAULT_MAX_SEQLEN, AttentionState
-
-
-def relu2(x: torch.Tensor) -> torch.Tensor:
-    """ReLU squared (transformers' "relu2"), Nemotron-H's MLP activation."""
-    return torch.square(F.relu(x))
+from quamba.ops.linear.input_quant import relu2  # Nemotron-H's MLP activation
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

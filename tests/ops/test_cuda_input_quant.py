@@ -31,16 +31,19 @@ def activations(batch, tokens, width, dtype, seed):
 
 
 @pytest.mark.parametrize("batch,tokens", TOKENS)
-@pytest.mark.parametrize("width", [4096, 21504, 8192])
+@pytest.mark.parametrize("width,activation", [(4096, None), (21504, None), (8192, None),
+                                              (21504, "relu2")])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_per_token_codes_and_scales_equal_the_reference(batch, tokens, width, dtype,
+def test_per_token_codes_and_scales_equal_the_reference(batch, tokens, width, activation, dtype,
                                                         monkeypatch):
+    """relu2: Nemotron-H-8B's MLP activation, applied by the quantizer of down_proj's input."""
     monkeypatch.delenv("QUAMBA_BACKEND", raising=False)
     x = activations(batch, tokens, width, dtype, seed=width + tokens)
     with backend.recording() as ran:
-        codes, scales = quantize_per_token(x)
+        codes, scales = quantize_per_token(x, activation=activation)
     assert backend.summary(ran) == {"quantize_per_token": "cuda"}
-    expected_codes, expected_scales = quantize_per_token(x.cpu(), backend_name="torch")
+    expected_codes, expected_scales = quantize_per_token(x.cpu(), backend_name="torch",
+                                                         activation=activation)
     assert scales.shape == (batch, tokens, 1) and scales.dtype == torch.float32
     assert torch.equal(scales.cpu(), expected_scales)
     assert torch.equal(codes.cpu(), expected_codes)

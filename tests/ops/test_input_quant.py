@@ -1,13 +1,14 @@
 """The int8 quantizers of a linear's float input (quamba.ops.linear.input_quant): the references
 follow quamba.ops.quant's rule, and the cuda backend's Triton kernel (compiled on a GPU, under
 Triton's interpreter on a CPU) writes the same codes and scales bit for bit, on strided rows,
-odd widths, rows wider than one block, ties and saturated values."""
+odd widths, rows wider than one block, ties and saturated values; per token also of relu(x)²,
+which the reference computes as Nemotron-H's float MLP does."""
 import pytest
 import torch
 
 from quamba.errors import QuambaError
 from quamba.ops.linear.input_quant import (per_token_scales, quantize_per_tensor,
-                                           quantize_per_token)
+                                           quantize_per_token, relu2)
 from quamba.ops.quant import INT8_MAX, SCALE_FLOOR, quantize, reciprocal, to_fp32
 from tests.ops.standalone_backend import DEVICE, load_backend_file
 
@@ -41,17 +42,29 @@ def test_bad_input_is_one_line_error():
         quantize_per_tensor(torch.tensor(1.0), 0.1)
     with pytest.raises(QuambaError, match="scale must be positive"):
         quantize_per_tensor(torch.ones(3), 0.0)
+    with pytest.raises(QuambaError, match="activation must be one of"):
+        quantize_per_token(torch.ones(3), activation="gelu")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_relu2_reference_quantizes_relu2s_output(dtype):
+    x = rows((3, 50), dtype, seed=2)
+    codes, scales = quantize_per_token(x, backend_name="torch", activation="relu2")
+    expected_codes, expected_scales = quantize_per_token(relu2(x), backend_name="torch")
+    assert torch.equal(codes, expected_codes) and torch.equal(scales, expected_scales)
+    assert relu2(x).dtype == dtype and torch.equal(relu2(x), (x.float().relu() ** 2).to(dtype))
 
 
 @pytest.mark.parametrize("shape,extra", [((1, 7), 0), ((2, 5, 33), 3), ((3, 4103), 0)])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_per_token_kernel_equals_the_reference(shape, extra, dtype, monkeypatch):
+@pytest.mark.parametrize("activation", [None, "relu2"])
+def test_per_token_kernel_equals_the_reference(shape, extra, dtype, activation, monkeypatch):
     """4103 channels: two blocks of the kernel's loop, the second one nearly empty."""
     kernels = load_backend_file(monkeypatch, "linear/input_quant_triton.py")
     x = rows(shape, dtype, seed=shape[-1], extra=extra)
     x[0, ..., :] = 0  # an all-zero row: the floored scale
-    codes, scales = quantize_per_token(x, backend_name="torch")
-    got_codes, got_scales = kernels._quantize_per_token_cuda(x.to(DEVICE))
+    codes, scales = quantize_per_token(x, backend_name="torch", activation=activation)
+    got_codes, got_scales = kernels._quantize_per_token_cuda(x.to(DEVICE), activation)
     assert got_codes.dtype == torch.int8 and got_scales.dtype == torch.float32
     assert torch.equal(got_scales.cpu(), scales) and torch.equal(got_codes.cpu(), codes)
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from quamba.layers.qmixer2 import QMamba2Mixer
-from quamba.layers.qtransformer import QAttention, QInputLinear
+from quamba.layers import qtransformer
+from quamba.layers.qtransformer import QMLP, QAttention, QInputLinear
 from quamba.models.quantized_hybrid import QuantizedNemotronHLM
 from quamba.ops import backend
 from tests.models import hybrid_checks as fp_checks
@@ -75,6 +76,23 @@ def test_dynamic_down_proj_input_holds_where_static_does_not(fp_model, monkeypat
         errors[dynamic] = error_with_float_blocks(
             fp_model, calib, tokens, lambda i, _: fp_model.config.pattern[i] not in "-E")
     assert errors[("down_proj",)] < 0.04 < 0.1 < errors[()]
+
+
+@pytest.mark.parametrize("recipe", ["w8a8", "w4a8"])
+def test_the_mlps_quantizer_applies_relu2_with_the_same_logits(quantized, recipe, monkeypatch):
+    """Each MLP (experts' too) is a QMLP whose relu² runs inside down_proj's per-token quantizer:
+    the logits equal those of relu2's output quantized (MLP.forward) bit for bit, and relu2
+    itself no longer runs."""
+    qmodel, tokens = quantized[recipe], ids(2, 9, seed=3)
+    moe = qmodel.backbone.layers[4].mixer
+    assert isinstance(moe.experts[0], QMLP) and isinstance(moe.shared_experts, QMLP)
+    calls = []
+    monkeypatch.setattr(qtransformer, "relu2", lambda x: calls.append(x) or x.relu().square())
+    fused = prefill_and_step(qmodel, tokens)
+    assert calls == []
+    monkeypatch.setattr(QMLP, "forward", qtransformer.MLP.forward)
+    chained = prefill_and_step(qmodel, tokens)
+    assert all(torch.equal(f, c) for f, c in zip(fused, chained))
 
 
 def test_the_quantized_mixer_keeps_the_dt_floor(quantized):

@@ -1,13 +1,17 @@
 """The int8 quantizer of a linear's float input: per tensor with a static scale
 (``quantize_per_tensor``), or per token with each row's scale measured at run time,
 absmax / 127 floored as quamba.ops.quant.scale_from_range floors it (``quantize_per_token``: the
-hybrids' down_proj inputs, quamba.layers.qtransformer). The torch references are
+hybrids' down_proj inputs, quamba.layers.qtransformer; with ``activation="relu2"`` it quantizes
+relu(x)², Nemotron-H's MLP activation, computed in x's dtype as the float layer computes it: the
+activation's two elementwise kernels and its output's round trip fold into the quantizer's). The
+torch references are
 quamba.ops.quant.quantize's rule; on CUDA tensors each runs one Triton kernel
 (quamba.ops.linear.input_quant_triton) instead of the reference's chain of elementwise,
 reduction and copy kernels, with the same codes and scales bit for bit."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from quamba.errors import QuambaError
 from quamba.ops import backend
@@ -22,11 +26,24 @@ def quantize_per_tensor(x: torch.Tensor, scale: float, backend_name=None) -> tor
     return backend.select("quantize_per_tensor", x.device, backend_name)(x, scale)
 
 
-def quantize_per_token(x: torch.Tensor, backend_name=None) -> tuple[torch.Tensor, torch.Tensor]:
+# what quantize_per_token can apply to its input first
+ACTIVATIONS = (None, "relu2")
+
+
+def quantize_per_token(x: torch.Tensor, backend_name=None,
+                       activation: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 codes of float ``x``, fp32 scales [..., 1]): one scale per row of the last dimension,
-    :func:`per_token_scales`."""
+    :func:`per_token_scales`. With ``activation`` "relu2", those of relu(x)² in x's dtype."""
     _check_float("quantize_per_token", x)
-    return backend.select("quantize_per_token", x.device, backend_name)(x)
+    if activation not in ACTIVATIONS:
+        raise QuambaError(f"quantize_per_token: activation must be one of {ACTIVATIONS}, got "
+                          f"{activation!r}")
+    return backend.select("quantize_per_token", x.device, backend_name)(x, activation)
+
+
+def relu2(x: torch.Tensor) -> torch.Tensor:
+    """ReLU squared (transformers' "relu2"), in x's dtype: an exact product rounded once."""
+    return torch.square(F.relu(x))
 
 
 def per_token_scales(x: torch.Tensor) -> torch.Tensor:
@@ -46,6 +63,8 @@ def _quantize_per_tensor_torch(x, scale):
 
 
 @backend.register("quantize_per_token", "torch")
-def _quantize_per_token_torch(x):
+def _quantize_per_token_torch(x, activation=None):
+    if activation == "relu2":
+        x = relu2(x)
     scales = per_token_scales(x)
     return quantize(x, scales), scales
