@@ -15,6 +15,7 @@ import statistics
 import subprocess
 import sys
 import time
+import warnings
 from collections import defaultdict
 from typing import Callable, Iterable, Sequence
 
@@ -141,6 +142,27 @@ def host_ms(fn: Callable[[], object], runs: int = 3, calls: int = 1) -> tuple[fl
         waited |= slept.query()
         torch.cuda.synchronize()
     return statistics.median(times), waited
+
+
+def first_sync(fn: Callable[[], object]) -> str | None:
+    """Where one call of ``fn`` first makes the host wait for the GPU, as torch's sync debug mode
+    reports it ("file:line: message", the Python line whose torch call synchronized), or None.
+    It sees torch's synchronizing calls (``.item()``, ``.tolist()``, nonzero, a copy to the
+    host), not a synchronization inside another library's C++ code."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+    for warning in caught:
+        message = str(warning.message)
+        if "synchroniz" in message:
+            return f"{warning.filename}:{warning.lineno}: {message.splitlines()[0]}"
+    return None
 
 
 def time_graph_ms(make_call: Callable[[int], Callable[[], object]], bytes_per_call: int,

@@ -26,8 +26,9 @@ quantize yet has FP16 rows only (the notes say why).
   (`prefill_capture_ms`, wall time: warm-up prefill, capture, replay).
 * prefill host time (every row): the host's time to issue one eager prefill while a sleep kernel
   queued first keeps the GPU busy (`prefill_host_ms`; `prefill_host_waited` when the GPU went idle
-  before the host was done, making it an upper bound). Against TTFT and the prefill kernels'
-  time (--breakdown) it says where batch-1 TTFT goes.
+  before the host was done, making it an upper bound, and `prefill_sync` the first call torch
+  reports as synchronizing in a prefill: benchmarks/common.py's first_sync). Against TTFT and the
+  prefill kernels' time (--breakdown) it says where batch-1 TTFT goes.
 * TTLT: the prefill and gen_len decode steps, the next token chosen greedily on the device.
 * generate (quamba rows): the same through quamba's generate(cache_graph=True), eos ignored, which
   checks for eos every 8 tokens (its default; `generate_ms`) or after each (`generate_each_ms`).
@@ -77,8 +78,8 @@ from collections import defaultdict
 
 import torch
 
-from common import (check_backends, copy_bandwidth_gbs, format_table, graph_launch_timing, host_ms,
-                    median_ms, run_metadata, write_json)
+from common import (check_backends, copy_bandwidth_gbs, first_sync, format_table,
+                    graph_launch_timing, host_ms, median_ms, run_metadata, write_json)
 
 from quamba import QuambaError, QuantConfig, quantize
 from quamba.layers.qhead import LM_HEAD_FORMATS
@@ -440,6 +441,8 @@ def measure(name: str, runner, weights: int, prompt, args, bandwidth_gbs: float)
     torch.cuda.synchronize()
     row["peak_bytes"] = torch.cuda.max_memory_allocated()
     row["prefill_host_ms"], row["prefill_host_waited"] = host_ms(lambda: runner.prefill(prompt))
+    if row["prefill_host_waited"]:
+        row["prefill_sync"] = first_sync(lambda: runner.prefill(prompt))
     if isinstance(runner, QuambaRunner) and graphed:  # after the peak: not the prefill graphs' pool
         row["prefill_capture_ms"] = wall_ms(lambda: runner.graphed_prefill(prompt))
         row["ttft_graph_ms"] = median_ms(lambda: runner.graphed_prefill(prompt), args.repeats)
@@ -792,7 +795,8 @@ def run_one(args, argv: list[str]) -> tuple[dict, int]:
                   ", ".join(f"{key} {value:.1f}" for key, value in row["graph_launch"].items()))
         if row.get("prefill_host_waited"):
             print(f"{row['name']}: prefill_host_ms is an upper bound: the GPU's sleep ended before the "
-                  "host had issued the prefill (it waited for the GPU, or took longer than the sleep)")
+                  "host had issued the prefill (it waited for the GPU, or took longer than the sleep); "
+                  f"torch's first synchronizing call in it: {row.get('prefill_sync') or 'none'}")
         if "backends" in row:
             print(f"{row['name']}: backends: " +
                   ", ".join(f"{op} {name}" for op, name in row["backends"].items()))

@@ -239,3 +239,24 @@ def test_a_hybrid_directorys_config_builds_transformers_baseline(tmp_path):
     runner = profile_mamba.TransformersRunner(raw, device="meta")
     assert type(runner.model).__name__ == "NemotronHForCausalLM"
     assert sum(p.numel() for p in runner.model.parameters()) == 8_100_852_736
+
+
+def test_first_sync_names_the_line_of_the_first_synchronizing_call(monkeypatch):
+    """torch's sync debug mode warns at the Python line of a synchronizing call; first_sync
+    returns the first such warning and ignores others (the mode itself needs a GPU: stubbed)."""
+    common = pytest.importorskip("common")
+    modes = []
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+
+    def prefill():
+        import warnings
+        warnings.warn("an unrelated warning")
+        warnings.warn("called a synchronizing CUDA operation")  # the line reported
+        warnings.warn("called a synchronizing CUDA operation")
+
+    where = common.first_sync(prefill)
+    line = prefill.__code__.co_firstlineno + 3
+    assert where == f"{__file__}:{line}: called a synchronizing CUDA operation"
+    assert modes == ["warn", "default"]
+    assert common.first_sync(lambda: None) is None
