@@ -4,9 +4,8 @@ absmax / 127 floored as quamba.ops.quant.scale_from_range floors it (``quantize_
 hybrids' down_proj inputs, quamba.layers.qtransformer; with ``activation="relu2"`` it quantizes
 relu(x)², Nemotron-H's MLP activation, computed in x's dtype as the float layer computes it: the
 activation's two elementwise kernels and its output's round trip fold into the quantizer's). The
-torch references are
-quamba.ops.quant.quantize's rule; on CUDA tensors each runs one Triton kernel
-(quamba.ops.linear.input_quant_triton) instead of the reference's chain of elementwise,
+torch references are quamba.ops.quant.quantize's rule; on CUDA tensors each runs one Triton
+kernel (quamba.ops.linear.input_quant_triton) instead of the reference's chain of elementwise,
 reduction and copy kernels, with the same codes and scales bit for bit."""
 from __future__ import annotations
 

@@ -4,8 +4,9 @@ reciprocal with round-to-nearest divisions, as the torch reference on a CPU does
 and reads the row again to write the codes (the second read mostly from L2: a row is at most
 Nemotron-H-8B's 21504 channels, 42 KiB in fp16). Per tensor it writes the codes of the reciprocal
 computed on the host. With ``activation="relu2"`` each read applies relu(x)² (an exact product in
-fp32, rounded to x's dtype as torch rounds it), so the activation costs no pass of its own. Codes follow quamba.ops.quant's rule (quamba.ops.quant_triton): they and the
-scales equal the reference's bit for bit."""
+fp32, rounded to x's dtype as torch rounds it), so the activation costs no pass of its own. Codes
+follow quamba.ops.quant's rule (quamba.ops.quant_triton): they and the scales equal the
+reference's bit for bit."""
 from __future__ import annotations
 
 import torch
