@@ -40,7 +40,7 @@ def _bf16_round(x):
     """fp32 ``x`` rounded to bf16 (to nearest, ties to even), in fp32. In integers, as the GPU's
     conversion rounds: Triton's interpreter truncates instead."""
     bits = x.to(tl.uint32, bitcast=True)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16
     return bits.to(tl.float32, bitcast=True)
 
 
