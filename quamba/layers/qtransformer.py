@@ -9,9 +9,9 @@ outputs, large range), quantized per token at run time (DYNAMIC_INPUTS; a family
 name others: Jamba's and Falcon-H1's add o_proj). Both quantizers are ops of
 quamba.ops.linear.input_quant (one Triton kernel each on a GPU); the GEMM after a per-token one
 is the W8A8 / W4A8 kernel with an input scale of 1, its fp32 output times each token's scale and
-rounded to the model dtype in one elementwise kernel. A quantized MLP (QMLP) hands its relu²
-to the per-token quantizer of down_proj's input, which applies it as it reads: the same codes as
-quantizing relu2's output, without its two kernels.
+rounded to the model dtype in one elementwise kernel. A quantized MLP hands its activation (QMLP:
+relu², QGatedMLP: SwiGLU) to the per-token quantizer of down_proj's input, which applies it as it
+reads: the same codes as quantizing the activation's output, without its kernels.
 """
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ from quamba.layers.qlinear import W4A8Linear, W4A16Linear, W8A8Linear
 from quamba.models.mamba import watched
 from quamba.models.state import DEFAULT_MAX_SEQLEN, AttentionState
 from quamba.models.transformer_layers import MLP, Attention, GatedMLP, GraniteMoE, MoE
-from quamba.ops.linear.input_quant import (per_token_scales, quantize_per_tensor,
-                                           quantize_per_token, relu2)
+from quamba.ops.linear.input_quant import (activated, per_token_scales, quantize_per_tensor,
+                                           quantize_per_token)
 from quamba.ops.quant import fake_quantize, scale_from_range
 
 # The hybrid layers whose nn.Linear modules quantize_linears_ replaces
@@ -85,14 +85,16 @@ class QInputLinear(QuantModule):
         return self.linear(quantize_per_tensor(x, self.linear.scales["in_scale"],
                                                backend_name=self.backend))
 
-    def of_relu2(self, x):
-        """``self(relu2(x))``; a per-token input quantizer applies relu² as it reads x."""
+    def of_activation(self, activation: str, x, up=None):
+        """``self(activated(x, activation, up))``; a per-token input quantizer applies the
+        activation as it reads x (and up)."""
         if self.dynamic and not self.simulate:
-            return self._per_token(x, activation="relu2")
-        return self(relu2(x))
+            return self._per_token(x, activation, up)
+        return self(activated(x, activation, up))
 
-    def _per_token(self, x, activation=None):
-        codes, scales = quantize_per_token(x, backend_name=self.backend, activation=activation)
+    def _per_token(self, x, activation=None, up=None):
+        codes, scales = quantize_per_token(x, backend_name=self.backend, activation=activation,
+                                           up=up)
         out = self.linear(codes)
         return torch.mul(out, scales, out=torch.empty(out.shape, dtype=x.dtype, device=out.device))
 
@@ -128,16 +130,27 @@ class QAttention(Attention):
                                     device or next(self.buffers()).device, self.kv_dtype)
 
 
+def activated_down_proj(down_proj, activation: str, x, up=None):
+    """down_proj of the activation of x (and up), the activation inside its input quantizer
+    unless hooks watch down_proj (calibration, GPTQ: they read the activation's output) or it
+    takes a float input (W4A16)."""
+    if isinstance(down_proj, QInputLinear) and not watched(down_proj):
+        return down_proj.of_activation(activation, x, up)
+    return down_proj(activated(x, activation, up))
+
+
 class QMLP(MLP):
-    """Nemotron-H's MLP with quantized linears: relu² goes to down_proj's input quantizer, unless
-    hooks watch down_proj (calibration, GPTQ: they read relu²'s output) or it takes a float input
-    (W4A16)."""
+    """Nemotron-H's MLP with quantized linears: relu² in down_proj's input quantizer."""
 
     def forward(self, h, state=None, step: bool = False):
-        up = self.up_proj(h)
-        if isinstance(self.down_proj, QInputLinear) and not watched(self.down_proj):
-            return self.down_proj.of_relu2(up)
-        return self.down_proj(relu2(up))
+        return activated_down_proj(self.down_proj, "relu2", self.up_proj(h))
+
+
+class QGatedMLP(GatedMLP):
+    """A SwiGLU MLP with quantized linears: silu(gate) · up in down_proj's input quantizer."""
+
+    def forward(self, h, state=None, step: bool = False):
+        return activated_down_proj(self.down_proj, "swiglu", self.gate_proj(h), self.up_proj(h))
 
 
 def quantize_linears_(layer: nn.Module, w_bits: int, a_bits: int, group_size: int,
@@ -145,12 +158,13 @@ def quantize_linears_(layer: nn.Module, w_bits: int, a_bits: int, group_size: in
                       dynamic_inputs: tuple | None = None) -> nn.Module:
     """Replace every nn.Linear of ``layer`` (attention, MLP or MoE, or a block holding them) but
     a router (quantized_linears) in place by its quantized form (quantized_linear), each
-    Attention in it by a QAttention and each MLP (an expert's too) by a QMLP."""
+    Attention in it by a QAttention and each MLP or GatedMLP (an expert's too) by a QMLP or
+    QGatedMLP."""
     for module in layer.modules():
         if isinstance(module, Attention):
             module.__class__, module.kv_dtype = QAttention, module.k_proj.weight.dtype
-        elif type(module) is MLP:
-            module.__class__ = QMLP
+        elif type(module) in (MLP, GatedMLP):
+            module.__class__ = QMLP if type(module) is MLP else QGatedMLP
     for name, fp_linear in quantized_linears(layer):
         layer.set_submodule(name, quantized_linear(fp_linear, name, w_bits, a_bits, group_size,
                                                    ranges, load, dynamic_inputs))

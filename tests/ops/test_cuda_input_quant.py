@@ -32,19 +32,26 @@ def activations(batch, tokens, width, dtype, seed):
 
 @pytest.mark.parametrize("batch,tokens", TOKENS)
 @pytest.mark.parametrize("width,activation", [(4096, None), (21504, None), (8192, None),
-                                              (21504, "relu2")])
+                                              (21504, "relu2"), (14336, "swiglu")])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_per_token_codes_and_scales_equal_the_reference(batch, tokens, width, activation, dtype,
                                                         monkeypatch):
-    """relu2: Nemotron-H-8B's MLP activation, applied by the quantizer of down_proj's input."""
+    """relu2: Nemotron-H-8B's MLP activation, applied by the quantizer of down_proj's input;
+    swiglu: Bamba-9B's (silu's exp is libdevice's here, as torch's CUDA silu's, and the CPU
+    reference's own: within one code step)."""
     monkeypatch.delenv("QUAMBA_BACKEND", raising=False)
     x = activations(batch, tokens, width, dtype, seed=width + tokens)
+    up = activations(batch, tokens, width, dtype, seed=width + 1) if activation == "swiglu" else None
     with backend.recording() as ran:
-        codes, scales = quantize_per_token(x, activation=activation)
+        codes, scales = quantize_per_token(x, activation=activation, up=up)
     assert backend.summary(ran) == {"quantize_per_token": "cuda"}
-    expected_codes, expected_scales = quantize_per_token(x.cpu(), backend_name="torch",
-                                                         activation=activation)
+    expected_codes, expected_scales = quantize_per_token(
+        x.cpu(), backend_name="torch", activation=activation, up=None if up is None else up.cpu())
     assert scales.shape == (batch, tokens, 1) and scales.dtype == torch.float32
+    if activation == "swiglu":
+        assert torch.allclose(scales.cpu(), expected_scales, rtol=2 ** -7, atol=0)
+        assert (codes.cpu().int() - expected_codes.int()).abs().max() <= 1
+        return
     assert torch.equal(scales.cpu(), expected_scales)
     assert torch.equal(codes.cpu(), expected_codes)
 

@@ -1,13 +1,14 @@
 """The int8 quantizers of a linear's float input (quamba.ops.linear.input_quant): the references
 follow quamba.ops.quant's rule, and the cuda backend's Triton kernel (compiled on a GPU, under
 Triton's interpreter on a CPU) writes the same codes and scales bit for bit, on strided rows,
-odd widths, rows wider than one block, ties and saturated values; per token also of relu(x)²,
-which the reference computes as Nemotron-H's float MLP does."""
+odd widths, rows wider than one block, ties and saturated values; per token also of relu(x)² and
+of silu(x) · up, which the reference computes as the float MLPs do (SwiGLU's within one code step:
+the interpreter's exp is numpy's, not torch's)."""
 import pytest
 import torch
 
 from quamba.errors import QuambaError
-from quamba.ops.linear.input_quant import (per_token_scales, quantize_per_tensor,
+from quamba.ops.linear.input_quant import (activated, per_token_scales, quantize_per_tensor,
                                            quantize_per_token, relu2)
 from quamba.ops.quant import INT8_MAX, SCALE_FLOOR, quantize, reciprocal, to_fp32
 from tests.ops.standalone_backend import DEVICE, load_backend_file
@@ -44,6 +45,19 @@ def test_bad_input_is_one_line_error():
         quantize_per_tensor(torch.ones(3), 0.0)
     with pytest.raises(QuambaError, match="activation must be one of"):
         quantize_per_token(torch.ones(3), activation="gelu")
+    with pytest.raises(QuambaError, match="up goes with activation 'swiglu' alone"):
+        quantize_per_token(torch.ones(3), activation="swiglu")
+    with pytest.raises(QuambaError, match="up must be x's"):
+        quantize_per_token(torch.ones(3), activation="swiglu", up=torch.ones(4))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_swiglu_reference_quantizes_the_float_mlps_product(dtype):
+    gate, up = rows((3, 50), dtype, seed=3), rows((3, 50), dtype, seed=4)
+    codes, scales = quantize_per_token(gate, backend_name="torch", activation="swiglu", up=up)
+    product = torch.nn.functional.silu(gate) * up
+    assert torch.equal(activated(gate, "swiglu", up), product)
+    assert torch.equal(codes, quantize_per_token(product, backend_name="torch")[0])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -57,16 +71,23 @@ def test_the_relu2_reference_quantizes_relu2s_output(dtype):
 
 @pytest.mark.parametrize("shape,extra", [((1, 7), 0), ((2, 5, 33), 3), ((3, 4103), 0)])
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("activation", [None, "relu2"])
+@pytest.mark.parametrize("activation", [None, "relu2", "swiglu"])
 def test_per_token_kernel_equals_the_reference(shape, extra, dtype, activation, monkeypatch):
-    """4103 channels: two blocks of the kernel's loop, the second one nearly empty."""
+    """4103 channels: two blocks of the kernel's loop, the second one nearly empty. SwiGLU's up
+    is a strided slice too."""
     kernels = load_backend_file(monkeypatch, "linear/input_quant_triton.py")
     x = rows(shape, dtype, seed=shape[-1], extra=extra)
     x[0, ..., :] = 0  # an all-zero row: the floored scale
-    codes, scales = quantize_per_token(x, backend_name="torch", activation=activation)
-    got_codes, got_scales = kernels._quantize_per_token_cuda(x.to(DEVICE), activation)
+    up = rows(shape, dtype, seed=shape[-1] + 5, extra=extra) if activation == "swiglu" else None
+    codes, scales = quantize_per_token(x, backend_name="torch", activation=activation, up=up)
+    got_codes, got_scales = kernels._quantize_per_token_cuda(
+        x.to(DEVICE), activation, None if up is None else up.to(DEVICE))
     assert got_codes.dtype == torch.int8 and got_scales.dtype == torch.float32
-    assert torch.equal(got_scales.cpu(), scales) and torch.equal(got_codes.cpu(), codes)
+    if activation == "swiglu":  # silu's exp: numpy's here, libdevice's (torch's) on a GPU
+        assert torch.allclose(got_scales.cpu(), scales, rtol=2 ** -7, atol=0)
+        assert (got_codes.cpu().int() - codes.int()).abs().max() <= 1
+    else:
+        assert torch.equal(got_scales.cpu(), scales) and torch.equal(got_codes.cpu(), codes)
 
 
 @pytest.mark.parametrize("shape,extra", [((1, 7), 0), ((2, 5, 33), 3), ((3, 4103), 0)])

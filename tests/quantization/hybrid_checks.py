@@ -36,6 +36,21 @@ def prefill_and_step(qmodel, tokens):
         return qmodel(tokens[:, :-1], cache=cache), qmodel(tokens[:, -1:], cache=cache)
 
 
+def assert_the_activation_runs_in_the_quantizer(qmodel, tokens, quantized_mlp, monkeypatch):
+    """``quantized_mlp`` (QMLP or QGatedMLP) hands its activation to down_proj's per-token
+    quantizer: no activation of its own runs, and the logits of a prefill and a step equal those
+    of the float MLP's forward (the activation, then the quantizer) bit for bit."""
+    from quamba.layers import qtransformer
+    calls = []
+    real = qtransformer.activated
+    monkeypatch.setattr(qtransformer, "activated", lambda *a: calls.append(a) or real(*a))
+    fused = prefill_and_step(qmodel, tokens)
+    assert calls == []
+    monkeypatch.setattr(quantized_mlp, "forward", quantized_mlp.__mro__[1].forward)
+    chained = prefill_and_step(qmodel, tokens)
+    assert all(torch.equal(f, c) for f, c in zip(fused, chained))
+
+
 def assert_close_to_fp(qmodel, fp_model, tokens, a_bits: int, bound: float, top1: float):
     """In every mode: relative error of the logits under ``bound``, top-1 agreement over
     ``top1``."""

@@ -9,12 +9,13 @@ Measured (2 × 37 tokens, calibration 8 × 64 random tokens): relative error of 
 import pytest
 
 from quamba.layers.qmixer2 import QMamba2Mixer
-from quamba.layers.qtransformer import QAttention, QInputLinear
+from quamba.layers.qtransformer import QAttention, QGatedMLP, QInputLinear
 from quamba.models.quantized_hybrid import QuantizedBambaLM
 from quamba.models.transformer_layers import GatedMLP
 from tests.models import hybrid_checks as fp_checks
 from tests.models.test_bamba import ids, random_reference
 from tests.quantization.hybrid_checks import (assert_close_to_fp,
+                                              assert_the_activation_runs_in_the_quantizer,
                                               assert_decode_continues_the_prefill,
                                               assert_quantize_refuses,
                                               assert_reload_is_bit_identical,
@@ -64,6 +65,15 @@ def test_dynamic_down_proj_input_holds_where_static_does_not(fp_model, monkeypat
         errors[dynamic] = error_with_float_blocks(
             fp_model, calib, tokens, lambda _, block: not isinstance(block.mixer, GatedMLP))
     assert errors[("down_proj",)] < 0.03 < 0.04 < errors[()]
+
+
+@pytest.mark.parametrize("recipe", ["w8a8", "w4a8"])
+def test_the_mlps_quantizer_applies_swiglu_with_the_same_logits(quantized, recipe, monkeypatch):
+    """Each GatedMLP is a QGatedMLP whose silu(gate) · up runs inside down_proj's per-token
+    quantizer, with the logits of the product quantized."""
+    qmodel = quantized[recipe]
+    assert isinstance(qmodel.backbone.layers[1].mixer, QGatedMLP)
+    assert_the_activation_runs_in_the_quantizer(qmodel, ids(2, 9, seed=3), QGatedMLP, monkeypatch)
 
 
 def test_the_quantized_mixer_keeps_the_dt_floor(quantized):

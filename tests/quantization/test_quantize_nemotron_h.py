@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from quamba.layers.qmixer2 import QMamba2Mixer
-from quamba.layers import qtransformer
 from quamba.layers.qtransformer import QMLP, QAttention, QInputLinear
 from quamba.models.quantized_hybrid import QuantizedNemotronHLM
 from quamba.ops import backend
@@ -19,6 +18,7 @@ from tests.models import hybrid_checks as fp_checks
 from tests.models.test_nemotron_h import HF_CONFIG, random_reference
 from tests.ops.standalone_backend import kernels_for_references
 from tests.quantization.hybrid_checks import (assert_close_to_fp,
+                                              assert_the_activation_runs_in_the_quantizer,
                                               assert_decode_continues_the_prefill,
                                               assert_moe_export_is_refused,
                                               assert_quantize_refuses,
@@ -80,19 +80,12 @@ def test_dynamic_down_proj_input_holds_where_static_does_not(fp_model, monkeypat
 
 @pytest.mark.parametrize("recipe", ["w8a8", "w4a8"])
 def test_the_mlps_quantizer_applies_relu2_with_the_same_logits(quantized, recipe, monkeypatch):
-    """Each MLP (experts' too) is a QMLP whose relu² runs inside down_proj's per-token quantizer:
-    the logits equal those of relu2's output quantized (MLP.forward) bit for bit, and relu2
-    itself no longer runs."""
-    qmodel, tokens = quantized[recipe], ids(2, 9, seed=3)
+    """Each MLP (experts' too) is a QMLP whose relu² runs inside down_proj's per-token quantizer,
+    with the logits of relu2's output quantized."""
+    qmodel = quantized[recipe]
     moe = qmodel.backbone.layers[4].mixer
     assert isinstance(moe.experts[0], QMLP) and isinstance(moe.shared_experts, QMLP)
-    calls = []
-    monkeypatch.setattr(qtransformer, "relu2", lambda x: calls.append(x) or x.relu().square())
-    fused = prefill_and_step(qmodel, tokens)
-    assert calls == []
-    monkeypatch.setattr(QMLP, "forward", qtransformer.MLP.forward)
-    chained = prefill_and_step(qmodel, tokens)
-    assert all(torch.equal(f, c) for f, c in zip(fused, chained))
+    assert_the_activation_runs_in_the_quantizer(qmodel, ids(2, 9, seed=3), QMLP, monkeypatch)
 
 
 def test_the_quantized_mixer_keeps_the_dt_floor(quantized):
