@@ -23,9 +23,8 @@ from quamba.ops.quant_triton import int8_codes
 MAX_BLOCK = 4096  # channels a program loads at a time
 
 
-# the activation codes of _quantize_rows_kernel: none, relu(x)², silu(x) · up
-NONE, RELU2, SWIGLU = 0, 1, 2
-CODES = {None: NONE, "relu2": RELU2, "swiglu": SWIGLU}
+# _quantize_rows_kernel's ACTIVATION of each activation: none, relu(x)², silu(x) · up
+CODES = {None: 0, "relu2": 1, "swiglu": 2}
 
 
 @triton.jit
@@ -49,10 +48,11 @@ def _bf16_round(x):
 
 @triton.jit
 def _load_input(x_row, up_row, c, mask, ACTIVATION: tl.constexpr, LIBDEVICE: tl.constexpr):
-    """The quantizer's input at ``c`` in fp32: x; relu(x)² as torch.square computes it (in fp32,
-    exact for fp16 and bf16 values, rounded once to x's dtype); or silu(x) · up as F.silu and the
-    product compute them (x / (1 + exp(-x)) in fp32 with libdevice's exp, as torch's CUDA silu's
-    expf, and a division rounded to nearest, rounded to x's dtype, times up, rounded again)."""
+    """The quantizer's input at ``c`` in fp32 (ACTIVATION: CODES): x; relu(x)² as torch.square
+    computes it (in fp32, exact for fp16 and bf16 values, rounded once to x's dtype); or
+    silu(x) · up as F.silu and the product compute them (x / (1 + exp(-x)) in fp32 with
+    libdevice's exp, as torch's CUDA silu's expf, and a division rounded to nearest, rounded to
+    x's dtype, times up, rounded again)."""
     x = tl.load(x_row + c, mask=mask, other=0).to(tl.float32)
     if ACTIVATION == 1:
         x = tl.maximum(x, 0.0)
